@@ -1,0 +1,217 @@
+"""`regions.yaml`: typed, versioned, and errors that name the file, the path and the reason.
+
+    regions.yaml: regions.eu-west.rtt_ms.us-east: must be >= 0
+
+`load_config(path)` returns a frozen `GlobalConfig` or raises `ConfigError` carrying every
+problem found, so an operator fixes the file in one pass.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+API_VERSION = "globalpool/v1"
+
+_REGION_NAME = r"^[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RedisConfig(_Strict):
+    url: str = Field(
+        default="embedded",
+        description="redis://, rediss:// (TLS) or unix:// URL; 'embedded' = the Valkey that "
+        "`globalpool up` starts. The REDIS_URL environment variable overrides it.",
+    )
+    key_prefix: str = Field(default="globalpool", pattern=r"^[A-Za-z0-9:_.-]+$")
+
+
+class Timeouts(_Strict):
+    """Split upstream timeouts. Each covers one phase of one upstream attempt."""
+
+    connect_s: float = Field(default=2.0, gt=0, description="TCP connect to a worker")
+    first_byte_s: float = Field(
+        default=120.0, gt=0, description="request sent -> response headers from the worker"
+    )
+    idle_s: float = Field(default=60.0, gt=0, description="longest gap between two body chunks")
+    total_s: float = Field(default=900.0, gt=0, description="whole attempt, first byte to last")
+
+
+class RouterConfig(_Strict):
+    region: str | None = Field(default=None, description="the region this replica runs in")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    policy: str = "predicted_ttft"
+    near_equal_ms: float = Field(
+        default=5.0, ge=0, description="scores this close to the best count as equally good"
+    )
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    max_attempts: int = Field(
+        default=2, ge=1, le=5, description="attempts per request; retries only before first byte"
+    )
+    timeouts: Timeouts = Timeouts()
+
+
+class HeartbeatConfig(_Strict):
+    interval_s: float = Field(default=0.5, gt=0, le=60)
+    ttl_s: float = Field(default=2.0, gt=0, le=600)
+
+    @model_validator(mode="after")
+    def _ttl_covers_intervals(self) -> HeartbeatConfig:
+        if self.ttl_s < 2 * self.interval_s:
+            raise ValueError("ttl_s must be at least twice interval_s")
+        return self
+
+
+class SimulatedPool(_Strict):
+    """How `globalpool up` simulates this region's GPU pool (ignored by real deployments)."""
+
+    workers: int = Field(default=2, ge=0, le=64)
+    max_num_seqs: int = Field(default=16, ge=1)
+    kv_blocks: int = Field(default=2048, ge=16)
+    block_size: int = Field(default=16, ge=1)
+    prefill_tokens_per_s: float = Field(default=8000.0, gt=0)
+    decode_step_ms: float = Field(default=15.0, gt=0)
+    decode_step_ms_per_seq: float = Field(default=0.5, ge=0)
+
+
+class RegionConfig(_Strict):
+    rtt_ms: dict[str, float] = Field(
+        default_factory=dict, description="round-trip time in ms from this region to others"
+    )
+    models: list[str] = Field(min_length=1)
+    simulated: SimulatedPool = SimulatedPool()
+
+
+class GlobalConfig(_Strict):
+    apiVersion: Literal["globalpool/v1"]  # noqa: N815 - the field name users write
+    redis: RedisConfig = RedisConfig()
+    router: RouterConfig = RouterConfig()
+    heartbeat: HeartbeatConfig = HeartbeatConfig()
+    regions: dict[str, RegionConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_references(self) -> GlobalConfig:
+        problems: list[str] = []
+        names = set(self.regions)
+        for name, region in self.regions.items():
+            if not _valid_region_name(name):
+                problems.append(f"regions.{name}: region names are lowercase letters, digits, '-'")
+            for other, rtt in region.rtt_ms.items():
+                if other not in names:
+                    problems.append(f"regions.{name}.rtt_ms.{other}: no such region")
+                elif rtt < 0:
+                    problems.append(f"regions.{name}.rtt_ms.{other}: must be >= 0")
+        for a in sorted(names):
+            for b in sorted(names):
+                if a < b and b not in self.regions[a].rtt_ms and a not in self.regions[b].rtt_ms:
+                    problems.append(f"regions.{a}.rtt_ms.{b}: missing (give it in either region)")
+        if self.router.region is not None and self.router.region not in names:
+            problems.append(f"router.region: no region named {self.router.region!r}")
+        if problems:
+            raise _ReferenceErrors(problems)
+        return self
+
+    def rtt_ms(self, src: str, dst: str) -> float:
+        """Round-trip ms from `src` to `dst`; symmetric when only one direction is given."""
+        forward = self.regions[src].rtt_ms.get(dst) if src in self.regions else None
+        if forward is not None:
+            return forward
+        backward = self.regions[dst].rtt_ms.get(src) if dst in self.regions else None
+        if backward is not None:
+            return backward
+        return 0.0 if src == dst else 1000.0
+
+    @property
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for region in self.regions.values():
+            seen.update(dict.fromkeys(region.models))
+        return list(seen)
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; `problems` lists every error as `file: path: reason`."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = [f"{source}: {p}" for p in problems]
+        super().__init__("\n".join(self.problems))
+
+
+class _ReferenceErrors(ValueError):
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+def _valid_region_name(name: str) -> bool:
+    return re.fullmatch(_REGION_NAME, name) is not None
+
+
+_MESSAGES = {
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be <= {le}",
+    "less_than": "must be < {lt}",
+    "missing": "is required",
+    "extra_forbidden": "unknown field",
+    "too_short": "must not be empty",
+}
+
+
+def _describe(error: Any) -> list[str]:
+    ctx = error.get("ctx") or {}
+    inner = ctx.get("error")
+    if isinstance(inner, _ReferenceErrors):
+        return inner.problems
+    path = ".".join(str(part) for part in error["loc"]) or "(document)"
+    template = _MESSAGES.get(error["type"])
+    if template is not None:
+        try:
+            return [f"{path}: {template.format(**ctx)}"]
+        except KeyError:
+            pass
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return [f"{path}: {message}"]
+
+
+def parse_config(document: Any, source: str = "regions.yaml") -> GlobalConfig:
+    """Validate an already-parsed document. Raises ConfigError naming `source`."""
+    if not isinstance(document, dict):
+        raise ConfigError(source, ["(document): must be a mapping with apiVersion and regions"])
+    if document.get("apiVersion") not in (None, API_VERSION):
+        raise ConfigError(
+            source, [f"apiVersion: unsupported {document['apiVersion']!r}, expected {API_VERSION!r}"]
+        )
+    try:
+        return GlobalConfig.model_validate(document)
+    except ValidationError as exc:
+        problems: list[str] = []
+        for error in exc.errors():
+            problems.extend(_describe(error))
+        raise ConfigError(source, problems) from None
+
+
+def load_config(path: str | Path) -> GlobalConfig:
+    """Read and validate a regions.yaml. Raises ConfigError on any problem."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(source, [f"(file): cannot read: {exc.strerror or exc}"]) from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(document)"
+        reason = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(source, [f"{where}: invalid YAML: {reason}"]) from None
+    return parse_config(document, source)

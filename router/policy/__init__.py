@@ -1,0 +1,6 @@
+"""Routing policies: filter, then score, then pick. See `base.Policy`."""
+
+from router.policy.base import Policy, RoutingContext, create_policy
+from router.policy.request import Decision, NoRoute, RouteRequest
+
+__all__ = ["Decision", "NoRoute", "Policy", "RouteRequest", "RoutingContext", "create_policy"]

@@ -1,0 +1,70 @@
+"""The routing contract: `policy.pick(snapshot, request) -> Decision`.
+
+A policy is constructed once with what does not change per request (`RoutingContext`:
+the RTT table, this router's in-flight counts, the clock and the random source), then
+called once per attempt with the current snapshot and one `RouteRequest`. New signals
+become fields of `RouteRequest`, not new methods. Policies register by name where they
+are defined: `class Mine(Policy, name="mine")`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from router.policy.filters import eligible
+from router.policy.inflight import InFlight
+from router.policy.request import Decision, RouteRequest
+from router.registry.snapshot import Snapshot, WorkerView
+
+RttTable = Callable[[str, str], float]
+
+
+@dataclass(frozen=True)
+class RoutingContext:
+    rtt_ms: RttTable
+    inflight: InFlight = field(default_factory=InFlight)
+    clock: Callable[[], float] = time.monotonic
+    rng: random.Random = field(default_factory=random.Random)
+    near_equal_ms: float = 5.0
+
+
+class Policy:
+    """Base class: subclasses set `name=` and implement `choose` over filtered candidates."""
+
+    registry: ClassVar[dict[str, type[Policy]]] = {}
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, name: str = "", **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if name:
+            if name in Policy.registry:
+                raise ValueError(f"policy {name!r} is registered twice")
+            cls.name = name
+            Policy.registry[name] = cls
+
+    def __init__(self, context: RoutingContext) -> None:
+        self.context = context
+
+    def pick(self, snapshot: Snapshot, request: RouteRequest) -> Decision:
+        """Filter (health, model, freshness...) then let the policy choose. Raises NoRoute."""
+        candidates = eligible(snapshot, request, self.context.clock())
+        return self.choose(candidates, request)
+
+    def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
+        raise NotImplementedError
+
+
+def create_policy(name: str, context: RoutingContext) -> Policy:
+    """The policy registered under `name`; ValueError names the known ones otherwise."""
+    import router.policy.predicted_ttft  # noqa: F401 - registers the built-in policies
+
+    try:
+        cls = Policy.registry[name]
+    except KeyError:
+        known = ", ".join(sorted(Policy.registry))
+        raise ValueError(f"unknown policy {name!r} (known: {known})") from None
+    return cls(context)

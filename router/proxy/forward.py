@@ -1,0 +1,224 @@
+"""One upstream attempt: send the client's bytes to a worker, pass the answer back.
+
+Timeouts are split by phase (see `router.config.Timeouts`):
+- connect: TCP connect to the worker (aiohttp's `sock_connect`);
+- first byte: request sent -> response headers and, for streams, the first body chunk.
+  For non-streaming requests the engine answers only when generation is done, so that
+  phase is bounded by `total_s` instead;
+- idle: the longest gap between two chunks of a stream once it has started;
+- total: the whole attempt.
+
+Nothing reaches the client before the upstream's first body chunk, so any failure up to
+then raises `UpstreamFailure` and the caller may retry elsewhere. After it, the stream
+belongs to the client: a failure ends it with an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.config import Timeouts
+from router.proxy.errors import sse_error_event
+
+# Request headers passed to workers. Everything else (Authorization, cookies, hop-by-hop
+# headers, Host, Content-Length) stays at the router.
+FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
+
+
+class UpstreamFailure(Exception):
+    """An attempt failed before anything reached the client; safe to retry elsewhere."""
+
+    def __init__(self, message: str, *, status: int = 502, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+class _IdleWatchdog:
+    """Closes an upstream stream that stalls for `idle_s` or runs past `total_s`.
+
+    Per chunk the proxy only stores the loop time; a timer that wakes every fraction of
+    `idle_s` compares. That keeps the per-chunk cost to one clock read instead of
+    re-arming a timeout for every chunk.
+    """
+
+    __slots__ = ("_deadline", "_handle", "_idle_s", "_loop", "_response", "fired", "last_s")
+
+    def __init__(self, response: aiohttp.ClientResponse, idle_s: float, total_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._response = response
+        self._idle_s = idle_s
+        self.last_s = self._loop.time()
+        self._deadline = self.last_s + total_s
+        self.fired: str | None = None
+        self._handle = self._loop.call_later(min(idle_s, total_s) / 4, self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if now - self.last_s >= self._idle_s:
+            self.fired = f"no data from the worker for {self._idle_s:g} s"
+        elif now >= self._deadline:
+            self.fired = "the request ran past its total timeout"
+        if self.fired is not None:
+            self._response.close()
+            return
+        self._handle = self._loop.call_later(self._idle_s / 4, self._check)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+def upstream_headers(request: web.Request) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    incoming = request.headers
+    for name in FORWARDED_REQUEST_HEADERS:
+        value = incoming.get(name)
+        if value is not None:
+            headers[name] = value
+    return headers
+
+
+def _content_type(response: aiohttp.ClientResponse) -> str:
+    return response.headers.get("Content-Type", "application/json")
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    value = headers.get("Retry-After")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+async def _send(
+    session: aiohttp.ClientSession, url: str, body: bytes, headers: CIMultiDict[str]
+) -> aiohttp.ClientResponse:
+    try:
+        return await session.post(url, data=body, headers=headers)
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamFailure(f"cannot connect to worker: {exc.os_error or exc}") from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamFailure(f"worker connection failed: {exc!r}") from None
+
+
+async def _refuse_if_failed(response: aiohttp.ClientResponse) -> bytes | None:
+    """Read a non-200 answer: raise UpstreamFailure if it is worth a retry, else return it."""
+    if response.status == 200:
+        return None
+    body = await response.read()
+    response.release()
+    if response.status >= 500 or response.status == 429:
+        raise UpstreamFailure(
+            f"worker answered {response.status}: {body[:200].decode(errors='replace')}",
+            status=response.status,
+            retry_after_s=_retry_after(response.headers),
+        )
+    return body
+
+
+async def forward_unary(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: CIMultiDict[str],
+    timeouts: Timeouts,
+    response_headers: Mapping[str, str],
+) -> web.Response:
+    """A non-streaming request: the whole answer, or UpstreamFailure."""
+    try:
+        async with asyncio.timeout(timeouts.total_s):
+            response = await _send(session, url, body, headers)
+            answer = await _refuse_if_failed(response)
+            if answer is None:
+                try:
+                    answer = await response.read()
+                finally:
+                    response.release()
+    except TimeoutError:
+        raise UpstreamFailure(f"no answer within {timeouts.total_s:g} s", status=504) from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamFailure(f"worker connection failed: {exc!r}") from None
+    return web.Response(
+        status=response.status,
+        body=answer,
+        headers={**response_headers, "Content-Type": _content_type(response)},
+    )
+
+
+async def forward_stream(
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: CIMultiDict[str],
+    timeouts: Timeouts,
+    response_headers: Mapping[str, str],
+) -> web.StreamResponse:
+    """A streaming request, passed through chunk by chunk without parsing the events."""
+    try:
+        async with asyncio.timeout(timeouts.first_byte_s):
+            upstream = await _send(session, url, body, headers)
+            refused = await _refuse_if_failed(upstream)
+            if refused is not None:
+                return web.Response(
+                    status=upstream.status,
+                    body=refused,
+                    headers={**response_headers, "Content-Type": _content_type(upstream)},
+                )
+            first = await upstream.content.readany()
+    except TimeoutError:
+        raise UpstreamFailure(
+            f"no first byte within {timeouts.first_byte_s:g} s", status=504
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamFailure(f"worker connection failed: {exc!r}") from None
+    if not first:
+        upstream.release()
+        raise UpstreamFailure("worker closed the stream before its first byte")
+
+    client = web.StreamResponse(
+        status=200,
+        headers={**response_headers, "Content-Type": _content_type(upstream),
+                 "Cache-Control": "no-cache"},
+    )
+    watchdog = _IdleWatchdog(upstream, timeouts.idle_s, timeouts.total_s)
+    loop_time = asyncio.get_running_loop().time
+    read = upstream.content.readany
+    try:
+        await client.prepare(request)
+        await client.write(first)
+        while True:
+            try:
+                chunk = await read()
+            except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+                await client.write(sse_error_event(502, _ended_early(watchdog, exc)))
+                break
+            if not chunk:
+                if watchdog.fired is not None:
+                    await client.write(sse_error_event(504, watchdog.fired))
+                elif not upstream.content.is_eof():
+                    await client.write(sse_error_event(502, "the worker's stream ended early"))
+                break
+            watchdog.last_s = loop_time()
+            await client.write(chunk)
+        await client.write_eof()
+    except ConnectionError:
+        # The client went away: drop the upstream connection so the engine stops generating.
+        upstream.close()
+        raise
+    finally:
+        watchdog.cancel()
+        upstream.release()
+    return client
+
+
+def _ended_early(watchdog: _IdleWatchdog, exc: BaseException) -> str:
+    if watchdog.fired is not None:
+        return watchdog.fired
+    return f"the worker's stream broke off: {type(exc).__name__}"

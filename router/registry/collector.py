@@ -1,0 +1,178 @@
+"""Follows heartbeats in Redis and replaces the router's Snapshot as they arrive.
+
+Two paths feed one table of worker views:
+- pub/sub on the heartbeat channel: updates within milliseconds of a worker publishing;
+- a full read (SCAN + MGET of the heartbeat keys) at start, after every reconnect and
+  every `full_read_interval_s`: repairs anything a lost message left out, and doubles as
+  the liveness check of Redis (a blackholed server shows up as a timeout here).
+
+Redis unreachable: the table is kept (fail static), the snapshot says
+`redis_connected=False`, and the loop reconnects with bounded backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import RedisError
+
+from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView
+from worker.schema import Heartbeat, HeartbeatKeys
+
+log = logging.getLogger("globalpool.registry")
+
+Clock = Callable[[], float]
+
+
+class HeartbeatCollector:
+    """Owns the worker table; the only writer of `holder.current`."""
+
+    def __init__(
+        self,
+        *,
+        redis: Redis,
+        pubsub_redis: Redis,
+        keys: HeartbeatKeys,
+        holder: SnapshotHolder,
+        clock: Clock = time.monotonic,
+        local_inflight: Callable[[str], int] = lambda _worker_id: 0,
+        full_read_interval_s: float = 2.0,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self._redis = redis
+        self._pubsub_redis = pubsub_redis
+        self._keys = keys
+        self._holder = holder
+        self._clock = clock
+        self._local_inflight = local_inflight
+        self._full_read_interval_s = full_read_interval_s
+        self._max_backoff_s = max_backoff_s
+        self._views: dict[str, WorkerView] = {}
+        self._connected = False
+        self._last_ok_at_s: float | None = None
+        self.rejected_heartbeats = 0
+        self.synced = asyncio.Event()
+
+    async def run(self) -> None:
+        """Run until cancelled; never raises for Redis trouble."""
+        backoff_s = 0.05
+        while True:
+            try:
+                await self._follow()
+            except (RedisError, OSError) as exc:
+                if self._connected:
+                    log.warning("redis unreachable, serving from last snapshot (fail static): %s",
+                                exc)
+                self._connected = False
+                self._publish()
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(self._max_backoff_s, backoff_s * 2)
+            else:  # _follow only returns on cancellation paths; loop defensively
+                backoff_s = 0.05
+
+    async def _follow(self) -> None:
+        pubsub: PubSub = self._pubsub_redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self._keys.channel)
+            await self._full_read()
+            if not self._connected:
+                log.info("redis connected; %d workers known", len(self._views))
+            self._connected = True
+            self._publish()
+            self.synced.set()
+            next_full_read = self._clock() + self._full_read_interval_s
+            while True:
+                message = await pubsub.get_message(timeout=0.25)
+                dirty = False
+                while message is not None:
+                    dirty |= self._apply_message(message)
+                    message = await pubsub.get_message(timeout=0.0)
+                if self._clock() >= next_full_read:
+                    await self._full_read()
+                    next_full_read = self._clock() + self._full_read_interval_s
+                    dirty = True
+                if dirty or self._expired_any():
+                    self._publish()
+        finally:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await asyncio.wait_for(pubsub.aclose(), timeout=1.0)  # type: ignore[no-untyped-call]
+
+    async def _full_read(self) -> None:
+        keys: list[bytes] = []
+        async for key in self._redis.scan_iter(match=self._keys.pattern, count=1000):
+            keys.append(key)
+        now = self._clock()
+        seen: set[str] = set()
+        for start in range(0, len(keys), 500):
+            payloads = await self._redis.mget(keys[start : start + 500])
+            for payload in payloads:
+                if payload is None:
+                    continue
+                view = self._parse(payload, now)
+                if view is not None:
+                    seen.add(view.worker_id)
+                    self._store(view, force=True)
+        # Keys that expired or were deleted are gone from Redis: drop them here too.
+        for worker_id in [w for w in self._views if w not in seen]:
+            del self._views[worker_id]
+        self._last_ok_at_s = self._clock()
+
+    def _apply_message(self, message: dict[str, Any]) -> bool:
+        data = message.get("data")
+        if not isinstance(data, bytes | str):
+            return False
+        raw = data.decode() if isinstance(data, bytes) else data
+        if raw.startswith(HeartbeatKeys.GONE_PREFIX):
+            return self._views.pop(raw[len(HeartbeatKeys.GONE_PREFIX) :], None) is not None
+        view = self._parse(raw, self._clock())
+        if view is None:
+            return False
+        self._last_ok_at_s = view.received_at_s
+        return self._store(view, force=False)
+
+    def _parse(self, payload: str | bytes, now: float) -> WorkerView | None:
+        try:
+            heartbeat = Heartbeat.from_json(payload)
+        except ValidationError as exc:
+            self.rejected_heartbeats += 1
+            log.warning("dropped malformed heartbeat: %s", exc.errors()[0].get("msg", exc))
+            return None
+        return WorkerView(
+            heartbeat=heartbeat,
+            received_at_s=now,
+            inflight_at_receipt=self._local_inflight(heartbeat.worker_id),
+        )
+
+    def _store(self, view: WorkerView, *, force: bool) -> bool:
+        current = self._views.get(view.worker_id)
+        if current is not None and not view.newer_than(current):
+            if not force or current.heartbeat.seq != view.heartbeat.seq:
+                return False
+            view = current  # same report seen again via a full read: keep its receipt time
+        self._views[view.worker_id] = view
+        return True
+
+    def _expired_any(self) -> bool:
+        if not self._connected:
+            return False
+        now = self._clock()
+        expired = [w for w, v in self._views.items() if not v.fresh(now)]
+        for worker_id in expired:
+            del self._views[worker_id]
+        return bool(expired)
+
+    def _publish(self) -> None:
+        self._holder.current = Snapshot.build(
+            self._views.values(),
+            built_at_s=self._clock(),
+            redis_connected=self._connected,
+            last_redis_ok_at_s=self._last_ok_at_s,
+        )

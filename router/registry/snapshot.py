@@ -1,0 +1,126 @@
+"""The immutable view of the fleet that the request path reads without awaiting anything."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from worker.schema import Heartbeat, LifecycleState
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as this router last heard of it.
+
+    `received_at_s` is the router's monotonic clock when the heartbeat arrived; the
+    worker counts as fresh until `received_at_s + heartbeat.ttl_s`. `inflight_at_receipt`
+    is how many requests this router had open on the worker at that moment, so that the
+    policy can add what changed since (see router.policy.inflight).
+    """
+
+    heartbeat: Heartbeat
+    received_at_s: float
+    inflight_at_receipt: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.heartbeat.worker_id
+
+    @property
+    def region(self) -> str:
+        return self.heartbeat.region
+
+    @property
+    def endpoint(self) -> str:
+        return self.heartbeat.endpoint
+
+    @property
+    def ready(self) -> bool:
+        return self.heartbeat.state is LifecycleState.READY
+
+    def fresh(self, now_s: float) -> bool:
+        return now_s < self.received_at_s + self.heartbeat.ttl_s
+
+    def newer_than(self, other: WorkerView) -> bool:
+        """Whether this report supersedes `other` (same worker): later send time, then seq."""
+        mine, theirs = self.heartbeat, other.heartbeat
+        return (mine.sent_at_s, mine.seq) > (theirs.sent_at_s, theirs.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Every known worker, indexed by model, plus how current the view is.
+
+    `redis_connected` is False while the collector cannot reach Redis: the router then
+    keeps serving from this (static) view and says so.
+    """
+
+    workers: Mapping[str, WorkerView] = field(default_factory=lambda: MappingProxyType({}))
+    by_model: Mapping[str, tuple[WorkerView, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    built_at_s: float = 0.0
+    redis_connected: bool = False
+    last_redis_ok_at_s: float | None = None
+
+    @classmethod
+    def build(
+        cls,
+        views: Iterable[WorkerView],
+        *,
+        built_at_s: float,
+        redis_connected: bool,
+        last_redis_ok_at_s: float | None,
+    ) -> Snapshot:
+        workers = {view.worker_id: view for view in views}
+        index: dict[str, list[WorkerView]] = {}
+        for view in workers.values():
+            for model in (*view.heartbeat.models, *view.heartbeat.lora_adapters):
+                index.setdefault(model, []).append(view)
+        return cls(
+            workers=MappingProxyType(workers),
+            by_model=MappingProxyType({m: tuple(vs) for m, vs in index.items()}),
+            built_at_s=built_at_s,
+            redis_connected=redis_connected,
+            last_redis_ok_at_s=last_redis_ok_at_s,
+        )
+
+    def serving(self, model: str) -> tuple[WorkerView, ...]:
+        return self.by_model.get(model, ())
+
+    def models(self, now_s: float) -> list[str]:
+        """Models served by at least one fresh worker that is not draining or gone."""
+        now_s = self.freshness_now(now_s)
+        return sorted(
+            model
+            for model, views in self.by_model.items()
+            if any(v.fresh(now_s) and v.heartbeat.state is not LifecycleState.DRAINING
+                   for v in views)
+        )
+
+    def freshness_now(self, now_s: float) -> float:
+        """The time to judge heartbeat freshness by.
+
+        While Redis is unreachable no heartbeat can arrive, so the clock for staleness
+        stops at the last moment Redis answered: the router keeps routing to the workers
+        it last knew (fail static) and relies on its own observations to avoid dead ones.
+        """
+        if self.redis_connected or self.last_redis_ok_at_s is None:
+            return now_s
+        return min(now_s, self.last_redis_ok_at_s)
+
+    def view_age_s(self, now_s: float) -> float | None:
+        """Seconds since Redis last answered, or None if it never has."""
+        if self.last_redis_ok_at_s is None:
+            return None
+        return max(0.0, now_s - self.last_redis_ok_at_s)
+
+
+class SnapshotHolder:
+    """The one mutable cell: collectors replace `current`; the request path only reads it."""
+
+    __slots__ = ("current",)
+
+    def __init__(self, initial: Snapshot | None = None) -> None:
+        self.current = initial or Snapshot()

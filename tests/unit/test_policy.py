@@ -1,0 +1,188 @@
+"""Filters, scoring and the pick, on literal snapshots with an injected clock and random source."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from router.policy import NoRoute, Policy, RouteRequest, RoutingContext, create_policy
+from router.policy.inflight import InFlight
+from router.policy.predicted_ttft import estimate_ttft
+from router.registry.snapshot import Snapshot, WorkerView
+from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
+
+RTT = {("us-east", "us-east"): 1.0, ("us-east", "eu-west"): 80.0, ("eu-west", "eu-west"): 1.0}
+
+
+def rtt_ms(a: str, b: str) -> float:
+    return RTT.get((a, b), RTT.get((b, a), 1000.0))
+
+
+class FakeClock:
+    """An injected monotonic clock (a value, not a mock of our code)."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def view(
+    worker_id: str,
+    region: str = "us-east",
+    *,
+    running: int = 0,
+    waiting: int = 0,
+    slots: int = 8,
+    state: LifecycleState = LifecycleState.READY,
+    models: tuple[str, ...] = ("m",),
+    received_at_s: float = 100.0,
+    kv: float = 0.1,
+    e2e_ms: float | None = 1000.0,
+    inflight_at_receipt: int = 0,
+) -> WorkerView:
+    heartbeat = Heartbeat(
+        worker_id=worker_id,
+        region=region,
+        endpoint=f"http://127.0.0.1:1/{worker_id}",
+        models=models,
+        state=state,
+        capacity=Capacity(max_num_seqs=slots),
+        load=Load(running=running, waiting=waiting, kv_cache_usage=kv),
+        performance=Performance(e2e_ms=e2e_ms, prefill_tokens_per_s=10_000.0),
+        seq=1,
+        sent_at_s=1.0,
+        ttl_s=2.0,
+    )
+    return WorkerView(heartbeat, received_at_s, inflight_at_receipt)
+
+
+def snapshot(*views: WorkerView, connected: bool = True, ok_at: float = 100.0) -> Snapshot:
+    return Snapshot.build(views, built_at_s=100.0, redis_connected=connected,
+                          last_redis_ok_at_s=ok_at)
+
+
+def make_policy(
+    name: str = "predicted_ttft", *, clock: FakeClock | None = None, seed: int = 7,
+    inflight: InFlight | None = None,
+) -> Policy:
+    context = RoutingContext(
+        rtt_ms=rtt_ms, inflight=inflight or InFlight(), clock=clock or FakeClock(),
+        rng=random.Random(seed), near_equal_ms=5.0,
+    )
+    return create_policy(name, context)
+
+
+def pick(snap: Snapshot, *, origin: str = "us-east", exclude: frozenset[str] = frozenset(),
+         model: str = "m", **kwargs: object) -> tuple[str, str]:
+    policy = make_policy(**kwargs)  # type: ignore[arg-type]
+    request = RouteRequest(model=model, origin_region=origin, prompt_tokens=100, exclude=exclude)
+    decision = policy.pick(snap, request)
+    return decision.worker.worker_id, decision.reason
+
+
+def test_local_worker_wins_when_it_has_room() -> None:
+    snap = snapshot(view("us-1"), view("eu-1", "eu-west"))
+    assert pick(snap) == ("us-1", "local")
+    assert pick(snap, origin="eu-west") == ("eu-1", "local")
+
+
+def test_saturated_local_region_spills_to_the_next_best() -> None:
+    # 8 slots, 24 queued: ~2 s of queue wait locally versus 80 ms RTT to eu-west.
+    snap = snapshot(view("us-1", running=8, waiting=24), view("eu-1", "eu-west"))
+    assert pick(snap) == ("eu-1", "spillover")
+
+
+def test_spill_only_when_predicted_faster() -> None:
+    # one request queued locally: 1 * 1000 ms / 8 = 125 ms > 80 ms RTT -> spill;
+    # with a short service time the local queue is cheaper than the trip.
+    busy = view("us-1", running=8, waiting=0, e2e_ms=400.0)
+    assert pick(snapshot(busy, view("eu-1", "eu-west"))) == ("us-1", "local")
+    busier = view("us-1", running=8, waiting=0, e2e_ms=1000.0)
+    assert pick(snapshot(busier, view("eu-1", "eu-west"))) == ("eu-1", "spillover")
+
+
+def test_filters_model_state_freshness_and_exclusions() -> None:
+    clock = FakeClock(now=100.0)
+    snap = snapshot(
+        view("draining", state=LifecycleState.DRAINING),
+        view("other-model", models=("x",)),
+        view("stale", received_at_s=90.0),
+        view("tried"),
+        view("good", "eu-west"),
+    )
+    assert pick(snap, exclude=frozenset({"tried"}), clock=clock) == ("good", "spillover")
+    with pytest.raises(NoRoute, match="can take a request now"):
+        pick(snap, exclude=frozenset({"tried", "good"}), clock=clock)
+    with pytest.raises(NoRoute, match="no pool serves") as caught:
+        pick(snap, model="unknown")
+    assert caught.value.model_known is False
+
+
+def test_fail_static_keeps_workers_while_redis_is_down() -> None:
+    # The view was last refreshed at t=100; at t=110 every heartbeat is past its TTL.
+    clock = FakeClock(now=110.0)
+    down = snapshot(view("us-1"), connected=False, ok_at=100.5)
+    assert pick(down, clock=clock) == ("us-1", "local")
+    up = snapshot(view("us-1"), connected=True, ok_at=110.0)
+    with pytest.raises(NoRoute):
+        pick(up, clock=clock)
+
+
+def test_own_inflight_counts_between_heartbeats() -> None:
+    inflight = InFlight()
+    for _ in range(30):
+        inflight.started("us-1")
+    # The heartbeat showed an idle worker, but this router has sent it 30 requests since.
+    snap = snapshot(view("us-1", slots=8), view("eu-1", "eu-west"))
+    assert pick(snap, inflight=inflight) == ("eu-1", "spillover")
+    # Requests already counted by the heartbeat are not counted twice.
+    counted = snapshot(view("us-1", slots=8, running=2, inflight_at_receipt=30),
+                       view("eu-1", "eu-west"))
+    assert pick(counted, inflight=inflight) == ("us-1", "local")
+
+
+def test_near_equal_candidates_share_the_load() -> None:
+    snap = snapshot(*(view(f"us-{i}") for i in range(4)))
+    policy = make_policy(seed=3)
+    request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=10)
+    counts = Counter(policy.pick(snap, request).worker.worker_id
+                     for _ in range(400))
+    assert set(counts) == {"us-0", "us-1", "us-2", "us-3"}
+    assert min(counts.values()) > 50
+
+
+def test_same_seed_same_choices() -> None:
+    snap = snapshot(*(view(f"us-{i}") for i in range(4)))
+    request = RouteRequest(model="m", origin_region="us-east")
+    first, second = make_policy(seed=11), make_policy(seed=11)
+    assert [first.pick(snap, request).worker.worker_id for _ in range(20)] == [
+        second.pick(snap, request).worker.worker_id for _ in range(20)
+    ]
+
+
+def test_estimate_terms_in_milliseconds() -> None:
+    worker = view("us-1", running=8, waiting=8, slots=8, e2e_ms=800.0, kv=0.95)
+    estimate = estimate_ttft(worker, RouteRequest(model="m", origin_region="us-east",
+                                                  prompt_tokens=5000), 80.0, 0)
+    assert estimate.rtt_ms == 80.0
+    # 9 requests ahead of a free slot at 8 slots per 800 ms, plus half the KV pressure range.
+    assert estimate.queue_ms == pytest.approx(9 * 800 / 8 + 0.5 * 800)
+    assert estimate.prefill_ms == pytest.approx(500.0)
+    assert estimate.total_ms == pytest.approx(80 + 900 + 400 + 500)
+
+
+def test_round_robin_baseline_cycles() -> None:
+    snap = snapshot(view("a"), view("b"), view("c", "eu-west"))
+    policy = make_policy("round_robin")
+    request = RouteRequest(model="m", origin_region="us-east")
+    assert [policy.pick(snap, request).worker.worker_id for _ in range(4)] == [
+        "a", "b", "c", "a"]
+
+
+def test_unknown_policy_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"known: .*predicted_ttft"):
+        make_policy("fastest")

@@ -41,7 +41,11 @@ class Load(_Frozen):
 
     running: int = Field(ge=0, description="sequences in the running batch")
     waiting: int = Field(ge=0, description="requests queued in the engine")
-    kv_cache_usage: float = Field(ge=0.0, le=1.0, description="fraction of KV blocks in use")
+    kv_cache_usage: float | None = Field(
+        ge=0.0, le=1.0,
+        description="fraction of KV blocks in use; None when the engine exposes no KV metric "
+        "(never a silent 0: see EngineInfo.kv_usage_metric)",
+    )
 
 
 class Performance(_Frozen):

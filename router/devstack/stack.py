@@ -273,7 +273,10 @@ class LocalStack:
         }
 
     def write_state(self, path: Path) -> None:
-        path.write_text(json.dumps(self.describe(), indent=2) + "\n")
+        """Atomically (write, then rename), so a reader never sees half a file."""
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(self.describe(), indent=2) + "\n")
+        partial.replace(path)
 
 
 async def _terminate(child: Child, timeout_s: float) -> None:

@@ -59,7 +59,7 @@ def estimate_ttft(
     queued_ahead = max(0, effective_load(view, local_inflight_now) + 1 - slots)
     queue_ms = queued_ahead * service_ms / slots
     kv_usage = heartbeat.load.kv_cache_usage
-    if kv_usage > KV_PRESSURE_START:
+    if kv_usage is not None and kv_usage > KV_PRESSURE_START:
         pressure = (kv_usage - KV_PRESSURE_START) / (1.0 - KV_PRESSURE_START)
         queue_ms += pressure * service_ms
     rate = heartbeat.performance.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S

@@ -45,7 +45,8 @@ class Proxy:
         """POST /v1/chat/completions, /v1/completions, /v1/embeddings."""
         router_config = self.config.router
         if (request.content_length or 0) > router_config.max_body_bytes:
-            raise ApiError(413, f"request body is larger than {router_config.max_body_bytes} bytes")
+            limit = router_config.max_body_bytes
+            raise ApiError(413, f"request body is too large (limit {limit} bytes)")
         body = await request.read()
         parsed = parse_body(body, _KIND_BY_PATH[request.path])
         origin = self._origin_region(request)

@@ -1,0 +1,31 @@
+"""Fixtures for tests that run the simulator in-process on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from worker.sim.config import SimConfig
+from worker.sim.server import SimServer
+
+# Fast engine timings: tests measure behaviour, not speed.
+FAST = {"decode_step_ms": 1.0, "decode_step_ms_per_seq": 0.0, "prefill_tokens_per_s": 1e6}
+StartSim = Callable[..., Awaitable[SimServer]]
+
+
+@pytest.fixture
+async def start_sim() -> AsyncIterator[StartSim]:
+    """Start simulators (FAST timings unless overridden); all are stopped afterwards."""
+    servers: list[SimServer] = []
+
+    async def start(**changes: Any) -> SimServer:
+        server = SimServer(SimConfig(**{**FAST, **changes}))
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.stop()

@@ -1,0 +1,320 @@
+"""The heartbeat loop: probe the engine, build a Heartbeat, publish it; again, forever.
+
+Every interval (jittered ±20% so that a fleet restarted together does not beat in step)
+the loop probes the engine and publishes what it saw, whatever it saw: routers must learn
+that a worker went `degraded` just as much as that it is `ready`. Redis outages are
+logged once, retried with bounded backoff and never end the loop. The clock, the sleep
+and the randomness are injected so that the timing is testable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol, TypeVar
+
+from worker.probe import (
+    EngineVersion,
+    MetricsSample,
+    PerformanceTracker,
+    ProbeResult,
+    ServedModels,
+)
+from worker.publisher import RedisUnavailableError
+from worker.schema import Capacity, EngineInfo, Heartbeat, LifecycleState, Load, Performance
+
+log = logging.getLogger(__name__)
+
+JITTER_FRACTION = 0.2
+
+_T = TypeVar("_T")
+
+
+class Prober(Protocol):
+    async def probe(self) -> ProbeResult: ...
+
+
+class Publisher(Protocol):
+    async def publish(self, heartbeat: Heartbeat) -> None: ...
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """What a heartbeat says about the worker itself; fixed for the life of the process."""
+
+    worker_id: str
+    region: str
+    endpoint: str
+    max_num_seqs: int
+    engine_kind: Literal["vllm", "sim", "openai"] = "vllm"
+
+
+@dataclass(frozen=True)
+class HeartbeatTiming:
+    """`interval_s` between heartbeats; `ttl_s` of each; `max_backoff_s` while Redis is down."""
+
+    interval_s: float
+    ttl_s: float
+    max_backoff_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """The latest known value of each part of the engine's state.
+
+    A probe whose /v1/models or /version failed does not erase what an earlier one learned;
+    the lifecycle state, not missing fields, is how a heartbeat reports a failing engine.
+    """
+
+    metrics: MetricsSample | None = None
+    models: ServedModels | None = None
+    version: EngineVersion | None = None
+
+    def merge(self, probe: ProbeResult) -> EngineView:
+        return EngineView(
+            metrics=probe.metrics or self.metrics,
+            models=probe.models or self.models,
+            version=probe.version or self.version,
+        )
+
+
+def next_state(
+    current: LifecycleState, probe: ProbeResult, view: EngineView, *, draining: bool
+) -> LifecycleState:
+    """`starting` until the engine is first healthy, measurable and lists its models; then
+    `ready` while /health and /metrics answer, `degraded` while they do not; `draining`
+    once a drain has begun, whatever the engine does."""
+    if draining:
+        return LifecycleState.DRAINING
+    if probe.engine_ok and view.models is not None:
+        return LifecycleState.READY
+    if current is LifecycleState.STARTING:
+        return LifecycleState.STARTING
+    return LifecycleState.DEGRADED
+
+
+def jittered(interval_s: float, rng: random.Random, fraction: float = JITTER_FRACTION) -> float:
+    """`interval_s` scaled by a uniform factor in [1 - fraction, 1 + fraction]."""
+    return interval_s * rng.uniform(1.0 - fraction, 1.0 + fraction)
+
+
+def backoff_s(failures: int, interval_s: float, cap_s: float) -> float:
+    """Delay before the next attempt after `failures` consecutive Redis failures."""
+    return float(min(cap_s, interval_s * 2 ** min(failures, 16)))
+
+
+def build_heartbeat(
+    identity: WorkerIdentity,
+    view: EngineView,
+    *,
+    state: LifecycleState,
+    performance: Performance,
+    seq: int,
+    sent_at_s: float,
+    ttl_s: float,
+) -> Heartbeat:
+    """A heartbeat from what is known of the engine (zero load before the first scrape).
+
+    An engine without a KV usage gauge reports 0.0 with `engine.kv_usage_metric = None`;
+    that None, not the 0.0, is what a reader must check before trusting KV usage.
+    """
+    metrics = view.metrics
+    models = view.models or ServedModels((), ())
+    return Heartbeat(
+        worker_id=identity.worker_id,
+        region=identity.region,
+        endpoint=identity.endpoint,
+        models=models.models,
+        lora_adapters=models.lora_adapters,
+        state=state,
+        capacity=Capacity(
+            max_num_seqs=identity.max_num_seqs,
+            kv_blocks_total=metrics.kv_blocks_total if metrics else None,
+            block_size_tokens=metrics.block_size_tokens if metrics else None,
+        ),
+        load=Load(
+            running=metrics.running if metrics else 0,
+            waiting=metrics.waiting if metrics else 0,
+            kv_cache_usage=metrics.kv_cache_usage if metrics is not None else None,
+        ),
+        performance=performance,
+        engine=EngineInfo(
+            kind="sim" if view.version and view.version.simulator else identity.engine_kind,
+            version=view.version.version if view.version else None,
+            kv_usage_metric=metrics.kv_usage_metric if metrics else None,
+            metric_names=metrics.metric_names if metrics else (),
+        ),
+        seq=seq,
+        sent_at_s=sent_at_s,
+        ttl_s=ttl_s,
+    )
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One turn of the loop: what the probe saw, what was sent, and whether Redis took it."""
+
+    probe: ProbeResult
+    heartbeat: Heartbeat
+    published: bool
+
+
+class HeartbeatLoop:
+    """Probes and publishes until cancelled. Cancel the task running `run()` to stop it."""
+
+    def __init__(
+        self,
+        identity: WorkerIdentity,
+        prober: Prober,
+        publisher: Publisher,
+        timing: HeartbeatTiming,
+        *,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        wall_clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._identity = identity
+        self._prober = prober
+        self._publisher = publisher
+        self._timing = timing
+        self._rng = rng or random.Random()
+        self._sleep = sleep
+        self._wall_clock = wall_clock
+        self._monotonic = monotonic
+        self._state = LifecycleState.STARTING
+        self._draining = False
+        self._seq = 0
+        self._view = EngineView()
+        self._tracker = PerformanceTracker()
+        self._performance = Performance()
+        self._wake = asyncio.Event()
+        self._beat_done = asyncio.Event()
+        self._last_beat: Beat | None = None
+        self._failures = 0
+        self._outage_started: float | None = None
+        self._unpublished = 0
+        self._warned_no_kv = False
+
+    @property
+    def state(self) -> LifecycleState:
+        return self._state
+
+    def begin_drain(self) -> None:
+        """From now on publish `draining`, starting with a heartbeat sent right away."""
+        self._draining = True
+        self._wake.set()
+
+    async def next_beat(self) -> Beat:
+        """Wait until the next heartbeat has been published (or has failed to be)."""
+        await self._beat_done.wait()
+        assert self._last_beat is not None
+        return self._last_beat
+
+    async def run(self) -> None:
+        while True:
+            started = self._monotonic()
+            await self.beat()
+            if self._failures:
+                delay = jittered(
+                    backoff_s(self._failures, self._timing.interval_s, self._timing.max_backoff_s),
+                    self._rng,
+                )
+            else:
+                delay = jittered(self._timing.interval_s, self._rng)
+            await self._pause(delay - (self._monotonic() - started))
+
+    async def beat(self) -> Beat:
+        """Probe, then publish one heartbeat. Engine and Redis failures do not raise."""
+        probe = await self._prober.probe()
+        self._observe(probe)
+        heartbeat = build_heartbeat(
+            self._identity,
+            self._view,
+            state=self._state,
+            performance=self._performance,
+            seq=self._seq,
+            sent_at_s=self._wall_clock(),
+            ttl_s=self._timing.ttl_s,
+        )
+        self._seq += 1
+        try:
+            await self._publisher.publish(heartbeat)
+        except RedisUnavailableError as exc:
+            self._on_outage(exc)
+            self._last_beat = Beat(probe, heartbeat, published=False)
+        else:
+            self._on_published()
+            self._last_beat = Beat(probe, heartbeat, published=True)
+        done, self._beat_done = self._beat_done, asyncio.Event()
+        done.set()
+        return self._last_beat
+
+    def _observe(self, probe: ProbeResult) -> None:
+        self._view = self._view.merge(probe)
+        if probe.metrics is not None:
+            self._performance = self._tracker.update(probe.metrics)
+            if probe.metrics.kv_usage_metric is None and not self._warned_no_kv:
+                self._warned_no_kv = True
+                log.warning(
+                    "engine exposes neither vllm:kv_cache_usage_perc nor "
+                    "vllm:gpu_cache_usage_perc; heartbeats say kv_usage_metric=None"
+                )
+        state = next_state(self._state, probe, self._view, draining=self._draining)
+        if state is not self._state:
+            self._log_transition(state, probe)
+            self._state = state
+
+    def _log_transition(self, state: LifecycleState, probe: ProbeResult) -> None:
+        if state is LifecycleState.READY:
+            served = ", ".join(self._view.models.models) if self._view.models else ""
+            version = self._view.version
+            engine = "version unknown" if version is None else (
+                f"{'simulator' if version.simulator else 'version'} {version.version}"
+            )
+            detail = f"models {served}; engine {engine}"
+        else:
+            detail = "; ".join(probe.errors)
+        level = logging.WARNING if state is LifecycleState.DEGRADED else logging.INFO
+        log.log(level, "worker %s: %s -> %s%s", self._identity.worker_id,
+                self._state.value, state.value, f" ({detail})" if detail else "")
+
+    def _on_outage(self, exc: RedisUnavailableError) -> None:
+        self._failures += 1
+        self._unpublished += 1
+        if self._outage_started is None:
+            self._outage_started = self._monotonic()
+            log.warning("redis unreachable, heartbeats are not reaching routers (%s); "
+                        "retrying every %.1f s at most", exc, self._timing.max_backoff_s)
+
+    def _on_published(self) -> None:
+        if self._outage_started is not None:
+            log.warning("redis reachable again after %.1f s; %d heartbeats were not published",
+                        self._monotonic() - self._outage_started, self._unpublished)
+        self._failures = 0
+        self._outage_started = None
+        self._unpublished = 0
+
+    async def _pause(self, delay_s: float) -> None:
+        """Sleep `delay_s`, or less if `begin_drain` wakes the loop."""
+        if delay_s > 0:
+            await unless_set(self._wake, self._sleep(delay_s))
+        self._wake.clear()
+
+
+async def unless_set(event: asyncio.Event, work: Awaitable[_T]) -> _T | None:
+    """`work`'s result, or None if `event` is set first; `work` is then cancelled and
+    awaited, so that no task is left pending (and nothing warns that one was destroyed)."""
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()
+        stop.cancel()
+        await asyncio.gather(task, stop, return_exceptions=True)
+    return None if task.cancelled() else task.result()

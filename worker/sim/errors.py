@@ -1,0 +1,52 @@
+"""Errors in vLLM's OpenAI-server format.
+
+vLLM answers every error with
+    {"error": {"message": str, "type": str, "param": str | null, "code": <HTTP status>}}
+where `type` is an exception-like name (BadRequestError, NotFoundError, ...) and `code`
+is the HTTP status as an integer (not OpenAI's string codes).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+
+# Starlette (vLLM's server) writes compact JSON; so do we.
+compact_dumps = functools.partial(json.dumps, separators=(",", ":"))
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=compact_dumps)
+
+
+_TYPES = {
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+    HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+}
+
+
+class ApiError(Exception):
+    """A request that gets an error response instead of a completion."""
+
+    def __init__(self, status: HTTPStatus, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def response(self) -> web.Response:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, self.status.phrase.replace(" ", "")),
+                "param": self.param,
+                "code": int(self.status),
+            }
+        }
+        return json_response(body, status=int(self.status))

@@ -213,7 +213,9 @@ class LocalStack:
             "--ttl-s", str(self.config.heartbeat.ttl_s),
             "--max-num-seqs", str(spec.max_num_seqs),
         ]
-        return await self._spawn(f"worker-{worker_id}", "worker", sim.region, args, "worker ")
+        worker = await self._spawn(f"worker-{worker_id}", "worker", sim.region, args, "worker ")
+        worker.url = sim.url  # the engine it watches and advertises
+        return worker
 
     async def _start_router(self) -> Child:
         args = [

@@ -27,8 +27,9 @@ def summary(stack: LocalStack) -> str:
         lines.append(f"  {'redis':<8} {'valkey (embedded)':<22} {'-':<10} "
                      f"{stack.valkey.pid:>7}  {stack.redis_url}")
     for child in stack.children:
+        address = f"beside {child.url}" if child.role == "worker" else child.url or ""
         lines.append(f"  {child.role:<8} {child.name:<22} {child.region or '-':<10} "
-                     f"{child.pid:>7}  {child.url or ''}")
+                     f"{child.pid:>7}  {address}")
     url = stack.router_url
     lines += [
         "",

@@ -1,0 +1,231 @@
+"""The proxy path against real simulators, a real Valkey and the real router app, in-process.
+
+The test plays the worker agents' part by publishing heartbeats with the real publisher,
+so it controls exactly what the router believes about each worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from router.app import HOLDER, RouterSettings, build_app
+from router.config import parse_config
+from router.devstack.valkey import free_port
+from tests.integration.conftest import StartSim
+from worker.publisher import HeartbeatPublisher
+from worker.redis_client import connect
+from worker.schema import Capacity, Heartbeat, HeartbeatKeys, LifecycleState, Load
+from worker.sim.server import SimServer
+
+pytestmark = pytest.mark.integration
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6}
+
+
+@dataclass
+class Fleet:
+    """A router in front of simulators whose heartbeats the test publishes."""
+
+    router_url: str
+    sims: dict[str, SimServer]
+    publish: Callable[..., Awaitable[None]]
+
+    async def faults(self, worker_id: str, **knobs: object) -> None:
+        async with aiohttp.ClientSession() as session, session.post(
+            f"{self.sims[worker_id].url}/sim/faults", json=knobs
+        ) as response:
+            assert response.status == 200, await response.text()
+
+    async def running(self, worker_id: str) -> float:
+        async with aiohttp.ClientSession() as session, session.get(
+            f"{self.sims[worker_id].url}/metrics"
+        ) as response:
+            text = await response.text()
+        line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_running{"))
+        return float(line.rsplit(" ", 1)[1])
+
+
+FleetFactory = Callable[..., Awaitable[Fleet]]
+
+
+def _config(timeouts: dict[str, float]) -> dict[str, object]:
+    return {
+        "apiVersion": "globalpool/v1",
+        "router": {"region": "us-east", "near_equal_ms": 0.5, "timeouts": timeouts},
+        "regions": {
+            "us-east": {"rtt_ms": {"eu-west": 80}, "models": ["m"]},
+            "eu-west": {"models": ["m"]},
+        },
+    }
+
+
+@pytest.fixture
+async def fleet_factory(
+    redis_url: str, key_prefix: str, start_sim: StartSim
+) -> AsyncIterator[FleetFactory]:
+    runners: list[web.AppRunner] = []
+    redis = connect(redis_url)
+    publisher = HeartbeatPublisher(redis, HeartbeatKeys(key_prefix))
+    seq = iter(range(1, 1_000_000))
+
+    async def make(workers: dict[str, str], timeouts: dict[str, float] | None = None,
+                   **sim_changes: object) -> Fleet:
+        sims: dict[str, SimServer] = {}
+        for index, (worker_id, _region) in enumerate(workers.items()):
+            sims[worker_id] = await start_sim(served_model_names=("m",), seed=index,
+                                              **sim_changes)
+
+        async def publish(worker_id: str, *, running: int = 0, waiting: int = 0,
+                          state: LifecycleState = LifecycleState.READY) -> None:
+            await publisher.publish(Heartbeat(
+                worker_id=worker_id, region=workers[worker_id],
+                endpoint=sims[worker_id].url, models=("m",), state=state,
+                capacity=Capacity(max_num_seqs=8),
+                load=Load(running=running, waiting=waiting, kv_cache_usage=0.0),
+                seq=next(seq), sent_at_s=time.time(), ttl_s=60.0,
+            ))
+
+        for worker_id in workers:
+            await publish(worker_id)
+        config = parse_config(_config(timeouts or {"connect_s": 1, "first_byte_s": 2,
+                                                   "idle_s": 1, "total_s": 10}) |
+                              {"redis": {"url": redis_url, "key_prefix": key_prefix}})
+        app = build_app(RouterSettings(config=config, redis_url=redis_url, region="us-east",
+                                       seed=1))
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        deadline = time.monotonic() + 5
+        while len(app[HOLDER].current.workers) < len(workers):
+            assert time.monotonic() < deadline, "router never saw the heartbeats"
+            await asyncio.sleep(0.02)
+        return Fleet(f"http://127.0.0.1:{port}", sims, publish)
+
+    yield make
+    for runner in runners:
+        await runner.cleanup()
+    await publisher.aclose()
+
+
+async def _chat(url: str, body: dict[str, object]) -> tuple[int, str, bytes]:
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{url}/v1/chat/completions", json=body
+    ) as response:
+        return response.status, response.headers.get("x-globalpool-worker", ""), \
+            await response.read()
+
+
+async def test_failure_before_first_byte_is_retried_elsewhere(fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east", "b": "us-east"})
+    await fleet.faults("a", error_rate=1.0)
+    results = [await _chat(fleet.router_url, {**CHAT, "stream": i % 2 == 0}) for i in range(10)]
+    assert [status for status, _, _ in results] == [200] * 10
+    assert {worker for _, worker, _ in results} == {"b"}
+
+
+async def test_every_worker_failing_gives_a_clean_502(fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east", "b": "us-east"})
+    await fleet.faults("a", error_rate=1.0)
+    await fleet.faults("b", error_rate=1.0)
+    status, _, body = await _chat(fleet.router_url, CHAT)
+    assert status == 502
+    error = json.loads(body)["error"]
+    assert "failed on 2 worker(s)" in error["message"]
+    assert error["code"] == "upstream_failed"
+
+
+async def test_hung_worker_times_out_and_is_retried(fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east", "b": "eu-west"},
+                                {"connect_s": 1, "first_byte_s": 0.5, "idle_s": 1, "total_s": 1})
+    await fleet.faults("a", hang=True)
+    started = time.monotonic()
+    status, worker, _ = await _chat(fleet.router_url, {**CHAT, "stream": True})
+    assert (status, worker) == (200, "b")
+    assert 0.4 < time.monotonic() - started < 3
+    status, worker, _ = await _chat(fleet.router_url, CHAT)  # non-streaming: total_s bounds it
+    assert (status, worker) == (200, "b")
+
+
+async def test_mid_stream_failure_ends_with_an_error_event(fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east"})
+    await fleet.faults("a", mid_stream_error_rate=1.0)
+    client = openai.AsyncOpenAI(base_url=f"{fleet.router_url}/v1", api_key="x", max_retries=0)
+    received = 0
+    with pytest.raises(openai.APIError, match=r"broke off|ended early"):
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=50, stream=True)
+        async for _chunk in stream:
+            received += 1
+    assert received >= 1  # the first bytes did reach the client: no retry was possible
+    await client.close()
+
+
+async def test_stalled_stream_hits_the_idle_timeout(fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east"},
+                                {"connect_s": 1, "first_byte_s": 2, "idle_s": 0.4, "total_s": 10})
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{fleet.router_url}/v1/chat/completions",
+        json={**CHAT, "stream": True, "max_tokens": 200},
+    ) as response:
+        first = await response.content.readany()
+        assert first.startswith(b"data: ")
+        await fleet.faults("a", slow_factor=1000.0)  # the next decode step takes seconds
+        rest = await asyncio.wait_for(response.read(), timeout=5)
+    assert b"no data from the worker for 0.4 s" in rest
+    assert rest.endswith(b"data: [DONE]\n\n")
+
+
+async def test_client_disconnect_cancels_the_upstream_request(fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east"})
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{fleet.router_url}/v1/chat/completions",
+                                      json={**CHAT, "stream": True, "max_tokens": 2000})
+        await response.content.readany()
+        assert await fleet.running("a") == 1
+        response.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 3
+    while await fleet.running("a") != 0:
+        assert time.monotonic() < deadline, "the engine kept generating for a gone client"
+        await asyncio.sleep(0.05)
+
+
+async def test_draining_and_degraded_workers_get_nothing(fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east", "b": "us-east", "c": "eu-west"})
+    await fleet.publish("a", state=LifecycleState.DRAINING)
+    await fleet.publish("b", state=LifecycleState.DEGRADED)
+    await asyncio.sleep(0.2)
+    served = Counter([(await _chat(fleet.router_url, CHAT))[1] for _ in range(6)])
+    assert served == Counter({"c": 6})
+    await fleet.publish("c", state=LifecycleState.DRAINING)
+    await asyncio.sleep(0.2)
+    status, _, body = await _chat(fleet.router_url, CHAT)
+    assert status == 503
+    assert json.loads(body)["error"]["code"] == "no_capacity"
+
+
+async def test_stream_passes_through_chunk_by_chunk(fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east"}, decode_step_ms=40.0)
+    arrivals: list[float] = []
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{fleet.router_url}/v1/chat/completions",
+        json={**CHAT, "stream": True, "max_tokens": 8},
+    ) as response:
+        async for _line in response.content:
+            arrivals.append(time.monotonic())
+    # Chunks arrive as the engine makes them (40 ms apart), not all at the end.
+    assert arrivals[-1] - arrivals[0] > 0.2
+    gaps = [b - a for a, b in itertools.pairwise(arrivals) if b - a > 0.02]
+    assert len(gaps) >= 5

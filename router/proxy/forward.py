@@ -16,6 +16,7 @@ belongs to the client: a failure ends it with an SSE error event.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 
 import aiohttp
@@ -24,6 +25,7 @@ from multidict import CIMultiDict
 
 from router.config import Timeouts
 from router.proxy.errors import sse_error_event
+from router.proxy.outcome import Attempt, Failure
 
 # Request headers passed to workers. Everything else (Authorization, cookies, hop-by-hop
 # headers, Host, Content-Length) stays at the router.
@@ -33,9 +35,17 @@ FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "traceparent", "tracestat
 class UpstreamFailure(Exception):
     """An attempt failed before anything reached the client; safe to retry elsewhere."""
 
-    def __init__(self, message: str, *, status: int = 502, retry_after_s: float | None = None):
+    def __init__(
+        self,
+        message: str,
+        kind: Failure,
+        *,
+        status: int = 502,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
+        self.kind = kind
         self.status = status
         self.retry_after_s = retry_after_s
 
@@ -84,6 +94,19 @@ def upstream_headers(request: web.Request) -> CIMultiDict[str]:
     return headers
 
 
+def _answer_headers(
+    base: Mapping[str, str], response: aiohttp.ClientResponse, attempt: Attempt
+) -> dict[str, str]:
+    """Headers for the client: ours, the upstream's content type, upstream TTFB in timing."""
+    headers = {**base, "Content-Type": _content_type(response)}
+    ttfb_s = attempt.ttfb_s
+    if ttfb_s is not None:
+        timing = base.get("server-timing")
+        upstream = f"upstream;dur={ttfb_s * 1000:.3f}"
+        headers["server-timing"] = f"{timing}, {upstream}" if timing else upstream
+    return headers
+
+
 def _content_type(response: aiohttp.ClientResponse) -> str:
     return response.headers.get("Content-Type", "application/json")
 
@@ -102,9 +125,10 @@ async def _send(
     try:
         return await session.post(url, data=body, headers=headers)
     except aiohttp.ClientConnectorError as exc:
-        raise UpstreamFailure(f"cannot connect to worker: {exc.os_error or exc}") from None
+        raise UpstreamFailure(f"cannot connect to worker: {exc.os_error or exc}",
+                              Failure.CONNECT) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamFailure(f"worker connection failed: {exc!r}") from None
+        raise UpstreamFailure(f"worker connection failed: {exc!r}", Failure.RESET) from None
 
 
 async def _refuse_if_failed(response: aiohttp.ClientResponse) -> bytes | None:
@@ -114,8 +138,10 @@ async def _refuse_if_failed(response: aiohttp.ClientResponse) -> bytes | None:
     body = await response.read()
     response.release()
     if response.status >= 500 or response.status == 429:
+        busy = response.status in (429, 503)
         raise UpstreamFailure(
             f"worker answered {response.status}: {body[:200].decode(errors='replace')}",
+            Failure.BUSY if busy else Failure.SERVER_ERROR,
             status=response.status,
             retry_after_s=_retry_after(response.headers),
         )
@@ -129,6 +155,7 @@ async def forward_unary(
     headers: CIMultiDict[str],
     timeouts: Timeouts,
     response_headers: Mapping[str, str],
+    attempt: Attempt,
 ) -> web.Response:
     """A non-streaming request: the whole answer, or UpstreamFailure."""
     try:
@@ -141,13 +168,15 @@ async def forward_unary(
                 finally:
                     response.release()
     except TimeoutError:
-        raise UpstreamFailure(f"no answer within {timeouts.total_s:g} s", status=504) from None
+        raise UpstreamFailure(f"no answer within {timeouts.total_s:g} s", Failure.TIMEOUT,
+                              status=504) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamFailure(f"worker connection failed: {exc!r}") from None
+        raise UpstreamFailure(f"worker connection failed: {exc!r}", Failure.RESET) from None
+    attempt.first_byte_s = time.monotonic()
+    attempt.status = response.status
     return web.Response(
-        status=response.status,
-        body=answer,
-        headers={**response_headers, "Content-Type": _content_type(response)},
+        status=response.status, body=answer,
+        headers=_answer_headers(response_headers, response, attempt),
     )
 
 
@@ -159,6 +188,7 @@ async def forward_stream(
     headers: CIMultiDict[str],
     timeouts: Timeouts,
     response_headers: Mapping[str, str],
+    attempt: Attempt,
 ) -> web.StreamResponse:
     """A streaming request, passed through chunk by chunk without parsing the events."""
     try:
@@ -166,25 +196,28 @@ async def forward_stream(
             upstream = await _send(session, url, body, headers)
             refused = await _refuse_if_failed(upstream)
             if refused is not None:
+                attempt.first_byte_s = time.monotonic()
+                attempt.status = upstream.status
                 return web.Response(
-                    status=upstream.status,
-                    body=refused,
-                    headers={**response_headers, "Content-Type": _content_type(upstream)},
+                    status=upstream.status, body=refused,
+                    headers=_answer_headers(response_headers, upstream, attempt),
                 )
             first = await upstream.content.readany()
     except TimeoutError:
         raise UpstreamFailure(
-            f"no first byte within {timeouts.first_byte_s:g} s", status=504
+            f"no first byte within {timeouts.first_byte_s:g} s", Failure.TIMEOUT, status=504
         ) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamFailure(f"worker connection failed: {exc!r}") from None
+        raise UpstreamFailure(f"worker connection failed: {exc!r}", Failure.RESET) from None
     if not first:
         upstream.release()
-        raise UpstreamFailure("worker closed the stream before its first byte")
+        raise UpstreamFailure("worker closed the stream before its first byte", Failure.RESET)
+    attempt.first_byte_s = time.monotonic()
+    attempt.status = 200
 
     client = web.StreamResponse(
         status=200,
-        headers={**response_headers, "Content-Type": _content_type(upstream),
+        headers={**_answer_headers(response_headers, upstream, attempt),
                  "Cache-Control": "no-cache"},
     )
     watchdog = _IdleWatchdog(upstream, timeouts.idle_s, timeouts.total_s)
@@ -197,19 +230,23 @@ async def forward_stream(
             try:
                 chunk = await read()
             except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+                attempt.failure = Failure.IDLE if watchdog.fired else Failure.MID_STREAM
                 await client.write(sse_error_event(502, _ended_early(watchdog, exc)))
                 break
             if not chunk:
                 if watchdog.fired is not None:
+                    attempt.failure = Failure.IDLE
                     await client.write(sse_error_event(504, watchdog.fired))
                 elif not upstream.content.is_eof():
+                    attempt.failure = Failure.MID_STREAM
                     await client.write(sse_error_event(502, "the worker's stream ended early"))
                 break
             watchdog.last_s = loop_time()
             await client.write(chunk)
         await client.write_eof()
-    except ConnectionError:
+    except (ConnectionError, asyncio.CancelledError):
         # The client went away: drop the upstream connection so the engine stops generating.
+        attempt.client_gone = True
         upstream.close()
         raise
     finally:

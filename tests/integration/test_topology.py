@@ -50,6 +50,8 @@ def test_chat_non_streaming(up: RunningUp) -> None:
     assert completion.usage is not None and completion.usage.completion_tokens == 8
     assert raw.headers["x-globalpool-region"] == "us-east"
     assert raw.headers["x-globalpool-worker"].startswith("us-east-")
+    timing = raw.headers["server-timing"]
+    assert "route;dur=" in timing and "upstream;dur=" in timing
 
 
 def test_chat_streaming_with_usage(up: RunningUp) -> None:

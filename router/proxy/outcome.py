@@ -1,0 +1,72 @@
+"""What happened to a request and to each of its attempts, for whoever learns from it.
+
+The proxy fills these records as it goes and hands them to observers (passive health,
+metrics, the status page, traces). Observers are plain callables run inline on the
+request path: they must be cheap and must not await.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+
+class Failure(StrEnum):
+    """Why an attempt failed. All but MID_STREAM happen before the client got a byte."""
+
+    CONNECT = "connect"  # TCP connect refused / unreachable / connect timeout
+    SERVER_ERROR = "server_error"  # the worker answered 5xx (other than busy)
+    BUSY = "busy"  # 503/429: the engine is full; says nothing bad about its health
+    TIMEOUT = "timeout"  # no first byte in time
+    RESET = "reset"  # the connection broke before the first byte
+    MID_STREAM = "mid_stream"  # broke off after the client got the first byte
+    IDLE = "idle"  # a started stream stalled past idle_s / total_s
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try of a request on one worker. Times are monotonic seconds."""
+
+    worker_id: str
+    region: str
+    predicted_ttft_ms: float
+    reason: str
+    started_s: float
+    first_byte_s: float | None = None
+    finished_s: float | None = None
+    status: int | None = None
+    failure: Failure | None = None
+    client_gone: bool = False
+
+    @property
+    def ttfb_s(self) -> float | None:
+        return None if self.first_byte_s is None else self.first_byte_s - self.started_s
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One client request from arrival to its last byte."""
+
+    model: str
+    kind: str
+    stream: bool
+    origin_region: str | None
+    received_s: float
+    attempts: list[Attempt] = field(default_factory=list)
+    status: int = 0
+    routed_s: float | None = None
+    finished_s: float | None = None
+    error: str | None = None
+
+    @property
+    def served_by(self) -> Attempt | None:
+        """The attempt whose answer the client got, if any."""
+        last = self.attempts[-1] if self.attempts else None
+        return last if last is not None and last.first_byte_s is not None else None
+
+
+class Observer(Protocol):
+    def attempt_finished(self, attempt: Attempt) -> None: ...
+
+    def request_finished(self, record: RequestRecord) -> None: ...

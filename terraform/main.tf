@@ -1,0 +1,176 @@
+# globalpool on Google Cloud, driven by ../regions.yaml: every region there gets a subnet,
+# router replicas, a Redis node (the primary or a replica) and one GPU pool per model it
+# serves; one anycast load balancer is the global entry point.
+
+locals {
+  regions_yaml_path = coalesce(var.regions_yaml_path, "${path.module}/../regions.yaml")
+  regions_yaml      = file(local.regions_yaml_path)
+  services = [
+    "compute.googleapis.com",
+    "dns.googleapis.com",
+    "secretmanager.googleapis.com",
+    "logging.googleapis.com",
+    "monitoring.googleapis.com",
+    "iap.googleapis.com",
+  ]
+  redis_primary_host = "redis.${trimsuffix(module.network.dns_zone.domain, ".")}"
+}
+
+# Which regions, which pools, how many of each, which Redis is the primary: all derived
+# here, with no provider, and tested offline (modules/topology/tests).
+module "topology" {
+  source = "./modules/topology"
+
+  config               = yamldecode(local.regions_yaml)
+  name_prefix          = var.name_prefix
+  model_settings       = var.model_settings
+  region_settings      = var.region_settings
+  defaults             = var.defaults
+  redis_primary_region = var.redis_primary_region
+}
+
+resource "google_project_service" "api" {
+  for_each           = toset(local.services)
+  project            = var.project_id
+  service            = each.value
+  disable_on_destroy = false
+}
+
+module "iam" {
+  source     = "./modules/iam"
+  depends_on = [google_project_service.api]
+
+  project_id  = var.project_id
+  name_prefix = var.name_prefix
+}
+
+module "secrets" {
+  source     = "./modules/secrets"
+  depends_on = [google_project_service.api]
+
+  project_id  = var.project_id
+  name_prefix = var.name_prefix
+  readers     = module.iam.emails
+  labels      = var.labels
+}
+
+module "network" {
+  source     = "./modules/network"
+  depends_on = [google_project_service.api]
+
+  project_id       = var.project_id
+  name_prefix      = var.name_prefix
+  regions          = module.topology.regions
+  service_accounts = module.iam.emails
+  router_port      = module.topology.router.port
+  engine_port      = module.topology.worker.engine_port
+  enable_iap_ssh   = var.enable_iap_ssh
+}
+
+module "redis" {
+  source   = "./modules/redis"
+  for_each = module.topology.regions
+
+  project_id      = var.project_id
+  region          = each.key
+  cloud_region    = each.value.cloud_region
+  node            = each.value.redis
+  primary_host    = local.redis_primary_host
+  subnetwork      = module.network.subnetworks[each.key]
+  service_account = module.iam.emails.redis
+  image           = var.base_image
+  labels          = var.labels
+  settings = {
+    redis_password_secret = module.secrets.ids["redis-password"]
+    ops_agent             = var.ops_agent
+  }
+}
+
+# redis.<zone>: the primary, whichever region it is in (failover moves this record).
+resource "google_dns_record_set" "redis_primary" {
+  project      = var.project_id
+  managed_zone = module.network.dns_zone.name
+  name         = "${local.redis_primary_host}."
+  type         = "A"
+  ttl          = 30
+  rrdatas      = [module.redis[module.topology.redis_primary_region].address]
+}
+
+# redis-<region>.<zone>: each region's own node, for reads close to home.
+resource "google_dns_record_set" "redis_region" {
+  for_each     = module.topology.regions
+  project      = var.project_id
+  managed_zone = module.network.dns_zone.name
+  name         = "redis-${each.key}.${module.network.dns_zone.domain}"
+  type         = "A"
+  ttl          = 300
+  rrdatas      = [module.redis[each.key].address]
+}
+
+module "gpu_pool" {
+  source   = "./modules/gpu_pool"
+  for_each = module.topology.gpu_pools
+
+  project_id      = var.project_id
+  pool            = each.value
+  subnetwork      = module.network.subnetworks[each.value.region]
+  service_account = module.iam.emails.worker
+  image           = var.gpu_image
+  labels          = var.labels
+  settings = merge(module.topology.worker, {
+    globalpool_pip_spec     = var.globalpool_pip_spec
+    vllm_pip_spec           = var.vllm_pip_spec
+    redis_host              = local.redis_primary_host
+    redis_password_secret   = module.secrets.ids["redis-password"]
+    heartbeat_keys_secret   = module.secrets.ids["heartbeat-keys"]
+    hf_token_secret         = module.secrets.ids["hf-token"]
+    upstream_api_key_secret = module.secrets.ids["upstream-api-key"]
+    ops_agent               = var.ops_agent
+  })
+}
+
+module "router" {
+  source   = "./modules/router"
+  for_each = module.topology.regions
+
+  project_id      = var.project_id
+  region          = each.key
+  cloud_region    = each.value.cloud_region
+  zones           = each.value.zones
+  name            = each.value.router.name
+  replicas        = each.value.router.replicas
+  machine_type    = each.value.router.machine_type
+  port            = module.topology.router.port
+  health_path     = module.topology.router.health_path
+  subnetwork      = module.network.subnetworks[each.key]
+  service_account = module.iam.emails.router
+  image           = var.base_image
+  regions_yaml    = local.regions_yaml
+  labels          = var.labels
+  settings = {
+    globalpool_pip_spec     = var.globalpool_pip_spec
+    redis_host              = local.redis_primary_host
+    redis_password_secret   = module.secrets.ids["redis-password"]
+    heartbeat_keys_secret   = module.secrets.ids["heartbeat-keys"]
+    admin_token_secret      = module.secrets.ids["admin-token"]
+    admin_token_env         = module.topology.router.admin_token_env
+    api_keys_secret         = module.secrets.ids["api-keys"]
+    keys_file               = module.topology.router.keys_file
+    upstream_api_key_secret = module.secrets.ids["upstream-api-key"]
+    upstream_key_envs       = module.topology.router.upstream_key_envs
+    ops_agent               = var.ops_agent
+  }
+}
+
+module "global_lb" {
+  source = "./modules/global_lb"
+
+  project_id    = var.project_id
+  name_prefix   = var.name_prefix
+  domain        = var.domain
+  router_groups = { for name, router in module.router : name => router.instance_group }
+  port          = module.topology.router.port
+  health_path   = module.topology.router.health_path
+  timeout_s     = module.topology.router.lb_timeout_s
+  dns_zone_name = var.dns_zone_name
+}

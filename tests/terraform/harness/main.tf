@@ -1,0 +1,51 @@
+# Evaluates the topology module on a regions.yaml, the way the root module calls it, for
+# tests/terraform/test_terraform_cli.py. No provider, no resources: `apply` only
+# computes outputs.
+
+variable "regions_yaml_path" {
+  description = "The regions.yaml to evaluate."
+  type        = string
+}
+
+variable "model_settings" {
+  description = "As in the root module."
+  type        = any
+  default     = {}
+}
+
+variable "region_settings" {
+  description = "As in the root module."
+  type        = any
+  default     = {}
+}
+
+variable "defaults" {
+  description = "As in the root module."
+  type        = any
+  default     = {}
+}
+
+module "topology" {
+  source = "../../../terraform/modules/topology"
+
+  config          = yamldecode(file(var.regions_yaml_path))
+  model_settings  = var.model_settings
+  region_settings = var.region_settings
+  defaults        = var.defaults
+}
+
+output "regions" {
+  value = module.topology.regions
+}
+
+output "gpu_pools" {
+  value = module.topology.gpu_pools
+}
+
+output "redis_primary_region" {
+  value = module.topology.redis_primary_region
+}
+
+output "router" {
+  value = module.topology.router
+}

@@ -6,13 +6,20 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+from opentelemetry.trace import TracerProvider
 
+from router.admin.setup import Operations
+from router.admission.gate import Admission, add_rate_limit_headers
+from router.admission.setup import build_admission, heartbeat_gate
+from router.admission.stats import SecurityStats
 from router.config import GlobalConfig
+from router.health import BreakerPolicy, Health, RetryBudget
 from router.policy import RoutingContext, create_policy
 from router.policy.inflight import InFlight
 from router.proxy.errors import openai_errors
@@ -33,24 +40,46 @@ class RouterSettings:
     region: str | None
     policy: str | None = None
     seed: int | None = None
+    # Heartbeat signing keys {key_id: secret}; None: from the environment (worker.signing).
+    heartbeat_keys: Mapping[str, bytes] | None = None
+    # The regions.yaml `config` came from: watched for hot reload (None: no reload).
+    config_path: Path | None = None
+    # Traces go here; None: OTLP export when the OTEL_* variables say so, else none.
+    tracer_provider: TracerProvider | None = None
 
 
 SETTINGS = web.AppKey("settings", RouterSettings)
+# Hot reload, drain flags, admin API, status page, metrics, traces (router.admin.setup).
+OPERATIONS = web.AppKey("operations", Operations)
 HOLDER = web.AppKey("holder", SnapshotHolder)
 PROXY = web.AppKey("proxy", Proxy)
 COLLECTOR = web.AppKey("collector", HeartbeatCollector)
 _INFLIGHT = web.AppKey("inflight", InFlight)
+ADMISSION = web.AppKey("admission", Admission)
+# Auth, rate-limit, residency and heartbeat-verification counters (for /metrics).
+SECURITY_STATS = web.AppKey("security_stats", SecurityStats)
 
 
 def build_app(settings: RouterSettings) -> web.Application:
     config = settings.config
+    operations = Operations.create(
+        config, config_path=settings.config_path, region=settings.region,
+        policy_override=settings.policy, tracer_provider=settings.tracer_provider,
+    )
     app = web.Application(
-        middlewares=[openai_errors], client_max_size=config.router.max_body_bytes
+        middlewares=[*operations.middlewares, openai_errors],
+        client_max_size=config.router.max_body_bytes,
     )
     app[SETTINGS] = settings
     app[HOLDER] = SnapshotHolder()
+    app[SECURITY_STATS] = SecurityStats()
+    app.on_response_prepare.append(add_rate_limit_headers)
     app.cleanup_ctx.append(_fleet_view)
+    app.cleanup_ctx.append(_admission)
     app.cleanup_ctx.append(_proxy)
+    app[OPERATIONS] = operations
+    app.cleanup_ctx.append(_operations)
+    operations.add_routes(app)
     app.router.add_post("/v1/chat/completions", _inference)
     app.router.add_post("/v1/completions", _inference)
     app.router.add_post("/v1/embeddings", _inference)
@@ -68,7 +97,7 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    return await request.app[PROXY].health(request)
+    return await request.app[PROXY].health_check(request)
 
 
 async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
@@ -84,6 +113,8 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         keys=HeartbeatKeys(settings.config.redis.key_prefix),
         holder=app[HOLDER],
         local_inflight=inflight.of,
+        gate=heartbeat_gate(lambda: app[OPERATIONS].configs.current,  # follows reloads
+                            settings.heartbeat_keys, app[SECURITY_STATS]),
     )
     app[COLLECTOR] = collector
     task = asyncio.create_task(collector.run(), name="heartbeat-collector")
@@ -96,6 +127,16 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         await task
     await redis.aclose()
     await pubsub_redis.aclose()
+
+
+async def _admission(app: web.Application) -> AsyncIterator[None]:
+    """API keys and rate limits (with their own Redis pool), for the app's lifetime."""
+    settings = app[SETTINGS]
+    app[ADMISSION] = build_admission(settings.config, settings.redis_url, app[SECURITY_STATS])
+    if settings.config.auth.enabled:
+        await app[ADMISSION].warm_up()  # at most 1 s, only when limits can apply
+    yield
+    await app[ADMISSION].aclose()
 
 
 async def _proxy(app: web.Application) -> AsyncIterator[None]:
@@ -112,22 +153,47 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         auto_decompress=False,
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
+    health_config = config.router.health
+    health = Health(BreakerPolicy(
+        failures_to_eject=health_config.failures_to_eject,
+        base_backoff_s=health_config.base_backoff_s,
+        max_backoff_s=health_config.max_backoff_s,
+    ))
     context = RoutingContext(
-        rtt_ms=config.rtt_ms,
+        rtt_ms=app[OPERATIONS].configs.rtt_ms,  # follows hot reloads
         inflight=app[_INFLIGHT],
         rng=random.Random(settings.seed),
         near_equal_ms=config.router.near_equal_ms,
+        health=health,
+        region_cost=lambda region: app[OPERATIONS].configs.current.cost_per_gpu_hour(region),
     )
+    operations = app[OPERATIONS]
     app[PROXY] = Proxy(
-        config=config,
+        configs=operations.configs,
         region=settings.region,
         holder=app[HOLDER],
         policy=create_policy(settings.policy or config.router.policy, context),
         inflight=app[_INFLIGHT],
         session=session,
+        health=health,
+        retry_budget=RetryBudget(health_config.retry_budget_ratio,
+                                 min_per_s=health_config.retry_budget_min_per_s),
+        admission=app[ADMISSION],
+        observers=operations.observers,
+        drains=operations.drains,
     )
     yield
     await session.close()
+
+
+async def _operations(app: web.Application) -> AsyncIterator[None]:
+    """Drain flags, config hot reload and the admin context, for the app's lifetime."""
+    operations = app[OPERATIONS]
+    await operations.start(app, redis_url=app[SETTINGS].redis_url, proxy=app[PROXY],
+                           snapshots=app[HOLDER], inflight=app[_INFLIGHT],
+                           security=app[SECURITY_STATS])
+    yield
+    await operations.stop()
 
 
 def run(settings: RouterSettings, host: str, port: int) -> None:
@@ -138,6 +204,8 @@ def run(settings: RouterSettings, host: str, port: int) -> None:
         host=host,
         port=port,
         handler_cancellation=True,
+        # Also closes a connection whose request headers have not all arrived by then.
+        keepalive_timeout=settings.config.router.client_timeouts.header_s,
         access_log=None,
         print=lambda _msg: print(f"router listening on http://{host}:{port}", flush=True),
         loop=new_event_loop(),

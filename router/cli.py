@@ -5,6 +5,10 @@
     globalpool worker --region R --engine-url URL
     globalpool sim --port P            # the engine simulator
     globalpool check-config FILE
+    globalpool drill SCENARIO --out DIR [--quick]   # failover drill under load (DRILLS.md)
+    globalpool bench --out DIR [--quick]         # routing policies on one trace (BENCHMARKS.md)
+    globalpool bench-proxy --out DIR [--quick]   # proxy cost vs peer routers (BENCHMARKS.md)
+    globalpool status [--router URL] [--watch]   # regions and workers, from the admin API
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from router.config import ConfigError, GlobalConfig, load_config
 
@@ -57,9 +62,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_sim_arguments(sim)
     sim.set_defaults(run=run_sim)
 
+    from router.benchproxy import cli as benchproxy
+
+    bench_proxy = commands.add_parser(
+        "bench-proxy", help="router CPU per request vs peer routers (fake backends, issue 8)")
+    benchproxy.add_bench_proxy_arguments(bench_proxy)
+    bench_proxy.set_defaults(run=benchproxy.run_bench_proxy)
+    bench_decision = commands.add_parser(
+        "bench-decision", help="cost of one routing decision at 10..10,000 workers")
+    benchproxy.add_bench_decision_arguments(bench_decision)
+    bench_decision.set_defaults(run=benchproxy.run_bench_decision)
+    bench_heartbeats = commands.add_parser(
+        "bench-heartbeats", help="router CPU to follow 10,000 workers heartbeating at 4 Hz")
+    benchproxy.add_bench_heartbeats_arguments(bench_heartbeats)
+    bench_heartbeats.set_defaults(run=benchproxy.run_bench_heartbeats)
+
+    from router.bench.cli import add_bench_arguments, run_bench_command
+
+    bench_routing = commands.add_parser(
+        "bench", help="routing policies side by side on one multi-region trace (issue 4)")
+    add_bench_arguments(bench_routing)
+    bench_routing.set_defaults(run=run_bench_command)
+
+    from router.drill.cli import add_drill_arguments, run_drill_command
+
+    drill = commands.add_parser("drill", help="a failover drill under load (kill-region, ...)")
+    add_drill_arguments(drill)
+    drill.set_defaults(run=run_drill_command)
+
     check = commands.add_parser("check-config", help="validate a regions.yaml")
     check.add_argument("file", nargs="?", default=DEFAULT_CONFIG)
     check.set_defaults(run=_run_check_config)
+
+    status = commands.add_parser("status", help="regions and workers from a router's admin API")
+    from router.admin.table import add_status_arguments, run_status
+
+    add_status_arguments(status)
+    status.set_defaults(run=run_status)
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -114,7 +153,8 @@ def _run_router(args: argparse.Namespace) -> int:
         print(f"--region: no region named {region!r} in {args.config}", file=sys.stderr)
         return 2
     settings = RouterSettings(
-        config=config, redis_url=redis_url, region=region, policy=args.policy, seed=args.seed
+        config=config, redis_url=redis_url, region=region, policy=args.policy, seed=args.seed,
+        config_path=Path(args.config),
     )
     try:
         port = args.port if args.port is not None else config.router.port

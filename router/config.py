@@ -13,7 +13,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from router.auth.config import AuthConfig, KeysFileError, merge_keys_file
+from router.auth.endpoints import entry_problem
 
 API_VERSION = "globalpool/v1"
 
@@ -44,6 +54,33 @@ class Timeouts(_Strict):
     total_s: float = Field(default=900.0, gt=0, description="whole attempt, first byte to last")
 
 
+class HealthConfig(_Strict):
+    """Passive health checks: how the router ejects failing workers on its own."""
+
+    failures_to_eject: int = Field(
+        default=3, ge=1, description="failures in a row (5xx, timeouts, broken streams) "
+        "that eject a worker; a refused or reset connection ejects at once")
+    base_backoff_s: float = Field(default=1.0, gt=0, description="first ejection's length")
+    max_backoff_s: float = Field(default=30.0, gt=0, description="cap of the doubling backoff")
+    retry_budget_ratio: float = Field(
+        default=0.2, ge=0, le=1, description="retries may add at most this share of load")
+    retry_budget_min_per_s: float = Field(
+        default=5.0, ge=0, description="retries allowed per second even when traffic is low")
+
+
+class ClientTimeouts(_Strict):
+    """Limits on slow clients (slowloris): each covers one phase of reading a request."""
+
+    header_s: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="a connection that has not sent complete request headers this long "
+        "after it opened (or after its last answer: keep-alive idle) is closed",
+    )
+    body_s: float = Field(
+        default=60.0, gt=0, le=3600, description="reading the whole request body -> 408"
+    )
+
+
 class RouterConfig(_Strict):
     region: str | None = Field(default=None, description="the region this replica runs in")
     host: str = "127.0.0.1"
@@ -54,14 +91,24 @@ class RouterConfig(_Strict):
     )
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_attempts: int = Field(
-        default=2, ge=1, le=5, description="attempts per request; retries only before first byte"
+        default=3, ge=1, le=5, description="attempts per request; retries only before first byte"
     )
     timeouts: Timeouts = Timeouts()
+    health: HealthConfig = HealthConfig()
+    max_json_depth: int = Field(
+        default=64, ge=2, le=512, description="deepest nesting of arrays/objects in a body"
+    )
+    client_timeouts: ClientTimeouts = ClientTimeouts()
 
 
 class HeartbeatConfig(_Strict):
     interval_s: float = Field(default=0.5, gt=0, le=60)
     ttl_s: float = Field(default=2.0, gt=0, le=600)
+    max_clock_skew_s: float = Field(
+        default=5.0, ge=0, le=600,
+        description="signed heartbeats sent further in the future, or older than their "
+        "ttl_s by more than this, are dropped (replays)",
+    )
 
     @model_validator(mode="after")
     def _ttl_covers_intervals(self) -> HeartbeatConfig:
@@ -87,7 +134,44 @@ class RegionConfig(_Strict):
         default_factory=dict, description="round-trip time in ms from this region to others"
     )
     models: list[str] = Field(min_length=1)
+    cost_per_gpu_hour: float = Field(
+        default=1.0, ge=0, description="what a GPU hour costs here; batch traffic goes to the "
+        "cheapest region with spare capacity")
+    drain: bool = Field(
+        default=False, description="drained: the region gets no new requests (in-flight ones "
+        "finish); the admin API can drain and undrain at run time too")
     simulated: SimulatedPool = SimulatedPool()
+    allowed_endpoints: list[str] | None = Field(
+        default=None, min_length=1,
+        description="hosts, IPs, CIDRs or *.suffix names the region's workers may advertise; "
+        "heartbeats with other endpoints are dropped (omitted: any)",
+    )
+    upstream_api_key_env: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="environment variable with the key sent as `Authorization: Bearer` to "
+        "this region's workers",
+    )
+
+    @field_validator("allowed_endpoints")
+    @classmethod
+    def _valid_endpoints(cls, entries: list[str] | None) -> list[str] | None:
+        problems = [p for p in map(entry_problem, entries or ()) if p is not None]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return entries
+
+
+class AdminConfig(_Strict):
+    """The operators' surface: admin API token and hot reload of this file."""
+
+    token_env: str = Field(
+        default="GLOBALPOOL_ADMIN_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="environment variable holding the admin token; unset = admin API off",
+    )
+    config_check_s: float = Field(
+        default=1.0, ge=0, le=3600,
+        description="how often the router checks this file for changes (hot reload); 0 = never",
+    )
 
 
 class GlobalConfig(_Strict):
@@ -95,6 +179,8 @@ class GlobalConfig(_Strict):
     redis: RedisConfig = RedisConfig()
     router: RouterConfig = RouterConfig()
     heartbeat: HeartbeatConfig = HeartbeatConfig()
+    admin: AdminConfig = AdminConfig()
+    auth: AuthConfig = AuthConfig()
     regions: dict[str, RegionConfig] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -115,9 +201,14 @@ class GlobalConfig(_Strict):
                     problems.append(f"regions.{a}.rtt_ms.{b}: missing (give it in either region)")
         if self.router.region is not None and self.router.region not in names:
             problems.append(f"router.region: no region named {self.router.region!r}")
+        problems.extend(self.auth.problems(names))
         if problems:
             raise _ReferenceErrors(problems)
         return self
+
+    def cost_per_gpu_hour(self, region: str) -> float:
+        spec = self.regions.get(region)
+        return 1.0 if spec is None else spec.cost_per_gpu_hour
 
     def rtt_ms(self, src: str, dst: str) -> float:
         """Round-trip ms from `src` to `dst`; symmetric when only one direction is given."""
@@ -193,6 +284,11 @@ def parse_config(document: Any, source: str = "regions.yaml") -> GlobalConfig:
             [f"apiVersion: unsupported {document['apiVersion']!r}, expected {API_VERSION!r}"],
         )
     try:
+        # A keys file named by auth.keys_file is relative to the file being read.
+        document = merge_keys_file(document, Path(source).parent)
+    except KeysFileError as exc:
+        raise ConfigError(exc.source, exc.problems) from None
+    try:
         return GlobalConfig.model_validate(document)
     except ValidationError as exc:
         problems: list[str] = []
@@ -208,6 +304,11 @@ def load_config(path: str | Path) -> GlobalConfig:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(source, [f"(file): cannot read: {exc.strerror or exc}"]) from None
+    return parse_config_text(text, source)
+
+
+def parse_config_text(text: str | bytes, source: str = "regions.yaml") -> GlobalConfig:
+    """Parse and validate the YAML text of a regions.yaml. Raises ConfigError naming `source`."""
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:

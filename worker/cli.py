@@ -1,11 +1,20 @@
 """`globalpool worker`: run the agent that sits beside one vLLM (or simulator) server.
 
+Either attach to a running engine (`--engine-url`), or launch and supervise one:
+
+    globalpool worker --region us-east --redis-url redis://... \
+        --launch -- vllm serve MODEL --port 8000 --max-num-seqs 64
+
+Everything after `--` is the engine's command line, run as is. Unless given as flags, the
+engine URL (`--host`, `--port`; vLLM's defaults are all interfaces and 8000) and
+`--max-num-seqs` are read from it.
+
 Settings come from flags, then the environment (REDIS_URL), then `--config regions.yaml`,
 then defaults. On start the agent prints one line to stdout,
 
     worker <id> publishing to <redis> every <interval>s
 
-which launchers wait for; logs go to stderr.
+which launchers wait for; logs (and a launched engine's output) go to stderr.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from worker.agent import AgentSettings, serve
 from worker.heartbeat import HeartbeatTiming, WorkerIdentity
+from worker.signing import KEY_ID_ENV, KEYS_ENV, HeartbeatSigner, SigningKeyError
+from worker.supervisor import EngineCommand, RestartPolicy
 
 DEFAULT_INTERVAL_S = 0.5
 DEFAULT_TTL_S = 2.0
@@ -41,8 +52,9 @@ class WorkerConfigError(Exception):
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The `worker` subcommand's flags."""
     parser.add_argument("--region", required=True, help="the region this worker serves in")
-    parser.add_argument("--engine-url", required=True,
-                        help="the vLLM server to observe, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--engine-url",
+                        help="the vLLM server to observe, e.g. http://127.0.0.1:8000 "
+                        "(with --launch: default from the command's --host and --port)")
     parser.add_argument("--advertise-url",
                         help="where routers send requests (default: --engine-url)")
     parser.add_argument("--worker-id",
@@ -57,9 +69,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl-s", type=float,
                         help=f"heartbeat lifetime in Redis (default: --config, then "
                         f"{DEFAULT_TTL_S})")
-    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+    parser.add_argument("--max-num-seqs", type=int,
                         help="the engine's --max-num-seqs: sequences it runs at once "
-                        "(default: %(default)s, vLLM's default)")
+                        "(default: the launched command's, then "
+                        f"{DEFAULT_MAX_NUM_SEQS}, vLLM's default)")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0,
                         help="on SIGTERM, longest wait for in-flight requests "
                         "(default: %(default)s)")
@@ -68,6 +81,32 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path,
                         help="regions.yaml: redis.url, redis.key_prefix, heartbeat.interval_s "
                         "and heartbeat.ttl_s when the flags are not given")
+    launch = parser.add_argument_group(
+        "launching the engine", "--launch -- COMMAND...: run the engine as a child process, "
+        "restart it when it exits, stop it after the drain")
+    launch.add_argument("--launch", action="store_true",
+                        help="launch and supervise the engine command given after `--`")
+    launch.add_argument("engine_command", nargs="*", metavar="COMMAND",
+                        help="with --launch, after `--`: the engine's command line, e.g. "
+                        "vllm serve MODEL --port 8000")
+    launch.add_argument("--start-timeout-s", type=float, default=600.0,
+                        help="longest wait from launch to /health answering before the engine "
+                        "is killed and restarted (default: %(default)s)")
+    launch.add_argument("--max-restart-backoff-s", type=float, default=30.0,
+                        help="the wait before a restart doubles from 1 s up to this "
+                        "(default: %(default)s)")
+    launch.add_argument("--max-failed-starts", type=int, default=5,
+                        help="exit (code 1) after this many launches in a row that never "
+                        "became healthy; 0: never (default: %(default)s)")
+    launch.add_argument("--stop-timeout-s", type=float, default=30.0,
+                        help="after the drain, SIGTERM to the engine's process group, then "
+                        "SIGKILL after this many seconds (default: %(default)s)")
+    launch.add_argument("--engine-log", type=Path,
+                        help="append the engine's output to this file (default: stderr)")
+    parser.add_argument("--signing-key-id",
+                        help=f"sign heartbeats with this key of ${KEYS_ENV} (or "
+                        f"${KEYS_ENV}_FILE); default: ${KEY_ID_ENV}, then the first key. "
+                        "Without keys heartbeats are unsigned")
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -81,6 +120,20 @@ def run_worker(args: argparse.Namespace) -> int:
     except WorkerConfigError as exc:
         print(f"globalpool worker: {exc}", file=sys.stderr)
         return 2
+    try:
+        signer = HeartbeatSigner.from_environ(os.environ, args.signing_key_id)
+    except SigningKeyError as exc:
+        print(f"globalpool worker: {exc}", file=sys.stderr)
+        return 2
+    if signer is None:
+        logging.getLogger("globalpool.worker").warning(
+            "heartbeats are unsigned (no %s): routers with signing keys will drop them",
+            KEYS_ENV)
+    else:
+        # The publisher reads the key from the environment (see worker.publisher).
+        os.environ[KEY_ID_ENV] = signer.key_id
+        logging.getLogger("globalpool.worker").info("signing heartbeats with key %r",
+                                                    signer.key_id)
 
     def announce() -> None:
         print(f"worker {settings.identity.worker_id} publishing to "
@@ -102,7 +155,8 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentSettings:
     """Resolve flags > environment > config file > defaults. Raises WorkerConfigError."""
     config = _ConfigView() if args.config is None else _read_config(args.config)
-    engine_url = _http_url(args.engine_url, "--engine-url")
+    launch, restart = _launch_settings(args)
+    engine_url = _http_url(_engine_url(args, launch), "--engine-url")
     advertise_url = _http_url(args.advertise_url or engine_url, "--advertise-url")
     region: str = args.region
     worker_id: str = args.worker_id or default_worker_id(region, advertise_url)
@@ -120,13 +174,12 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
             f"--ttl-s {ttl_s:g}: must be at least twice the interval ({interval_s:g}s) so that "
             "one late heartbeat does not drop the worker, and at most 3600"
         )
-    if args.max_num_seqs < 1:
-        raise WorkerConfigError("--max-num-seqs: must be >= 1")
+    max_num_seqs = _max_num_seqs(args, launch)
     if args.drain_timeout_s < 0:
         raise WorkerConfigError("--drain-timeout-s: must be >= 0")
     kind = cast(Literal["vllm", "sim", "openai"], args.engine_kind)
     return AgentSettings(
-        identity=WorkerIdentity(worker_id, region, advertise_url, args.max_num_seqs, kind),
+        identity=WorkerIdentity(worker_id, region, advertise_url, max_num_seqs, kind),
         engine_url=engine_url,
         redis_url=redis_url,
         key_prefix=args.key_prefix or config.redis.key_prefix or DEFAULT_KEY_PREFIX,
@@ -137,7 +190,86 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         drain_timeout_s=args.drain_timeout_s,
         # Leaves room for the jittered interval and one Redis write inside one TTL.
         probe_timeout_s=min(1.0, ttl_s / 3),
+        launch=launch,
+        restart=restart,
     )
+
+
+def _launch_settings(args: argparse.Namespace) -> tuple[EngineCommand | None, RestartPolicy]:
+    command: list[str] = list(args.engine_command or [])
+    if not args.launch:
+        if command:
+            raise WorkerConfigError(
+                f"unexpected arguments {' '.join(command)!r}: to launch an engine, "
+                "write --launch -- COMMAND..."
+            )
+        if args.engine_url is None:
+            raise WorkerConfigError("pass --engine-url URL, or --launch -- COMMAND...")
+        return None, RestartPolicy()
+    if not command:
+        raise WorkerConfigError("--launch: give the engine's command after `--`, e.g. "
+                                "--launch -- vllm serve MODEL --port 8000")
+    for flag in ("--start-timeout-s", "--max-restart-backoff-s", "--stop-timeout-s"):
+        if getattr(args, flag[2:].replace("-", "_")) <= 0:
+            raise WorkerConfigError(f"{flag}: must be > 0")
+    if args.max_failed_starts < 0:
+        raise WorkerConfigError("--max-failed-starts: must be >= 0")
+    policy = RestartPolicy(
+        start_timeout_s=args.start_timeout_s,
+        initial_backoff_s=min(1.0, args.max_restart_backoff_s),
+        max_backoff_s=args.max_restart_backoff_s,
+        max_failed_starts=args.max_failed_starts,
+        stop_timeout_s=args.stop_timeout_s,
+    )
+    return EngineCommand(tuple(command), log_path=args.engine_log), policy
+
+
+def _engine_url(args: argparse.Namespace, launch: EngineCommand | None) -> str:
+    """--engine-url, else where the launched vLLM listens (its --host and --port)."""
+    if args.engine_url is not None or launch is None:
+        return str(args.engine_url)
+    host = option_value(launch.argv, "--host") or "127.0.0.1"
+    if host in ("0.0.0.0", "", "::"):
+        host = "127.0.0.1" if host != "::" else "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    port = option_value(launch.argv, "--port") or "8000"
+    if not port.isdigit():
+        raise WorkerConfigError(f"the launched command's --port {port!r}: expected a number")
+    return f"http://{host}:{port}"
+
+
+def _max_num_seqs(args: argparse.Namespace, launch: EngineCommand | None) -> int:
+    value: int | None = args.max_num_seqs
+    source = "--max-num-seqs"
+    if value is None and launch is not None:
+        text = option_value(launch.argv, "--max-num-seqs")
+        if text is not None:
+            source = "the launched command's --max-num-seqs"
+            try:
+                value = int(text)
+            except ValueError:
+                raise WorkerConfigError(f"{source} {text!r}: expected a number") from None
+    if value is None:
+        return DEFAULT_MAX_NUM_SEQS
+    if value < 1:
+        raise WorkerConfigError(f"{source}: must be >= 1")
+    return value
+
+
+def option_value(argv: tuple[str, ...], option: str) -> str | None:
+    """The last value of `option` in a command line (`--opt V` or `--opt=V`; vLLM accepts
+    underscores for dashes too), or None."""
+    spellings = {option, "--" + option[2:].replace("-", "_")}
+    found: str | None = None
+    for index, arg in enumerate(argv):
+        name, equals, value = arg.partition("=")
+        if name in spellings:
+            if equals:
+                found = value
+            elif index + 1 < len(argv):
+                found = argv[index + 1]
+    return found
 
 
 def default_worker_id(region: str, advertise_url: str) -> str:

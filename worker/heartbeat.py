@@ -42,6 +42,15 @@ class Publisher(Protocol):
     async def publish(self, heartbeat: Heartbeat) -> None: ...
 
 
+class EngineProcess(Protocol):
+    """A supervised engine process (worker.supervisor.EngineSupervisor), when there is one."""
+
+    @property
+    def down(self) -> bool:
+        """The process is not running: it exited or missed its start deadline."""
+        ...
+
+
 @dataclass(frozen=True)
 class WorkerIdentity:
     """What a heartbeat says about the worker itself; fixed for the life of the process."""
@@ -55,11 +64,15 @@ class WorkerIdentity:
 
 @dataclass(frozen=True)
 class HeartbeatTiming:
-    """`interval_s` between heartbeats; `ttl_s` of each; `max_backoff_s` while Redis is down."""
+    """`interval_s` between heartbeats; `ttl_s` of each; `max_backoff_s` while Redis is down;
+    `failed_probes_to_degrade`: probes in a row that must fail before a `ready` worker says
+    `degraded` (a busy vLLM on few cores sometimes answers /metrics late once; a launched
+    engine that exits is `degraded` at once, whatever this says)."""
 
     interval_s: float
     ttl_s: float
     max_backoff_s: float = 2.0
+    failed_probes_to_degrade: int = 2
 
 
 @dataclass(frozen=True)
@@ -83,13 +96,21 @@ class EngineView:
 
 
 def next_state(
-    current: LifecycleState, probe: ProbeResult, view: EngineView, *, draining: bool
+    current: LifecycleState,
+    probe: ProbeResult,
+    view: EngineView,
+    *,
+    draining: bool,
+    engine_down: bool = False,
 ) -> LifecycleState:
     """`starting` until the engine is first healthy, measurable and lists its models; then
-    `ready` while /health and /metrics answer, `degraded` while they do not; `draining`
-    once a drain has begun, whatever the engine does."""
+    `ready` while /health and /metrics answer, `degraded` while they do not, or while a
+    supervised engine process is down (crashed, or past its start deadline) whatever an
+    earlier answer said; `draining` once a drain has begun, whatever the engine does."""
     if draining:
         return LifecycleState.DRAINING
+    if engine_down:
+        return LifecycleState.DEGRADED
     if probe.engine_ok and view.models is not None:
         return LifecycleState.READY
     if current is LifecycleState.STARTING:
@@ -173,6 +194,7 @@ class HeartbeatLoop:
         publisher: Publisher,
         timing: HeartbeatTiming,
         *,
+        engine_process: EngineProcess | None = None,
         rng: random.Random | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         wall_clock: Callable[[], float] = time.time,
@@ -182,6 +204,7 @@ class HeartbeatLoop:
         self._prober = prober
         self._publisher = publisher
         self._timing = timing
+        self._engine_process = engine_process
         self._rng = rng or random.Random()
         self._sleep = sleep
         self._wall_clock = wall_clock
@@ -199,6 +222,7 @@ class HeartbeatLoop:
         self._outage_started: float | None = None
         self._unpublished = 0
         self._warned_no_kv = False
+        self._failed_probes = 0
 
     @property
     def state(self) -> LifecycleState:
@@ -207,6 +231,11 @@ class HeartbeatLoop:
     def begin_drain(self) -> None:
         """From now on publish `draining`, starting with a heartbeat sent right away."""
         self._draining = True
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Send the next heartbeat now rather than at the end of the interval (the
+        supervisor calls this when the engine process starts, crashes or comes back)."""
         self._wake.set()
 
     async def next_beat(self) -> Beat:
@@ -264,7 +293,19 @@ class HeartbeatLoop:
                     "engine exposes neither vllm:kv_cache_usage_perc nor "
                     "vllm:gpu_cache_usage_perc; heartbeats say kv_usage_metric=None"
                 )
-        state = next_state(self._state, probe, self._view, draining=self._draining)
+        engine_down = self._engine_process is not None and self._engine_process.down
+        state = next_state(self._state, probe, self._view, draining=self._draining,
+                           engine_down=engine_down)
+        if (state is LifecycleState.DEGRADED and self._state is LifecycleState.READY
+                and not engine_down):
+            self._failed_probes += 1
+            if self._failed_probes < self._timing.failed_probes_to_degrade:
+                log.info("worker %s: probe failed (%s); still ready until %d in a row fail",
+                         self._identity.worker_id, "; ".join(probe.errors),
+                         self._timing.failed_probes_to_degrade)
+                state = LifecycleState.READY
+        else:
+            self._failed_probes = 0
         if state is not self._state:
             self._log_transition(state, probe)
             self._state = state
@@ -279,6 +320,8 @@ class HeartbeatLoop:
             detail = f"models {served}; engine {engine}"
         else:
             detail = "; ".join(probe.errors)
+            if self._engine_process is not None and self._engine_process.down:
+                detail = "; ".join(filter(None, ("the engine process is down", detail)))
         level = logging.WARNING if state is LifecycleState.DEGRADED else logging.INFO
         log.log(level, "worker %s: %s -> %s%s", self._identity.worker_id,
                 self._state.value, state.value, f" ({detail})" if detail else "")

@@ -296,7 +296,7 @@ def open_engine_session(timeout_s: float = 1.0) -> aiohttp.ClientSession:
 
 
 class EngineProber:
-    """Probes one engine over a caller-owned session; caches /version after it answers."""
+    """Probes one engine over a caller-owned session; caches /version while /health answers."""
 
     def __init__(self, session: aiohttp.ClientSession, engine_url: str) -> None:
         self._session = session
@@ -316,13 +316,18 @@ class EngineProber:
         models = _guard(parse_models, models_json, "/v1/models", errors)
         if self._version is None:
             self._version = _guard(parse_version, version_json, "/version", errors)
-        return ProbeResult(
+        result = ProbeResult(
             health_ok=health is not None,
             metrics=metrics,
             models=models,
             version=self._version,
             errors=tuple(errors),
         )
+        if not result.health_ok:
+            # The engine that answers next may be another one (restarted, maybe upgraded):
+            # ask it for its version again.
+            self._version = None
+        return result
 
     async def _get(self, path: str, errors: list[str], *, want: str) -> Any:
         try:

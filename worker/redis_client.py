@@ -7,6 +7,8 @@ instead of hanging. Works with `redis://`, `rediss://` (TLS) and AUTH in the URL
 
 from __future__ import annotations
 
+import asyncio
+
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -50,3 +52,15 @@ def connect_pubsub(url: str, *, connect_timeout_s: float = 1.0) -> Redis:
         decode_responses=False,
     )
     return Redis(connection_pool=pool)
+
+
+def raise_if_cancelling() -> None:
+    """Re-raise a cancellation that redis-py turned into a Redis error.
+
+    A task cancelled in the middle of a command can see `ConnectionError` or
+    `TimeoutError` instead of `CancelledError`; a loop that catches Redis errors and
+    retries would then never stop. Call this first in such `except` blocks.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

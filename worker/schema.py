@@ -91,6 +91,11 @@ class Heartbeat(_Frozen):
     seq: int = Field(ge=0)
     sent_at_s: float
     ttl_s: float = Field(gt=0, le=3600)
+    # HMAC-SHA256 (hex) over the heartbeat without this field, by the key `key_id`
+    # (see worker.signing). Both None in unsigned heartbeats, which routers accept only
+    # while they have no signing keys configured.
+    key_id: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    signature: str | None = Field(default=None, max_length=128, pattern=r"^[0-9a-f]+$")
 
     def to_json(self) -> str:
         return self.model_dump_json()

@@ -1,8 +1,21 @@
-"""The whole system on one machine: Valkey, simulated regional pools, worker agents, a router.
+"""The whole system on one machine: Valkey, simulated regional pools, worker agents, routers.
 
 Each simulated region gets its own loopback address (127.0.X.1); every child is a real
 process with a known PID whose logs go to `log_dir`. `LocalStack` is used by
-`globalpool up` and by the integration tests alike.
+`globalpool up`, by `globalpool drill` and by the integration tests alike.
+
+Options beyond `up`'s defaults:
+- `netem=True`: one emulated-network process per region (router.devstack.netem) between
+  the routers and that region's simulators, adding the region's RTT from the router's
+  region; worker agents then advertise the netem port (`--advertise-url`), so routers
+  reach engines only through it, while agents probe their engine directly.
+- `router_regions`: one router replica per listed region, each started with `--region`
+  and listening on that region's loopback address (the first on `host:port`).
+- `admin_token`: given to the routers in the environment variable the config names
+  (`admin.token_env`), so that the admin API is on.
+
+Faults for drills are methods: kill, drain (SIGTERM) or restart processes, set a
+simulator's fault knobs, partition or slow a region's network, stop/start/freeze Valkey.
 """
 
 from __future__ import annotations
@@ -10,47 +23,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
 
 from router.config import GlobalConfig
-from router.devstack.process import die_with_parent
-from router.devstack.valkey import EmbeddedValkey
+from router.devstack.children import Child, StackError, close, spawn, terminate
+from router.devstack.valkey import EmbeddedValkey, free_port
+
+__all__ = ["Child", "LocalStack", "StackError", "region_address"]
 
 Progress = Callable[[str], None]
-
-
-class StackError(RuntimeError):
-    """A part of the local stack did not start; the message says which and where its log is."""
-
-
-@dataclass
-class Child:
-    """One running process of the stack."""
-
-    name: str
-    role: str  # "sim" | "worker" | "router"
-    region: str | None
-    process: asyncio.subprocess.Process
-    log_path: Path
-    url: str | None = None
-    _log: IO[bytes] | None = field(default=None, repr=False)
-    _drain: asyncio.Task[None] | None = field(default=None, repr=False)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def running(self) -> bool:
-        return self.process.returncode is None
+_HTTP_TIMEOUT = aiohttp.ClientTimeout(total=3)
 
 
 def region_address(index: int) -> str:
@@ -74,6 +64,9 @@ class LocalStack:
         progress: Progress = lambda _line: None,
         start_timeout_s: float = 30.0,
         python: str = sys.executable,
+        netem: bool = False,
+        router_regions: Sequence[str | None] | None = None,
+        admin_token: str | None = None,
     ) -> None:
         self.config = config
         self.config_path = config_path
@@ -81,15 +74,23 @@ class LocalStack:
         self.port = port
         self.log_dir = log_dir
         self.key_prefix = key_prefix or config.redis.key_prefix
+        self.netem = netem
+        self.router_regions: list[str | None] = list(
+            router_regions if router_regions else [config.router.region])
+        self.admin_token = admin_token
         self._redis_url = redis_url
         self._progress = progress
         self._timeout_s = start_timeout_s
         self._python = python
         self.valkey: EmbeddedValkey | None = None
+        self._valkey_frozen = False
         self.children: list[Child] = []
         self._steps_done = 0
-        self._steps_total = 2 + 2 * sum(r.simulated.workers for r in config.regions.values())
+        sims = sum(r.simulated.workers for r in config.regions.values())
+        netems = sum(1 for r in config.regions.values() if r.simulated.workers) if netem else 0
+        self.steps_total = 1 + 2 * sims + netems + len(self.router_regions)
 
+    # --- where things are -------------------------------------------------------------
     @property
     def redis_url(self) -> str:
         if self._redis_url is not None:
@@ -99,13 +100,33 @@ class LocalStack:
 
     @property
     def router_url(self) -> str:
+        """The first router replica (the only one unless `router_regions` names more)."""
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def router_urls(self) -> dict[str | None, str]:
+        """Each router replica's URL by its region."""
+        return {child.region: str(child.url) for child in self.by_role("router")}
+
+    def by_role(self, role: str, region: str | None = None) -> list[Child]:
+        return [c for c in self.children
+                if c.role == role and (region is None or c.region == region)]
+
+    def child(self, name: str) -> Child:
+        for child in self.children:
+            if child.name == name:
+                return child
+        raise KeyError(f"no child named {name!r}")
+
+    def _region_index(self, region: str) -> int:
+        return list(self.config.regions).index(region)
 
     def _step(self, line: str) -> None:
         self._steps_done += 1
-        width = len(str(self._steps_total))
-        self._progress(f"[{self._steps_done:>{width}}/{self._steps_total}] {line}")
+        width = len(str(self.steps_total))
+        self._progress(f"[{self._steps_done:>{width}}/{self.steps_total}] {line}")
 
+    # --- start and stop ---------------------------------------------------------------
     async def start(self) -> None:
         """Bring every part up in dependency order; on any failure stop what started."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -117,9 +138,8 @@ class LocalStack:
 
     async def _start(self) -> None:
         if self._redis_url is None:
-            self.valkey = EmbeddedValkey.start(
-                die_with_parent=True, log_path=self.log_dir / "valkey.log"
-            )
+            self.valkey = await asyncio.to_thread(
+                EmbeddedValkey.start, die_with_parent=True, log_path=self.log_dir / "valkey.log")
             self._step(f"valkey      {self.valkey.url} (pid {self.valkey.pid})")
         else:
             self._step(f"redis       {self.redis_url} (external)")
@@ -130,60 +150,30 @@ class LocalStack:
         ]
         for sim in await asyncio.gather(*sims):
             self._step(f"sim         {sim.name:<14} {sim.url} (pid {sim.pid})")
-        sim_children = [c for c in self.children if c.role == "sim"]
+        if self.netem:
+            for netem in await asyncio.gather(*(self._start_netem(region)
+                                                for region in self.config.regions
+                                                if self.by_role("sim", region))):
+                self._step(f"netem       {netem.region:<14} {netem.url} (pid {netem.pid})")
+        sim_children = self.by_role("sim")
         workers = await asyncio.gather(*(self._start_worker(sim) for sim in sim_children))
         for worker in workers:
             self._step(f"worker      {worker.name:<14} -> {self.redis_url} (pid {worker.pid})")
-        router = await self._start_router()
-        await self._wait_router_sees(len(sim_children))
-        self._step(f"router      {self.config.router.region or '-':<14} {router.url} "
-                   f"(pid {router.pid})")
+        for number, region in enumerate(self.router_regions):
+            router = await self._start_router(region, number)
+            await self._wait_router_sees(str(router.url), len(sim_children))
+            self._step(f"router      {region or '-':<14} {router.url} (pid {router.pid})")
 
-    async def _spawn(
-        self, name: str, role: str, region: str | None, args: Sequence[str], ready_prefix: str
-    ) -> Child:
-        log_path = self.log_dir / f"{name}.log"
-        log = log_path.open("wb")
-        process = await asyncio.create_subprocess_exec(
-            self._python, "-m", "router.cli", *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log,
-            preexec_fn=die_with_parent,
+    async def _spawn(self, name: str, role: str, region: str | None, args: Sequence[str],
+                     ready_prefix: str, *, module: str = "router.cli",
+                     env: dict[str, str] | None = None, starts: int = 1) -> Child:
+        child = await spawn(
+            name=name, role=role, region=region, module=module, args=args,
+            ready_prefix=ready_prefix, log_path=self.log_dir / f"{name}.log",
+            python=self._python, timeout_s=self._timeout_s, env=env, starts=starts,
         )
-        child = Child(name=name, role=role, region=region, process=process, log_path=log_path,
-                      _log=log)
         self.children.append(child)
-        line = await self._read_ready_line(child, ready_prefix)
-        child.url = line.split()[-1] if line.split() else None
-        child._drain = asyncio.create_task(self._drain_stdout(child))
         return child
-
-    async def _read_ready_line(self, child: Child, prefix: str) -> str:
-        assert child.process.stdout is not None
-        deadline = time.monotonic() + self._timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise StackError(f"{child.name} did not start in {self._timeout_s:g} s; "
-                                 f"see {child.log_path}")
-            try:
-                raw = await asyncio.wait_for(child.process.stdout.readline(), remaining)
-            except TimeoutError:
-                continue
-            if not raw:
-                await child.process.wait()
-                raise StackError(f"{child.name} exited with {child.process.returncode} while "
-                                 f"starting; see {child.log_path}:\n{_tail(child.log_path)}")
-            text = raw.decode(errors="replace").strip()
-            if text.startswith(prefix):
-                return text
-
-    async def _drain_stdout(self, child: Child) -> None:
-        assert child.process.stdout is not None and child._log is not None
-        while line := await child.process.stdout.readline():
-            child._log.write(line)
-            child._log.flush()
 
     async def _start_sim(self, region: str, index: int, number: int) -> Child:
         spec = self.config.regions[region]
@@ -199,46 +189,82 @@ class LocalStack:
             "--decode-step-ms-per-seq", str(sim.decode_step_ms_per_seq),
             "--seed", str(index * 100 + number),
         ]
-        return await self._spawn(f"sim-{region}-{number}", "sim", region, args, "sim listening")
+        child = await self._spawn(f"sim-{region}-{number}", "sim", region, args, "sim listening")
+        assert child.url is not None
+        # A restart must come back on the same port: the agent and netem point at it.
+        child.args[child.args.index("--port") + 1] = child.url.rsplit(":", 1)[1]
+        child.advertise_url = child.url
+        return child
 
-    async def _start_worker(self, sim: Child) -> Child:
+    def _network_rtt_ms(self, region: str) -> float:
+        """The emulated RTT from the (first) router's region to `region`."""
+        origin = self.router_regions[0]
+        return 0.0 if origin is None else self.config.rtt_ms(origin, region)
+
+    async def _start_netem(self, region: str) -> Child:
+        sims = self.by_role("sim", region)
+        args = ["--listen-host", region_address(self._region_index(region)),
+                "--rtt-ms", str(self._network_rtt_ms(region))]
+        for sim in sims:
+            assert sim.url is not None
+            args += ["--upstream", sim.url.removeprefix("http://")]
+        netem = await self._spawn(f"netem-{region}", "netem", region, args, "netem listening",
+                                  module="router.devstack.netem_process")
+        ports = netem.ready_line.rsplit("ports=", 1)[1].split(",")
+        for sim, port in zip(sims, ports, strict=True):
+            sim.advertise_url = f"http://{region_address(self._region_index(region))}:{port}"
+        return netem
+
+    async def _start_worker(self, sim: Child, starts: int = 1) -> Child:
         assert sim.url is not None and sim.region is not None
         spec = self.config.regions[sim.region].simulated
         worker_id = sim.name.removeprefix("sim-")
         args = [
             "worker", "--region", sim.region, "--engine-url", sim.url,
+            "--advertise-url", sim.advertise_url or sim.url,
             "--worker-id", worker_id,
             "--redis-url", self.redis_url, "--key-prefix", self.key_prefix,
             "--interval-s", str(self.config.heartbeat.interval_s),
             "--ttl-s", str(self.config.heartbeat.ttl_s),
             "--max-num-seqs", str(spec.max_num_seqs),
         ]
-        worker = await self._spawn(f"worker-{worker_id}", "worker", sim.region, args, "worker ")
-        worker.url = sim.url  # the engine it watches and advertises
+        worker = await self._spawn(f"worker-{worker_id}", "worker", sim.region, args, "worker ",
+                                   starts=starts)
+        worker.url = sim.url  # the engine it watches
+        worker.advertise_url = sim.advertise_url
         return worker
 
-    async def _start_router(self) -> Child:
-        args = [
-            "router", "--config", str(self.config_path), "--redis-url", self.redis_url,
-            "--host", self.host, "--port", str(self.port),
-        ]
-        router = await self._spawn("router", "router", self.config.router.region, args,
-                                   "router listening")
-        router.url = self.router_url
+    async def _start_router(self, region: str | None, number: int) -> Child:
+        if number == 0:
+            host, port = self.host, self.port
+        else:
+            assert region is not None, "extra router replicas need a region"
+            host = region_address(self._region_index(region))
+            port = self.port or free_port(host)
+        args = ["router", "--config", str(self.config_path), "--redis-url", self.redis_url,
+                "--host", host, "--port", str(port)]
+        if region is not None:
+            args += ["--region", region]
+        env: dict[str, str] | None = None
+        if self.admin_token is not None:
+            env = {**os.environ, self.config.admin.token_env: self.admin_token}
+        name = "router" if number == 0 else f"router-{region}"
+        router = await self._spawn(name, "router", region, args, "router listening", env=env)
+        router.url = f"http://{host}:{port}"
         return router
 
-    async def _wait_router_sees(self, workers: int) -> None:
+    async def _wait_router_sees(self, url: str, workers: int) -> None:
         deadline = time.monotonic() + self._timeout_s
         async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
-                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-                    async with session.get(f"{self.router_url}/health",
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                    async with session.get(f"{url}/health",
                                            timeout=aiohttp.ClientTimeout(total=1)) as response:
                         status = await response.json()
                         if status.get("workers", 0) >= workers:
                             return
                 await asyncio.sleep(0.1)
-        raise StackError(f"the router did not see all {workers} workers within "
+        raise StackError(f"the router at {url} did not see all {workers} workers within "
                          f"{self._timeout_s:g} s; see {self.log_dir}")
 
     def exited(self) -> list[Child]:
@@ -246,30 +272,143 @@ class LocalStack:
         return [child for child in self.children if not child.running]
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Router first, then agents (they drain and remove their heartbeats), sims, Valkey."""
-        for role in ("router", "worker", "sim"):
-            group = [c for c in self.children if c.role == role]
-            await asyncio.gather(*(_terminate(c, timeout_s) for c in group))
+        """Routers first, then agents (they drain and remove their heartbeats), sims, Valkey."""
+        if self._valkey_frozen:
+            self.thaw_redis()
+        for role in ("router", "worker", "netem", "sim"):
+            await asyncio.gather(*(terminate(c, timeout_s) for c in self.by_role(role)))
         for child in self.children:
-            if child._drain is not None:
-                child._drain.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await child._drain
-            if child._log is not None:
-                child._log.close()
+            await close(child)
         if self.valkey is not None:
-            self.valkey.stop()
+            await asyncio.to_thread(self.valkey.stop)
 
+    # --- faults, for drills -----------------------------------------------------------
+    async def kill(self, children: Sequence[Child], sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to each child and wait for all of them to exit."""
+        for child in children:
+            if child.running:
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.send_signal(sig)
+        await asyncio.gather(*(c.process.wait() for c in children))
+
+    async def kill_region(self, region: str) -> list[Child]:
+        """SIGKILL every simulator of `region` (its agents live on and report them down)."""
+        sims = self.by_role("sim", region)
+        await self.kill(sims)
+        return sims
+
+    def drain(self, workers: Sequence[Child]) -> None:
+        """SIGTERM worker agents: they publish `draining`, wait for in-flight requests,
+        remove their heartbeat and exit. Does not wait (see `wait_exited`)."""
+        for worker in workers:
+            if worker.running:
+                worker.process.send_signal(signal.SIGTERM)
+
+    async def wait_exited(self, children: Sequence[Child], timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(c.process.wait() for c in children)), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def restart(self, child: Child) -> Child:
+        """Start an exited sim or worker agent again with the same arguments (same port)."""
+        if child.running:
+            raise StackError(f"{child.name} is still running (pid {child.pid})")
+        await close(child)
+        new = await spawn(
+            name=child.name, role=child.role, region=child.region, module=child.module,
+            args=child.args, ready_prefix=child.ready_prefix, log_path=child.log_path,
+            python=self._python, timeout_s=self._timeout_s, env=child.env,
+            starts=child.starts + 1,
+        )
+        new.url = child.url
+        new.advertise_url = child.advertise_url
+        self.children[self.children.index(child)] = new
+        return new
+
+    async def set_sim_faults(self, sim: Child, **knobs: Any) -> dict[str, Any]:
+        """POST the simulator's /sim/faults (directly, not through its netem port)."""
+        return await self._post(f"{sim.url}/sim/faults", knobs)
+
+    async def set_network(self, region: str, *, extra_rtt_ms: float | None = None,
+                          partition: bool | None = None, reset: bool = False,
+                          ) -> dict[str, Any]:
+        """Change `region`'s emulated network (needs `netem=True`)."""
+        netems = self.by_role("netem", region)
+        if not netems:
+            raise StackError(f"no netem process for region {region!r} (start with netem=True)")
+        body: dict[str, Any] = {"reset": reset}
+        if extra_rtt_ms is not None:
+            body["extra_rtt_ms"] = extra_rtt_ms
+        if partition is not None:
+            body["partition"] = partition
+        return await self._post(f"{netems[0].url}/netem", body)
+
+    async def admin(self, path: str, body: dict[str, Any], *,
+                    router: int = 0) -> dict[str, Any]:
+        """POST to a router's admin API with the stack's admin token."""
+        if self.admin_token is None:
+            raise StackError("the stack was started without an admin token")
+        url = f"{self.by_role('router')[router].url}{path}"
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        return await self._post(url, body, headers=headers)
+
+    async def _post(self, url: str, body: dict[str, Any],
+                    headers: dict[str, str] | None = None) -> dict[str, Any]:
+        async with aiohttp.ClientSession(timeout=_HTTP_TIMEOUT) as session, session.post(
+            url, json=body, headers=headers
+        ) as response:
+            text = await response.text()
+            if response.status != 200:
+                raise StackError(f"POST {url} -> {response.status}: {text[:300]}")
+            answer: dict[str, Any] = json.loads(text)
+            return answer
+
+    def _own_valkey(self) -> EmbeddedValkey:
+        if self.valkey is None:
+            raise StackError("Redis is external; the stack cannot stop or start it")
+        return self.valkey
+
+    async def stop_redis(self) -> None:
+        """Stop the embedded Valkey (its data is lost, as after a crash without persistence)."""
+        valkey = self._own_valkey()
+        self.thaw_redis()
+        await asyncio.to_thread(valkey.stop, 2.0)
+
+    async def start_redis(self) -> None:
+        """Start Valkey again on the same port: clients reconnect to the same URL."""
+        old = self._own_valkey()
+        self.valkey = await asyncio.to_thread(
+            EmbeddedValkey.start, host=old.host, port=old.port, die_with_parent=True,
+            log_path=self.log_dir / "valkey-restarted.log", password=old.password)
+
+    def freeze_redis(self) -> None:
+        """SIGSTOP Valkey: connections are accepted by the kernel but never answered,
+        like a partitioned server (calls must time out, not hang)."""
+        os.kill(self._own_valkey().pid, signal.SIGSTOP)
+        self._valkey_frozen = True
+
+    def thaw_redis(self) -> None:
+        if self._valkey_frozen and self.valkey is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.valkey.pid, signal.SIGCONT)
+        self._valkey_frozen = False
+
+    # --- describing -------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         """What runs where, for `--state-file` and the summary table."""
         return {
             "router_url": self.router_url,
+            "router_urls": {region or "-": url for region, url in self.router_urls.items()},
             "redis_url": self.redis_url,
             "redis_pid": self.valkey.pid if self.valkey else None,
             "key_prefix": self.key_prefix,
             "log_dir": str(self.log_dir),
             "children": [
-                {"name": c.name, "role": c.role, "region": c.region, "pid": c.pid, "url": c.url}
+                {"name": c.name, "role": c.role, "region": c.region, "pid": c.pid, "url": c.url,
+                 "advertise_url": c.advertise_url}
                 for c in self.children
             ],
         }
@@ -279,23 +418,3 @@ class LocalStack:
         partial = path.with_name(path.name + ".partial")
         partial.write_text(json.dumps(self.describe(), indent=2) + "\n")
         partial.replace(path)
-
-
-async def _terminate(child: Child, timeout_s: float) -> None:
-    if child.process.returncode is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        child.process.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(child.process.wait(), timeout_s)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            child.process.kill()
-        await child.process.wait()
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""

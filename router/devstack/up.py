@@ -63,7 +63,7 @@ async def _serve(stack: LocalStack, state_file: Path | None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        _say(f"starting globalpool on this machine ({stack._steps_total} steps)")
+        _say(f"starting globalpool on this machine ({stack.steps_total} steps)")
         try:
             await stack.start()
         except StackError as exc:

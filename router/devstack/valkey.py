@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+from urllib.parse import quote
 
 from router.devstack import process as process_module
 
@@ -43,6 +44,7 @@ class EmbeddedValkey:
     host: str
     port: int
     log: IO[bytes]
+    password: str | None = None
 
     @property
     def pid(self) -> int:
@@ -50,19 +52,23 @@ class EmbeddedValkey:
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @classmethod
     def start(
         cls, *, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 10.0,
         workdir: Path | None = None, die_with_parent: bool = False,
-        log_path: Path | None = None,
+        log_path: Path | None = None, password: str | None = None,
     ) -> EmbeddedValkey:
+        """`password` turns on AUTH (`requirepass`); `url` then carries it."""
         chosen = port or free_port(host)
         args = [
             valkey_binary(), "--port", str(chosen), "--bind", host, "--save", "",
             "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",
         ]
+        if password is not None:
+            args += ["--requirepass", password]
         if workdir is not None:
             args += ["--dir", str(workdir)]
         log = tempfile.TemporaryFile() if log_path is None else open(log_path, "wb")  # noqa: SIM115
@@ -70,7 +76,7 @@ class EmbeddedValkey:
             args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             preexec_fn=process_module.die_with_parent if die_with_parent else None,
         )
-        server = cls(process, host, chosen, log)
+        server = cls(process, host, chosen, log, password)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -87,6 +93,11 @@ class EmbeddedValkey:
     def _answers_ping(self) -> bool:
         try:
             with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
+                if self.password is not None:
+                    secret = self.password.encode()
+                    sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret))
+                    if not sock.recv(16).startswith(b"+OK"):
+                        return False
                 sock.sendall(b"PING\r\n")
                 return sock.recv(16).startswith(b"+PONG")
         except OSError:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from router.health.tracker import Health
+from router.policy.affinity import AffinityTable
 from router.policy.filters import eligible
 from router.policy.inflight import InFlight
 from router.policy.request import Decision, RouteRequest
@@ -30,6 +32,9 @@ class RoutingContext:
     clock: Callable[[], float] = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
     near_equal_ms: float = 5.0
+    health: Health | None = None
+    affinity: AffinityTable = field(default_factory=AffinityTable)
+    region_cost: Callable[[str], float] = lambda _region: 1.0
 
 
 class Policy:
@@ -51,7 +56,13 @@ class Policy:
 
     def pick(self, snapshot: Snapshot, request: RouteRequest) -> Decision:
         """Filter (health, model, freshness...) then let the policy choose. Raises NoRoute."""
-        candidates = eligible(snapshot, request, self.context.clock())
+        now_s = self.context.clock()
+        candidates = eligible(snapshot, request, now_s)
+        if self.context.health is not None:
+            candidates = self.context.health.filter(candidates, now_s)
+        if request.avoid_regions:
+            elsewhere = [c for c in candidates if c.region not in request.avoid_regions]
+            candidates = elsewhere or candidates
         return self.choose(candidates, request)
 
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
@@ -60,7 +71,8 @@ class Policy:
 
 def create_policy(name: str, context: RoutingContext) -> Policy:
     """The policy registered under `name`; ValueError names the known ones otherwise."""
-    import router.policy.predicted_ttft  # noqa: F401 - registers the built-in policies
+    import router.policy.baselines  # registers the built-in policies
+    import router.policy.predicted_ttft  # noqa: F401
 
     try:
         cls = Policy.registry[name]

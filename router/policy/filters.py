@@ -7,21 +7,101 @@ from router.registry.snapshot import Snapshot, WorkerView
 
 
 def eligible(snapshot: Snapshot, request: RouteRequest, now_s: float) -> list[WorkerView]:
-    """Workers that serve the model, are `ready`, fresh and not yet tried for this request.
+    """Workers that serve the model, are `ready`, fresh, not drained and not yet tried.
 
     Raises NoRoute with a reason a client can act on when none is left.
     """
     serving = snapshot.serving(request.model)
     if not serving:
         raise NoRoute(f"no pool serves the model {request.model!r}", model_known=False)
+    if request.allowed_regions is not None:
+        serving = in_allowed_regions(serving, request)
     freshness_now = snapshot.freshness_now(now_s)
-    candidates = [
-        view
-        for view in serving
-        if view.ready and view.fresh(freshness_now) and view.worker_id not in request.exclude
-    ]
+    ranked = snapshot.ranked.get(request.model)
+    if ranked is not None:
+        candidates = _best_of_each_region(ranked, request, freshness_now)
+    else:
+        candidates = [
+            view
+            for view in serving
+            if view.ready and view.fresh(freshness_now) and view.worker_id not in request.exclude
+        ]
+    if candidates and request.drained:
+        candidates = not_drained(candidates, request)
+        if not candidates:
+            raise NoRoute(f"every worker of model {request.model!r} that could take the request "
+                          "is drained")
     if not candidates:
+        if request.allowed_regions is not None:
+            raise NoRoute(f"no worker of model {request.model!r} in the regions this API key "
+                          f"may use ({_regions(request)}) can take a request now",
+                          code="region_unavailable")
         if all(not view.fresh(freshness_now) for view in serving):
             raise NoRoute(f"no live worker serves the model {request.model!r}", model_known=False)
         raise NoRoute(f"no worker of model {request.model!r} can take a request now")
+    return candidates
+
+
+def in_allowed_regions(
+    serving: tuple[WorkerView, ...], request: RouteRequest
+) -> tuple[WorkerView, ...]:
+    """Data residency: only workers in `request.allowed_regions`, on every attempt.
+
+    May empty the set (then NoRoute, a 503): a tenant limited to some regions is never
+    served elsewhere, not even when those regions are down.
+    """
+    allowed = request.allowed_regions
+    if allowed is None:
+        return serving
+    inside = tuple(view for view in serving if view.region in allowed)
+    if not inside:
+        raise NoRoute(f"no worker of model {request.model!r} is in the regions this API key "
+                      f"may use ({_regions(request)}); it is not sent elsewhere",
+                      code="region_unavailable")
+    return inside
+
+
+def _regions(request: RouteRequest) -> str:
+    return ", ".join(sorted(request.allowed_regions or ()))
+
+
+def not_drained(candidates: list[WorkerView], request: RouteRequest) -> list[WorkerView]:
+    """Drop workers in a drained region and drained workers (an operator's decision).
+
+    Unlike the health filter this may empty the set: a drain is obeyed even if that means
+    a 503, because an operator drains a region to get traffic out of it.
+    """
+    drained = request.drained
+    return [view for view in candidates if not drained.covers(view)]
+
+
+# At scale, how many of each region's least-loaded eligible workers a decision considers.
+SAMPLE_PER_REGION = 4
+
+
+def _best_of_each_region(
+    ranked: tuple[tuple[WorkerView, ...], ...], request: RouteRequest, freshness_now: float
+) -> list[WorkerView]:
+    """The first SAMPLE_PER_REGION eligible workers of every region, in load order.
+
+    Scoring every one of thousands of workers costs milliseconds; the best candidate of
+    a region is almost always among its least loaded few (this router's own in-flight
+    requests since the heartbeat reorder only the top of the list).
+    """
+    allowed = request.allowed_regions
+    exclude = request.exclude
+    drained = request.drained
+    candidates: list[WorkerView] = []
+    for region_views in ranked:
+        region = region_views[0].region
+        if (allowed is not None and region not in allowed) or region in drained.regions:
+            continue
+        taken = 0
+        for view in region_views:
+            if (view.ready and view.fresh(freshness_now) and view.worker_id not in exclude
+                    and view.worker_id not in drained.workers):
+                candidates.append(view)
+                taken += 1
+                if taken == SAMPLE_PER_REGION:
+                    break
     return candidates

@@ -13,15 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.policy.base import Policy, RoutingContext
+from router.policy.base import Policy
 from router.policy.request import Decision, RouteRequest
 from router.registry.snapshot import WorkerView
-
-# Used until a worker has reported its own figures (no traffic yet).
-DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
-DEFAULT_SERVICE_MS = 2000.0
-# Above this KV usage new sequences start to wait for blocks even with free batch slots.
-KV_PRESSURE_START = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,42 +37,64 @@ def effective_load(view: WorkerView, local_inflight_now: int) -> int:
     The heartbeat's running + waiting, adjusted by how this router's own open requests on
     the worker changed since the heartbeat arrived.
     """
-    load = view.heartbeat.load
-    reported = load.running + load.waiting
-    return max(0, reported + local_inflight_now - view.inflight_at_receipt)
+    return max(0, view.reported_load + local_inflight_now - view.inflight_at_receipt)
 
 
 def estimate_ttft(
-    view: WorkerView, request: RouteRequest, rtt_ms: float, local_inflight_now: int
+    view: WorkerView,
+    request: RouteRequest,
+    rtt_ms: float,
+    local_inflight_now: int,
+    *,
+    cached_prefix_tokens: int = 0,
 ) -> TtftEstimate:
-    heartbeat = view.heartbeat
-    slots = heartbeat.capacity.max_num_seqs
-    service_ms = heartbeat.performance.e2e_ms or DEFAULT_SERVICE_MS
-    # Requests ahead of this one that cannot start until a batch slot frees; slots free
-    # at a rate of `slots` per service time.
-    queued_ahead = max(0, effective_load(view, local_inflight_now) + 1 - slots)
-    queue_ms = queued_ahead * service_ms / slots
-    kv_usage = heartbeat.load.kv_cache_usage
-    if kv_usage is not None and kv_usage > KV_PRESSURE_START:
-        pressure = (kv_usage - KV_PRESSURE_START) / (1.0 - KV_PRESSURE_START)
-        queue_ms += pressure * service_ms
-    rate = heartbeat.performance.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
-    prefill_ms = 1000.0 * request.prompt_tokens / rate
+    """Predict the request's TTFT on `view`. `cached_prefix_tokens` skip prefill.
+
+    Queue wait: requests ahead of this one that cannot start until a batch slot frees
+    (slots free at a rate of `slots` per service time, the worker's recent E2E), plus a
+    share of a service time when the KV cache is nearly full. Prefill: the prompt's
+    uncached tokens at the worker's measured prefill rate.
+    """
+    queued_ahead = max(0, effective_load(view, local_inflight_now) + 1 - view.slots)
+    queue_ms = queued_ahead * view.queue_ms_per_request + view.kv_pressure_ms
+    prefill_ms = max(0, request.prompt_tokens - cached_prefix_tokens) * view.prefill_ms_per_token
     return TtftEstimate(rtt_ms=rtt_ms, queue_ms=queue_ms, prefill_ms=prefill_ms)
 
 
+# Affinity is followed while the remembered worker is predicted within this much of the
+# best (ms, or the share of the best's own prediction, whichever is larger).
+AFFINITY_SLACK_MS = 50.0
+AFFINITY_SLACK_SHARE = 0.25
+# Batch traffic leaves this share of every worker's batch slots to interactive requests.
+BATCH_SLOT_RESERVE = 0.25
+
+
 class PredictedTtft(Policy, name="predicted_ttft"):
-    """Lowest predicted TTFT wins; near-equal candidates are split by power of two choices."""
+    """Lowest predicted TTFT wins; near-equal candidates are split by power of two choices.
+
+    Affinity: a request whose session or long prefix a worker served recently goes back
+    to it while it is predicted nearly as fast as the best (its prefill is discounted by
+    the cached prefix). Batch: the cheapest region with spare batch slots, within the
+    request's TTFT budget when one is given.
+    """
 
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
         context = self.context
-        origin = request.origin_region
-        scored: list[tuple[float, WorkerView]] = []
-        for view in candidates:
-            rtt = context.rtt_ms(origin, view.region) if origin else 0.0
-            estimate = estimate_ttft(view, request, rtt, context.inflight.of(view.worker_id))
-            scored.append((estimate.total_ms, view))
+        affine_id = (
+            context.affinity.worker_for(request.session_id, request.prefix_key)
+            if request.session_id is not None or request.prefix_key is not None
+            else None
+        )
+        scored = self._score(candidates, request, affine_id)
+        if request.traffic_class == "batch":
+            return self._choose_batch(scored, request)
         best_ms = min(score for score, _ in scored)
+        if affine_id is not None:
+            for score, view in scored:
+                if view.worker_id == affine_id:
+                    if score <= best_ms + max(AFFINITY_SLACK_MS, AFFINITY_SLACK_SHARE * best_ms):
+                        return self._decision(view, score, "affinity", request, len(scored))
+                    break
         near = [item for item in scored if item[0] <= best_ms + context.near_equal_ms]
         if len(near) >= 2:
             first, second = context.rng.sample(near, 2)
@@ -86,21 +102,68 @@ class PredictedTtft(Policy, name="predicted_ttft"):
         else:
             chosen = near[0]
         score, view = chosen
+        origin = request.origin_region
         reason = "local" if origin is None or view.region == origin else "spillover"
-        return Decision(worker=view, predicted_ttft_ms=score, reason=reason,
-                        candidates=len(candidates))
+        return self._decision(view, score, reason, request, len(scored))
 
+    def _score(
+        self, candidates: list[WorkerView], request: RouteRequest, affine_id: str | None
+    ) -> list[tuple[float, WorkerView]]:
+        # The same sum as estimate_ttft, inlined: this loop runs for every candidate of
+        # every request. Region terms are computed once per region.
+        context = self.context
+        origin = request.origin_region
+        health = context.health
+        now_s = context.clock()
+        inflight_of = context.inflight.of
+        prompt_tokens = request.prompt_tokens
+        region_ms: dict[str, float] = {}
+        scored: list[tuple[float, WorkerView]] = []
+        for view in candidates:
+            region = view.region
+            base = region_ms.get(region)
+            if base is None:
+                base = context.rtt_ms(origin, region) if origin else 0.0
+                if health is not None:
+                    # What this router measured beyond its predictions for the region
+                    # lately (a slow or congested path that heartbeats cannot see).
+                    base += health.region_penalty_ms(region, now_s)
+                region_ms[region] = base
+            queued = (view.reported_load + inflight_of(view.worker_id)
+                      - view.inflight_at_receipt + 1 - view.slots)
+            tokens = prompt_tokens
+            if view.worker_id == affine_id:
+                tokens = max(0, tokens - request.prefix_tokens)
+            score = (base + view.kv_pressure_ms + tokens * view.prefill_ms_per_token
+                     + (queued * view.queue_ms_per_request if queued > 0 else 0.0))
+            scored.append((score, view))
+        return scored
 
-class RoundRobin(Policy, name="round_robin"):
-    """Every eligible worker in turn, ignoring load and distance (a baseline)."""
+    def _choose_batch(
+        self, scored: list[tuple[float, WorkerView]], request: RouteRequest
+    ) -> Decision:
+        inflight = self.context.inflight
+        spare = [
+            (score, view) for score, view in scored
+            if effective_load(view, inflight.of(view.worker_id)) + 1
+            <= view.heartbeat.capacity.max_num_seqs * (1.0 - BATCH_SLOT_RESERVE)
+        ]
+        budget = request.ttft_budget_ms
+        if budget is not None:
+            within = [item for item in spare if item[0] <= budget]
+            spare = within or spare
+        if not spare:
+            # Every worker is busy with interactive work: the least bad place, marked so.
+            score, view = min(scored, key=lambda item: item[0])
+            return self._decision(view, score, "batch_queued", request, len(scored))
+        cost = self.context.region_cost
+        score, view = min(spare, key=lambda item: (cost(item[1].region), item[0]))
+        return self._decision(view, score, "batch", request, len(scored))
 
-    def __init__(self, context: RoutingContext) -> None:
-        super().__init__(context)
-        self._turn = 0
-
-    def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
-        ordered = sorted(candidates, key=lambda v: v.worker_id)
-        view = ordered[self._turn % len(ordered)]
-        self._turn += 1
-        return Decision(worker=view, predicted_ttft_ms=0.0, reason="round_robin",
-                        candidates=len(candidates))
+    @staticmethod
+    def _decision(
+        view: WorkerView, score: float, reason: str, request: RouteRequest, count: int
+    ) -> Decision:
+        budget = request.ttft_budget_ms
+        return Decision(worker=view, predicted_ttft_ms=score, reason=reason, candidates=count,
+                        budget_met=None if budget is None else score <= budget)

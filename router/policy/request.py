@@ -8,6 +8,26 @@ from router.registry.snapshot import WorkerView
 
 
 @dataclass(frozen=True, slots=True)
+class Drained:
+    """Regions and workers an operator drained: they get no new requests.
+
+    Drain flags live in Redis so that every router replica obeys them (router.admin.drains).
+    """
+
+    regions: frozenset[str] = frozenset()
+    workers: frozenset[str] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.regions or self.workers)
+
+    def covers(self, view: WorkerView) -> bool:
+        return view.region in self.regions or view.worker_id in self.workers
+
+
+NOTHING_DRAINED = Drained()
+
+
+@dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What routing knows of one request.
 
@@ -21,6 +41,23 @@ class RouteRequest:
     prompt_tokens: int = 0
     stream: bool = False
     exclude: frozenset[str] = frozenset()
+    # Regions to prefer against (after a connection error there): used only while any
+    # candidate elsewhere remains.
+    avoid_regions: frozenset[str] = frozenset()
+    # What operators drained when the request arrived (the same for all its attempts).
+    drained: Drained = NOTHING_DRAINED
+    # Data residency: the only regions this request may be served in (None: any). Holds
+    # for every attempt: a retry or failover never leaves these regions.
+    allowed_regions: frozenset[str] | None = None
+    # Cache affinity: a session id from the client, and a key of the prompt's long shared
+    # prefix (None when the prompt is short) with that prefix's size in tokens.
+    session_id: str | None = None
+    prefix_key: int | None = None
+    prefix_tokens: int = 0
+    # "interactive" (default) or "batch" (cheapest region with spare capacity), and the
+    # client's time-to-first-token budget in ms, if it sent one.
+    traffic_class: str = "interactive"
+    ttft_budget_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,14 +66,19 @@ class Decision:
 
     worker: WorkerView
     predicted_ttft_ms: float
-    reason: str  # "local" | "spillover" | policy-specific
+    reason: str  # "local" | "spillover" | "affinity" | "batch" | policy-specific
     candidates: int
+    # Whether the predicted TTFT is within the request's budget (None: it set none).
+    budget_met: bool | None = None
 
 
 class NoRoute(Exception):
     """No worker can take the request now; `reason` is safe to show to the client."""
 
-    def __init__(self, reason: str, *, model_known: bool = True) -> None:
+    def __init__(
+        self, reason: str, *, model_known: bool = True, code: str | None = None
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.model_known = model_known
+        self.code = code  # for the client's error, when more specific than "no_capacity"

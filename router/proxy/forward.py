@@ -16,6 +16,7 @@ belongs to the client: a failure ends it with an SSE error event.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Mapping
 
@@ -23,7 +24,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.config import Timeouts
+from router.config import GlobalConfig, Timeouts
 from router.proxy.errors import sse_error_event
 from router.proxy.outcome import Attempt, Failure
 
@@ -82,6 +83,21 @@ class _IdleWatchdog:
 
     def cancel(self) -> None:
         self._handle.cancel()
+
+
+def upstream_key(config: GlobalConfig, region: str) -> str | None:
+    """The key for `region`'s workers: the value of its `upstream_api_key_env`, if set."""
+    region_config = config.regions.get(region)
+    name = region_config.upstream_api_key_env if region_config is not None else None
+    return os.environ.get(name) or None if name else None
+
+
+def set_upstream_key(headers: CIMultiDict[str], key: str | None) -> None:
+    """`Authorization: Bearer <key>` for one attempt (the client's own never goes upstream)."""
+    if key is None:
+        headers.popall("Authorization", None)
+    else:
+        headers["Authorization"] = f"Bearer {key}"
 
 
 def upstream_headers(request: web.Request) -> CIMultiDict[str]:

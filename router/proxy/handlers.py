@@ -2,27 +2,46 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
+from router.admin.drains import DrainHolder
+from router.admission.gate import Admission, allowed_regions
 from router.config import GlobalConfig
+from router.config_reload import ConfigHolder
+from router.health import Health, RetryBudget
 from router.policy import NoRoute, Policy, RouteRequest
 from router.policy.inflight import InFlight
 from router.proxy.errors import ApiError, error_response
-from router.proxy.forward import UpstreamFailure, forward_stream, forward_unary, upstream_headers
-from router.proxy.outcome import Attempt, Observer, RequestRecord
-from router.proxy.parse import ParsedRequest, parse_body
+from router.proxy.forward import (
+    UpstreamFailure,
+    forward_stream,
+    forward_unary,
+    set_upstream_key,
+    upstream_headers,
+    upstream_key,
+)
+from router.proxy.outcome import Attempt, Failure, Observer, RequestRecord
+from router.proxy.parse import PREFIX_TOKENS, ParsedRequest, parse_body
 from router.registry.snapshot import SnapshotHolder
+from router.telemetry.tracing import inject_current_trace
 
 log = logging.getLogger("globalpool.proxy")
 
 REGION_HEADER = "x-globalpool-region"
 WORKER_HEADER = "x-globalpool-worker"
 CLIENT_REGION_HEADER = "x-globalpool-client-region"
+ROUTE_HEADER = "x-globalpool-route"  # why this worker: local, spillover, affinity, batch...
+BUDGET_HEADER = "x-globalpool-budget"  # met | missed, when the request sent a TTFT budget
+SESSION_HEADER = "x-globalpool-session-id"
+CLASS_HEADER = "x-globalpool-class"  # interactive (default) | batch
+TTFT_BUDGET_HEADER = "x-globalpool-ttft-budget-ms"
+TRAFFIC_CLASSES = ("interactive", "batch")
 
 _KIND_BY_PATH = {
     "/v1/chat/completions": "chat",
@@ -35,24 +54,44 @@ _KIND_BY_PATH = {
 class Proxy:
     """Everything the request path needs; built once per app by `router.app`."""
 
-    config: GlobalConfig
+    configs: ConfigHolder  # read once per request: a reload never changes one in flight
     region: str | None
     holder: SnapshotHolder
     policy: Policy
     inflight: InFlight
     session: aiohttp.ClientSession
+    health: Health = field(default_factory=Health)
+    retry_budget: RetryBudget = field(default_factory=RetryBudget)
     observers: tuple[Observer, ...] = ()
+    drains: DrainHolder = field(default_factory=DrainHolder)
+    admission: Admission | None = None  # API keys and rate limits; None: neither
+
+    @property
+    def config(self) -> GlobalConfig:
+        """The regions.yaml in force now (hot reload swaps it between requests)."""
+        return self.configs.current
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions, /v1/completions, /v1/embeddings."""
         received_s = time.monotonic()
-        router_config = self.config.router
+        config = self.config
+        router_config = config.router
+        admission = self.admission
+        # 401 before the body is read: an unknown client costs no body read.
+        principal = admission.authenticate(request, config.auth) if admission else None
         if (request.content_length or 0) > router_config.max_body_bytes:
             limit = router_config.max_body_bytes
             raise ApiError(413, f"request body is too large (limit {limit} bytes)")
-        body = await request.read()
+        try:
+            async with asyncio.timeout(router_config.client_timeouts.body_s):
+                body = await request.read()
+        except TimeoutError:
+            raise ApiError(408, "the request body did not arrive within "
+                           f"{router_config.client_timeouts.body_s:g} s") from None
         kind = _KIND_BY_PATH[request.path]
-        parsed = parse_body(body, kind)
+        parsed = parse_body(body, kind, router_config.max_json_depth)
+        if admission is not None:
+            await admission.admit(request, principal, parsed, config.auth)  # 403, 429
         origin = self._origin_region(request)
         record = RequestRecord(model=parsed.model, kind=kind, stream=parsed.stream,
                                origin_region=origin, received_s=received_s)
@@ -66,6 +105,8 @@ class Proxy:
             return response
         finally:
             record.finished_s = time.monotonic()
+            if admission is not None:
+                admission.record_residency(principal, record)
             for observer in self.observers:
                 observer.request_finished(record)
 
@@ -74,15 +115,31 @@ class Proxy:
     ) -> web.StreamResponse:
         router_config = self.config.router
         headers = upstream_headers(request)
+        inject_current_trace(headers)  # the worker continues this router's span
+        session_id, traffic_class, budget_ms = _routing_hints(request)
+        record.traffic_class = traffic_class
         tried: set[str] = set()
+        avoid_regions: set[str] = set()
         failure: UpstreamFailure | None = None
-        for _attempt in range(router_config.max_attempts):
+        self.retry_budget.request_arrived()
+        for attempt_number in range(router_config.max_attempts):
+            if attempt_number > 0 and not self.retry_budget.try_spend():
+                log.warning("retry budget exhausted; not retrying %s", parsed.model)
+                break
             route = RouteRequest(
                 model=parsed.model,
                 origin_region=record.origin_region,
                 prompt_tokens=parsed.prompt_tokens,
                 stream=parsed.stream,
                 exclude=frozenset(tried),
+                drained=self.drains.current,
+                avoid_regions=frozenset(avoid_regions),
+                allowed_regions=allowed_regions(request),  # data residency, every attempt
+                session_id=session_id,
+                prefix_key=parsed.prefix_key,
+                prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,
+                traffic_class=traffic_class,
+                ttft_budget_ms=budget_ms,
             )
             try:
                 decision = self.policy.pick(self.holder.current, route)
@@ -99,30 +156,45 @@ class Proxy:
             attempt = Attempt(worker_id=worker.worker_id, region=worker.region,
                               predicted_ttft_ms=decision.predicted_ttft_ms,
                               reason=decision.reason if not record.attempts else "retry",
-                              started_s=now)
+                              started_s=now, streamed=parsed.stream)
             record.attempts.append(attempt)
             reply_headers = {
                 REGION_HEADER: worker.region,
                 WORKER_HEADER: worker.worker_id,
+                ROUTE_HEADER: attempt.reason,
                 "server-timing": _server_timing(record, attempt),
             }
+            if decision.budget_met is not None:
+                reply_headers[BUDGET_HEADER] = "met" if decision.budget_met else "missed"
             url = worker.endpoint.rstrip("/") + request.path
+            set_upstream_key(headers, upstream_key(self.config, worker.region))
             self.inflight.started(worker.worker_id)
+            self.health.dispatched(worker.worker_id)
             try:
                 if parsed.stream:
-                    return await forward_stream(request, self.session, url, body, headers,
-                                                router_config.timeouts, reply_headers, attempt)
-                return await forward_unary(self.session, url, body, headers,
-                                           router_config.timeouts, reply_headers, attempt)
+                    response = await forward_stream(request, self.session, url, body, headers,
+                                                    router_config.timeouts, reply_headers,
+                                                    attempt)
+                else:
+                    response = await forward_unary(self.session, url, body, headers,
+                                                   router_config.timeouts, reply_headers, attempt)
+                if attempt.failure is None and (session_id or parsed.prefix_key is not None):
+                    self.policy.context.affinity.remember(session_id, parsed.prefix_key,
+                                                          worker.worker_id)
+                return response
             except UpstreamFailure as exc:
                 log.warning("attempt on %s (%s) failed before first byte: %s",
                             worker.worker_id, worker.region, exc.message)
                 attempt.failure = exc.kind
                 attempt.status = exc.status
+                attempt.retry_after_s = exc.retry_after_s
+                if exc.kind is Failure.CONNECT:
+                    avoid_regions.add(worker.region)  # the path there may be down, too
                 failure = exc
             finally:
                 self.inflight.finished(worker.worker_id)
                 attempt.finished_s = time.monotonic()
+                self.health.attempt_finished(attempt)
                 for observer in self.observers:
                     observer.attempt_finished(attempt)
         assert failure is not None
@@ -144,15 +216,20 @@ class Proxy:
         return named
 
     async def models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: the union of models served by live workers in every region."""
+        """GET /v1/models: the union of models served by live workers in every region
+        (those the caller's API key may use, when keys are configured)."""
         created = int(time.time())
+        admission = self.admission
+        principal = (admission.authenticate(request, self.config.auth)
+                     if admission is not None else None)
         data = [
             {"id": model, "object": "model", "created": created, "owned_by": "globalpool"}
             for model in self.holder.current.models(time.monotonic())
+            if admission is None or admission.may_use_model(principal, model)
         ]
         return web.json_response({"object": "list", "data": data})
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health_check(self, request: web.Request) -> web.Response:
         """GET /health: the router is up; says how current its view of the fleet is."""
         snapshot = self.holder.current
         now = time.monotonic()
@@ -170,7 +247,7 @@ def _no_route(exc: NoRoute, *, configured: bool) -> web.Response:
     if not exc.model_known and not configured:
         return error_response(404, f"The model does not exist or is not served: {exc.reason}",
                               code="model_not_found", param="model")
-    return error_response(503, f"no capacity: {exc.reason}", code="no_capacity",
+    return error_response(503, f"no capacity: {exc.reason}", code=exc.code or "no_capacity",
                           headers={"Retry-After": "1"})
 
 
@@ -186,3 +263,24 @@ def _server_timing(record: RequestRecord, attempt: Attempt) -> str:
     if len(record.attempts) > 1:
         parts.append(f"retry;dur={(attempt.started_s - routed) * 1000:.3f}")
     return ", ".join(parts)
+
+
+def _routing_hints(request: web.Request) -> tuple[str | None, str, float | None]:
+    """Session id, traffic class and TTFT budget (ms) from the request's headers."""
+    headers = request.headers
+    session_id = headers.get(SESSION_HEADER) or None
+    if session_id is not None and len(session_id) > 256:
+        raise ApiError(400, f"{SESSION_HEADER}: at most 256 characters")
+    traffic_class = headers.get(CLASS_HEADER, "interactive")
+    if traffic_class not in TRAFFIC_CLASSES:
+        raise ApiError(400, f"{CLASS_HEADER}: one of {', '.join(TRAFFIC_CLASSES)}")
+    raw_budget = headers.get(TTFT_BUDGET_HEADER)
+    budget_ms: float | None = None
+    if raw_budget is not None:
+        try:
+            budget_ms = float(raw_budget)
+        except ValueError:
+            budget_ms = -1.0
+        if not 0 < budget_ms < 86_400_000:
+            raise ApiError(400, f"{TTFT_BUDGET_HEADER}: a positive number of milliseconds")
+    return session_id, traffic_class, budget_ms

@@ -38,6 +38,8 @@ class Attempt:
     status: int | None = None
     failure: Failure | None = None
     client_gone: bool = False
+    streamed: bool = False
+    retry_after_s: float | None = None
 
     @property
     def ttfb_s(self) -> float | None:
@@ -53,6 +55,7 @@ class RequestRecord:
     stream: bool
     origin_region: str | None
     received_s: float
+    traffic_class: str = "interactive"
     attempts: list[Attempt] = field(default_factory=list)
     status: int = 0
     routed_s: float | None = None

@@ -3,12 +3,42 @@
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from router.proxy.errors import ApiError
 
 CHARS_PER_TOKEN = 4  # a cheap, tokenizer-free estimate; only relative sizes matter
+PREFIX_CHARS = 1024
+PREFIX_TOKENS = PREFIX_CHARS // CHARS_PER_TOKEN
+
+
+def _text_head(content: Any, head: list[str], room: int) -> int:
+    """Append up to `room` characters of `content`'s text to `head`; returns what is left."""
+    if isinstance(content, str):
+        head.append(content[:room])
+        return room - len(head[-1])
+    if isinstance(content, list):
+        for part in content:
+            if room <= 0:
+                break
+            text = part if isinstance(part, str) else (
+                part.get("text") if isinstance(part, dict) else None)
+            if isinstance(text, str):
+                head.append(text[:room])
+                room -= len(head[-1])
+    return room
+
+
+def prefix_key_of(contents: list[Any]) -> int | None:
+    head: list[str] = []
+    room = PREFIX_CHARS
+    for content in contents:
+        room = _text_head(content, head, room)
+        if room <= 0:
+            return zlib.crc32("\x1f".join(head).encode("utf-8", "surrogatepass"))
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +46,41 @@ class ParsedRequest:
     model: str
     stream: bool
     prompt_tokens: int
+    # max_tokens (or max_completion_tokens) times n; None when the request names none.
+    completion_tokens: int | None = None
+    # A key of the prompt's first PREFIX_CHARS characters, when the prompt is that long:
+    # requests sharing a long prefix (system prompt, few-shot examples, a document) share
+    # it, and a worker that served one has that prefix in its KV cache.
+    prefix_key: int | None = None
+
+
+def nesting_depth_exceeds(document: Any, limit: int) -> bool:
+    """Whether arrays/objects in `document` nest deeper than `limit` (iterative: a deep
+    document cannot exhaust the stack)."""
+    stack: list[tuple[Any, int]] = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, dict | list))
+    return False
+
+
+def _requested_tokens(document: dict[str, Any]) -> int | None:
+    limit = document.get("max_completion_tokens", document.get("max_tokens"))
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        return None
+    choices = document.get("n", 1)
+    if not isinstance(choices, int) or isinstance(choices, bool) or not 1 <= choices <= 128:
+        choices = 1
+    return limit * choices
 
 
 def _text_chars(content: Any) -> int:
@@ -32,8 +97,9 @@ def _text_chars(content: Any) -> int:
     return 0
 
 
-def parse_body(body: bytes, kind: str) -> ParsedRequest:
-    """`kind` is "chat", "completions" or "embeddings". Raises ApiError(400) on bad input."""
+def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
+    """`kind` is "chat", "completions" or "embeddings". Raises ApiError(400) on bad input,
+    including arrays/objects nested deeper than `max_depth`."""
     if not body:
         raise ApiError(400, "request body is empty; expected a JSON object")
     try:
@@ -42,6 +108,10 @@ def parse_body(body: bytes, kind: str) -> ParsedRequest:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
         raise ApiError(400, "request body must be a JSON object")
+    # Fewer brackets than the limit cannot nest deeper: skip the walk (C-speed count).
+    if (body.count(b"[") + body.count(b"{") > max_depth
+            and nesting_depth_exceeds(document, max_depth)):
+        raise ApiError(400, f"request body nests arrays/objects deeper than {max_depth} levels")
     model = document.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required and must be a non-empty string", param="model")
@@ -59,12 +129,18 @@ def parse_body(body: bytes, kind: str) -> ParsedRequest:
                 raise ApiError(400, "each message must be an object with a 'role'",
                                param="messages")
             chars += _text_chars(message.get("content"))
+        prefix_key = (prefix_key_of([m.get("content") for m in messages])
+                      if chars >= PREFIX_CHARS else None)
     elif kind == "completions":
         if "prompt" not in document:
             raise ApiError(400, "'prompt' is required", param="prompt")
         chars = _text_chars(document["prompt"])
+        prefix_key = prefix_key_of([document["prompt"]]) if chars >= PREFIX_CHARS else None
     else:
         if "input" not in document:
             raise ApiError(400, "'input' is required", param="input")
         chars = _text_chars(document["input"])
-    return ParsedRequest(model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN))
+        prefix_key = None
+    return ParsedRequest(model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
+                         completion_tokens=0 if kind == "embeddings"
+                         else _requested_tokens(document), prefix_key=prefix_key)

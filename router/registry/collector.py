@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -25,11 +25,28 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView
+from worker.redis_client import raise_if_cancelling
 from worker.schema import Heartbeat, HeartbeatKeys
 
 log = logging.getLogger("globalpool.registry")
 
+# A new snapshot at most this often: rebuilding per message would cost O(workers) per
+# heartbeat at scale; 20 ms is well below a heartbeat interval.
+MIN_REBUILD_INTERVAL_S = 0.02
+# How often workers past their TTL are looked for.
+EXPIRY_CHECK_S = 0.25
+# A full read of N workers happens at most every N / this many seconds.
+FULL_READ_WORKERS_PER_S = 1000.0
+
 Clock = Callable[[], float]
+
+
+class HeartbeatCheck(Protocol):
+    """Decides whether a well-formed heartbeat is believed (router.auth.heartbeats)."""
+
+    def check(self, heartbeat: Heartbeat, *, via_pubsub: bool) -> str | None:
+        """None to accept, else why it is dropped."""
+        ...
 
 
 class HeartbeatCollector:
@@ -46,8 +63,10 @@ class HeartbeatCollector:
         local_inflight: Callable[[str], int] = lambda _worker_id: 0,
         full_read_interval_s: float = 2.0,
         max_backoff_s: float = 2.0,
+        gate: HeartbeatCheck | None = None,
     ) -> None:
         self._redis = redis
+        self._gate = gate
         self._pubsub_redis = pubsub_redis
         self._keys = keys
         self._holder = holder
@@ -68,6 +87,7 @@ class HeartbeatCollector:
             try:
                 await self._follow()
             except (RedisError, OSError) as exc:
+                raise_if_cancelling()  # shutting down must still stop this loop
                 if self._connected:
                     log.warning("redis unreachable, serving from last snapshot (fail static): %s",
                                 exc)
@@ -88,22 +108,39 @@ class HeartbeatCollector:
             self._connected = True
             self._publish()
             self.synced.set()
-            next_full_read = self._clock() + self._full_read_interval_s
+            now = self._clock()
+            next_full_read = now + self._full_read_every_s()
+            next_expiry_check = now + EXPIRY_CHECK_S
+            published_at = now
+            dirty = False
             while True:
-                message = await pubsub.get_message(timeout=0.25)
-                dirty = False
+                raise_if_cancelling()  # redis-py may have swallowed a cancellation
+                wait_s = 0.25 if not dirty else max(
+                    0.0, published_at + MIN_REBUILD_INTERVAL_S - self._clock())
+                message = await pubsub.get_message(timeout=wait_s)
                 while message is not None:
                     dirty |= self._apply_message(message)
                     message = await pubsub.get_message(timeout=0.0)
-                if self._clock() >= next_full_read:
+                now = self._clock()
+                if now >= next_full_read:
                     await self._full_read()
-                    next_full_read = self._clock() + self._full_read_interval_s
+                    now = self._clock()
+                    next_full_read = now + self._full_read_every_s()
                     dirty = True
-                if dirty or self._expired_any():
+                if now >= next_expiry_check:
+                    dirty |= self._expired_any()
+                    next_expiry_check = now + EXPIRY_CHECK_S
+                if dirty and now - published_at >= MIN_REBUILD_INTERVAL_S:
                     self._publish()
+                    published_at = now
+                    dirty = False
         finally:
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 await asyncio.wait_for(pubsub.aclose(), timeout=1.0)  # type: ignore[no-untyped-call]
+
+    def _full_read_every_s(self) -> float:
+        """Large fleets are read in full less often: pub/sub carries the updates anyway."""
+        return max(self._full_read_interval_s, len(self._views) / FULL_READ_WORKERS_PER_S)
 
     async def _full_read(self) -> None:
         keys: list[bytes] = []
@@ -129,22 +166,29 @@ class HeartbeatCollector:
         data = message.get("data")
         if not isinstance(data, bytes | str):
             return False
-        raw = data.decode() if isinstance(data, bytes) else data
+        raw = data.decode(errors="replace") if isinstance(data, bytes) else data
         if raw.startswith(HeartbeatKeys.GONE_PREFIX):
             return self._views.pop(raw[len(HeartbeatKeys.GONE_PREFIX) :], None) is not None
-        view = self._parse(raw, self._clock())
+        view = self._parse(raw, self._clock(), via_pubsub=True)
         if view is None:
             return False
         self._last_ok_at_s = view.received_at_s
         return self._store(view, force=False)
 
-    def _parse(self, payload: str | bytes, now: float) -> WorkerView | None:
+    def _parse(
+        self, payload: str | bytes, now: float, *, via_pubsub: bool = False
+    ) -> WorkerView | None:
         try:
             heartbeat = Heartbeat.from_json(payload)
         except ValidationError as exc:
             self.rejected_heartbeats += 1
-            log.warning("dropped malformed heartbeat: %s", exc.errors()[0].get("msg", exc))
+            count = self.rejected_heartbeats
+            if count & (count - 1) == 0:  # 1st, 2nd, 4th, 8th...: garbage cannot flood logs
+                log.warning("dropped malformed heartbeat (%d so far): %s", count,
+                            exc.errors()[0].get("msg", exc))
             return None
+        if self._gate is not None and self._gate.check(heartbeat, via_pubsub=via_pubsub):
+            return None  # unsigned, forged, replayed or from a disallowed address: counted
         return WorkerView(
             heartbeat=heartbeat,
             received_at_s=now,

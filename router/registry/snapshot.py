@@ -8,6 +8,12 @@ from types import MappingProxyType
 
 from worker.schema import Heartbeat, LifecycleState
 
+# Used until a worker has reported its own figures (no traffic yet).
+DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
+DEFAULT_SERVICE_MS = 2000.0
+# Above this KV usage new sequences start to wait for blocks even with free batch slots.
+KV_PRESSURE_START = 0.9
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerView:
@@ -22,6 +28,31 @@ class WorkerView:
     heartbeat: Heartbeat
     received_at_s: float
     inflight_at_receipt: int = 0
+    # Scoring terms that depend only on the heartbeat, computed once when it arrives so
+    # that a routing decision is a few multiplications per candidate (see
+    # router.policy.predicted_ttft, which documents what they mean).
+    reported_load: int = field(init=False)
+    slots: int = field(init=False)
+    queue_ms_per_request: float = field(init=False)
+    kv_pressure_ms: float = field(init=False)
+    prefill_ms_per_token: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        heartbeat = self.heartbeat
+        load = heartbeat.load
+        slots = heartbeat.capacity.max_num_seqs
+        service_ms = heartbeat.performance.e2e_ms or DEFAULT_SERVICE_MS
+        kv_usage = load.kv_cache_usage
+        pressure = 0.0
+        if kv_usage is not None and kv_usage > KV_PRESSURE_START:
+            pressure = (kv_usage - KV_PRESSURE_START) / (1.0 - KV_PRESSURE_START)
+        rate = heartbeat.performance.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
+        assign = object.__setattr__
+        assign(self, "reported_load", load.running + load.waiting)
+        assign(self, "slots", slots)
+        assign(self, "queue_ms_per_request", service_ms / slots)
+        assign(self, "kv_pressure_ms", pressure * service_ms)
+        assign(self, "prefill_ms_per_token", 1000.0 / rate)
 
     @property
     def worker_id(self) -> str:
@@ -48,6 +79,15 @@ class WorkerView:
         return (mine.sent_at_s, mine.seq) > (theirs.sent_at_s, theirs.seq)
 
 
+# Models with at least this many workers get a per-region ranking (see Snapshot.ranked).
+RANK_ABOVE_WORKERS = 48
+
+
+def _reported_utilisation(view: WorkerView) -> float:
+    load = view.heartbeat.load
+    return (load.running + load.waiting) / view.heartbeat.capacity.max_num_seqs
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Every known worker, indexed by model, plus how current the view is.
@@ -58,6 +98,12 @@ class Snapshot:
 
     workers: Mapping[str, WorkerView] = field(default_factory=lambda: MappingProxyType({}))
     by_model: Mapping[str, tuple[WorkerView, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    # model -> one tuple per region, each ordered by reported load per batch slot
+    # (least loaded first): lets a decision over thousands of workers look at the few
+    # best of each region instead of all of them.
+    ranked: Mapping[str, tuple[tuple[WorkerView, ...], ...]] = field(
         default_factory=lambda: MappingProxyType({})
     )
     built_at_s: float = 0.0
@@ -78,9 +124,19 @@ class Snapshot:
         for view in workers.values():
             for model in (*view.heartbeat.models, *view.heartbeat.lora_adapters):
                 index.setdefault(model, []).append(view)
+        ranked: dict[str, tuple[tuple[WorkerView, ...], ...]] = {}
+        for model, model_views in index.items():
+            if len(model_views) < RANK_ABOVE_WORKERS:
+                continue
+            regions: dict[str, list[WorkerView]] = {}
+            for view in model_views:
+                regions.setdefault(view.region, []).append(view)
+            ranked[model] = tuple(tuple(sorted(vs, key=_reported_utilisation))
+                                  for vs in regions.values())
         return cls(
             workers=MappingProxyType(workers),
             by_model=MappingProxyType({m: tuple(vs) for m, vs in index.items()}),
+            ranked=MappingProxyType(ranked),
             built_at_s=built_at_s,
             redis_connected=redis_connected,
             last_redis_ok_at_s=last_redis_ok_at_s,

@@ -118,3 +118,32 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def drill_config(tmp_path: Path, **overrides: Any) -> Path:
+    """Two regions for fast drills: us-east (2 engines, the router's) and eu-west (1).
+
+    Short timeouts so that a blackholed request is retried within a drill's few seconds;
+    `overrides` replace top-level keys.
+    """
+    simulated = {"max_num_seqs": 16, "decode_step_ms": 5, "prefill_tokens_per_s": 20000}
+    document: dict[str, Any] = {
+        "apiVersion": "globalpool/v1",
+        "redis": {"url": "embedded", "key_prefix": "gp-drill"},
+        "router": {"region": "us-east", "host": "127.0.0.1", "port": free_port(),
+                   "timeouts": {"connect_s": 1, "first_byte_s": 2, "idle_s": 2,
+                                "total_s": 30}},
+        # As regions.yaml, a little faster: a probe may take ttl/3 before the engine is
+        # reported degraded, which a busy CI machine needs.
+        "heartbeat": {"interval_s": 0.25, "ttl_s": 2.0},
+        "regions": {
+            "us-east": {"rtt_ms": {"us-east": 1, "eu-west": 40}, "models": ["tiny-llama"],
+                        "simulated": {"workers": 2, **simulated}},
+            "eu-west": {"rtt_ms": {"eu-west": 1}, "models": ["tiny-llama"],
+                        "simulated": {"workers": 1, **simulated}},
+        },
+    }
+    document.update(overrides)
+    path = tmp_path / "regions.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from router.app import HOLDER, RouterSettings, build_app
 from router.config import parse_config
-from router.devstack.valkey import free_port
+from router.devstack.valkey import EmbeddedValkey, free_port
 from tests.integration.conftest import StartSim
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
@@ -75,11 +75,17 @@ async def fleet_factory(
     redis_url: str, key_prefix: str, start_sim: StartSim
 ) -> AsyncIterator[FleetFactory]:
     runners: list[web.AppRunner] = []
-    redis = connect(redis_url)
-    publisher = HeartbeatPublisher(redis, HeartbeatKeys(key_prefix))
+    publishers: dict[str, HeartbeatPublisher] = {}
+
+    def publisher_for(url: str) -> HeartbeatPublisher:
+        if url not in publishers:
+            publishers[url] = HeartbeatPublisher(connect(url), HeartbeatKeys(key_prefix))
+        return publishers[url]
+
     seq = iter(range(1, 1_000_000))
 
     async def make(workers: dict[str, str], timeouts: dict[str, float] | None = None,
+                   *, redis: str = redis_url, ttl_s: float = 60.0,
                    **sim_changes: object) -> Fleet:
         sims: dict[str, SimServer] = {}
         for index, (worker_id, _region) in enumerate(workers.items()):
@@ -88,20 +94,20 @@ async def fleet_factory(
 
         async def publish(worker_id: str, *, running: int = 0, waiting: int = 0,
                           state: LifecycleState = LifecycleState.READY) -> None:
-            await publisher.publish(Heartbeat(
+            await publisher_for(redis).publish(Heartbeat(
                 worker_id=worker_id, region=workers[worker_id],
                 endpoint=sims[worker_id].url, models=("m",), state=state,
                 capacity=Capacity(max_num_seqs=8),
                 load=Load(running=running, waiting=waiting, kv_cache_usage=0.0),
-                seq=next(seq), sent_at_s=time.time(), ttl_s=60.0,
+                seq=next(seq), sent_at_s=time.time(), ttl_s=ttl_s,
             ))
 
         for worker_id in workers:
             await publish(worker_id)
         config = parse_config(_config(timeouts or {"connect_s": 1, "first_byte_s": 2,
                                                    "idle_s": 1, "total_s": 10}) |
-                              {"redis": {"url": redis_url, "key_prefix": key_prefix}})
-        app = build_app(RouterSettings(config=config, redis_url=redis_url, region="us-east",
+                              {"redis": {"url": redis, "key_prefix": key_prefix}})
+        app = build_app(RouterSettings(config=config, redis_url=redis, region="us-east",
                                        seed=1))
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
@@ -117,7 +123,8 @@ async def fleet_factory(
     yield make
     for runner in runners:
         await runner.cleanup()
-    await publisher.aclose()
+    for publisher in publishers.values():
+        await publisher.aclose()
 
 
 async def _chat(url: str, body: dict[str, object]) -> tuple[int, str, bytes]:
@@ -229,3 +236,58 @@ async def test_stream_passes_through_chunk_by_chunk(fleet_factory: FleetFactory)
     assert arrivals[-1] - arrivals[0] > 0.2
     gaps = [b - a for a, b in itertools.pairwise(arrivals) if b - a > 0.02]
     assert len(gaps) >= 5
+
+
+async def test_dead_worker_is_ejected_at_once_without_waiting_for_its_ttl(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = await fleet_factory({"a": "us-east", "b": "us-east"})
+    await fleet.sims["a"].stop()  # connections to it are refused from now on
+    results = [await _chat(fleet.router_url, {**CHAT, "stream": i % 2 == 1}) for i in range(20)]
+    assert [status for status, _, _ in results] == [200] * 20
+    assert {worker for _, worker, _ in results} == {"b"}
+
+
+async def test_engine_busy_503_is_retried_on_another_worker(fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east", "b": "eu-west"}, max_num_seqs=1,
+                                max_num_queued_reqs=1)
+    long = {**CHAT, "stream": True, "max_tokens": 2000}
+    async with aiohttp.ClientSession() as session:
+        busy = [await session.post(f"{fleet.sims['a'].url}/v1/chat/completions", json=long)
+                for _ in range(2)]  # one running, one waiting: a's queue is full
+        try:
+            status, worker, _ = await _chat(fleet.router_url, CHAT)
+            assert (status, worker) == (200, "b")
+        finally:
+            for response in busy:
+                response.close()
+
+
+async def test_redis_outage_fails_static_and_recovers(fleet_factory: FleetFactory) -> None:
+    server = EmbeddedValkey.start()
+    try:
+        fleet = await fleet_factory({"a": "us-east"}, redis=server.url, ttl_s=1.0)
+        server.stop()
+        deadline = time.monotonic() + 3.0  # three heartbeat TTLs without Redis
+        while time.monotonic() < deadline:
+            status, worker, _ = await _chat(fleet.router_url, CHAT)
+            assert (status, worker) == (200, "a")
+        async with aiohttp.ClientSession() as session, session.get(
+            f"{fleet.router_url}/health"
+        ) as response:
+            health = await response.json()
+        assert health["redis_connected"] is False and health["view_age_s"] > 2.0
+        server = EmbeddedValkey.start(port=server.port)
+        await fleet.publish("a")
+        deadline = time.monotonic() + 10
+        while True:
+            async with aiohttp.ClientSession() as session, session.get(
+                f"{fleet.router_url}/health"
+            ) as response:
+                health = await response.json()
+            if health["redis_connected"]:
+                break
+            assert time.monotonic() < deadline, "the router never reconnected to Redis"
+            await asyncio.sleep(0.1)
+    finally:
+        server.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,69 @@ def test_passwords_are_not_printed() -> None:
     assert redact_url("rediss://default:s3cret@host:6380/0") == "rediss://default:***@host:6380/0"
     assert redact_url("redis://:s3cret@host:6379") == "redis://:***@host:6379"
     assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+
+
+def parse_launch(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    return parser.parse_args(["--region", "us-east", "--redis-url", "redis://r", *argv])
+
+
+def test_launch_reads_url_and_max_num_seqs_from_the_engine_command(tmp_path: Path) -> None:
+    settings = settings_from_args(parse_launch(
+        "--engine-log", str(tmp_path / "vllm.log"), "--start-timeout-s", "90",
+        "--launch", "--", "vllm", "serve", "/models/tiny", "--host", "127.0.1.1",
+        "--port", "9001", "--max-num-seqs", "8",
+    ), {})
+    assert settings.engine_url == "http://127.0.1.1:9001"
+    assert settings.identity.endpoint == "http://127.0.1.1:9001"
+    assert settings.identity.worker_id == "us-east-127.0.1.1-9001"
+    assert settings.identity.max_num_seqs == 8
+    assert settings.launch is not None
+    assert settings.launch.argv == ("vllm", "serve", "/models/tiny", "--host", "127.0.1.1",
+                                    "--port", "9001", "--max-num-seqs", "8")
+    assert settings.launch.log_path == tmp_path / "vllm.log"
+    assert settings.restart.start_timeout_s == 90
+    assert settings.restart.max_backoff_s == 30
+
+
+@pytest.mark.parametrize(("command", "url", "max_num_seqs"), [
+    (["vllm", "serve", "m"], "http://127.0.0.1:8000", 256),
+    (["vllm", "serve", "m", "--host=0.0.0.0", "--port=8123", "--max_num_seqs=4"],
+     "http://127.0.0.1:8123", 4),
+    (["python", "-m", "vllm.entrypoints.openai.api_server", "--host", "::", "--port", "81"],
+     "http://[::1]:81", 256),
+])
+def test_launch_defaults_follow_vllm(command: list[str], url: str, max_num_seqs: int) -> None:
+    settings = settings_from_args(parse_launch("--launch", "--", *command), {})
+    assert (settings.engine_url, settings.identity.max_num_seqs) == (url, max_num_seqs)
+
+
+def test_flags_win_over_the_launched_command() -> None:
+    settings = settings_from_args(parse_launch(
+        "--engine-url", "http://127.0.0.1:9999", "--max-num-seqs", "3",
+        "--advertise-url", "http://gpu-1.example:8000",
+        "--launch", "--", "vllm", "serve", "m", "--port", "8000", "--max-num-seqs", "64",
+    ), {})
+    assert settings.engine_url == "http://127.0.0.1:9999"
+    assert settings.identity.endpoint == "http://gpu-1.example:8000"
+    assert settings.identity.max_num_seqs == 3
+    assert settings.launch is not None
+
+
+def test_attaching_has_no_launch() -> None:
+    assert settings_from_args(parse("--redis-url", "redis://r"), {}).launch is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "pass --engine-url URL, or --launch -- COMMAND"),
+    (["--launch"], "give the engine's command after `--`"),
+    (["--engine-url", "http://e:1", "--", "vllm", "serve"], "unexpected arguments 'vllm serve'"),
+    (["--launch", "--", "vllm", "serve", "m", "--port", "http"], "--port 'http'"),
+    (["--launch", "--", "vllm", "serve", "m", "--max-num-seqs", "0"], "must be >= 1"),
+    (["--stop-timeout-s", "0", "--launch", "--", "vllm"], "--stop-timeout-s: must be > 0"),
+    (["--max-failed-starts", "-1", "--launch", "--", "vllm"], "--max-failed-starts"),
+])
+def test_bad_launch_settings_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(WorkerConfigError, match=re.escape(message)):
+        settings_from_args(parse_launch(*argv), {})

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from router.policy import NoRoute, Policy, RouteRequest, RoutingContext, create_policy
+from router.policy.affinity import AffinityTable
 from router.policy.inflight import InFlight
 from router.policy.predicted_ttft import estimate_ttft
 from router.registry.snapshot import Snapshot, WorkerView
@@ -65,13 +66,17 @@ def snapshot(*views: WorkerView, connected: bool = True, ok_at: float = 100.0) -
                           last_redis_ok_at_s=ok_at)
 
 
+COST = {"us-east": 3.0, "eu-west": 1.0}
+
+
 def make_policy(
     name: str = "predicted_ttft", *, clock: FakeClock | None = None, seed: int = 7,
-    inflight: InFlight | None = None,
+    inflight: InFlight | None = None, affinity: AffinityTable | None = None,
 ) -> Policy:
     context = RoutingContext(
         rtt_ms=rtt_ms, inflight=inflight or InFlight(), clock=clock or FakeClock(),
-        rng=random.Random(seed), near_equal_ms=5.0,
+        rng=random.Random(seed), near_equal_ms=5.0, affinity=affinity or AffinityTable(),
+        region_cost=lambda region: COST.get(region, 2.0),
     )
     return create_policy(name, context)
 
@@ -186,3 +191,83 @@ def test_round_robin_baseline_cycles() -> None:
 def test_unknown_policy_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"known: .*predicted_ttft"):
         make_policy("fastest")
+
+
+def test_baselines_are_registered_and_behave() -> None:
+    snap = snapshot(view("us-1", running=6), view("us-2", running=1),
+                    view("eu-1", "eu-west", running=0))
+    request = RouteRequest(model="m", origin_region="us-east")
+    assert make_policy("least_load").pick(snap, request).worker.worker_id == "eu-1"
+    nearest = make_policy("nearest")
+    assert {nearest.pick(snap, request).worker.worker_id for _ in range(10)} == {"us-2"}
+    with pytest.raises(NoRoute, match="never leaves"):
+        nearest.pick(snapshot(view("eu-1", "eu-west")), request)
+    chosen = Counter(make_policy("random", seed=s).pick(snap, request).worker.worker_id
+                     for s in range(60))
+    assert set(chosen) == {"us-1", "us-2", "eu-1"}
+    two = make_policy("power_of_two", seed=1)
+    assert Counter(two.pick(snap, request).worker.worker_id for _ in range(60))["us-1"] < 20
+
+
+def test_affinity_returns_to_the_worker_with_the_cached_prefix() -> None:
+    affinity = AffinityTable()
+    affinity.remember("session-1", None, "us-2")
+    snap = snapshot(view("us-1"), view("us-2", running=2))
+    request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=2000,
+                           session_id="session-1", prefix_key=7, prefix_tokens=1500)
+    decision = make_policy(affinity=affinity).pick(snap, request)
+    assert (decision.worker.worker_id, decision.reason) == ("us-2", "affinity")
+    assert affinity.hits == 1
+
+
+def test_affinity_never_follows_onto_an_overloaded_worker() -> None:
+    affinity = AffinityTable()
+    affinity.remember(None, 42, "us-2")
+    # us-2 has 40 requests queued: seconds of wait; the cached prefix cannot make up for it.
+    snap = snapshot(view("us-1"), view("us-2", running=8, waiting=40))
+    request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=2000,
+                           prefix_key=42, prefix_tokens=1500)
+    decision = make_policy(affinity=affinity).pick(snap, request)
+    assert (decision.worker.worker_id, decision.reason) == ("us-1", "local")
+
+
+def test_batch_goes_to_the_cheapest_region_with_spare_slots() -> None:
+    snap = snapshot(view("us-1"), view("eu-1", "eu-west", running=2))
+    batch = RouteRequest(model="m", origin_region="us-east", traffic_class="batch")
+    decision = make_policy().pick(snap, batch)
+    assert (decision.worker.worker_id, decision.reason) == ("eu-1", "batch")
+    # The cheap region's slots are (nearly) full: batch must not queue behind them.
+    busy = snapshot(view("us-1"), view("eu-1", "eu-west", running=7))
+    assert make_policy().pick(busy, batch).worker.worker_id == "us-1"
+    full = snapshot(view("us-1", running=8, waiting=3), view("eu-1", "eu-west", running=8))
+    assert make_policy().pick(full, batch).reason == "batch_queued"
+
+
+def test_ttft_budget_is_honoured_when_it_can_be_and_reported() -> None:
+    snap = snapshot(view("us-1"), view("eu-1", "eu-west"))
+    cheap_in_budget = RouteRequest(model="m", origin_region="us-east", traffic_class="batch",
+                                   ttft_budget_ms=20.0)
+    decision = make_policy().pick(snap, cheap_in_budget)
+    # eu-west is cheaper but 80 ms away: over the 20 ms budget, so us-east it is.
+    assert (decision.worker.worker_id, decision.budget_met) == ("us-1", True)
+    tight = RouteRequest(model="m", origin_region="eu-west", ttft_budget_ms=0.5)
+    assert make_policy().pick(snap, tight).budget_met is False
+    assert make_policy().pick(snap, RouteRequest(model="m", origin_region="us-east")
+                              ).budget_met is None
+
+
+def test_large_pools_consider_the_least_loaded_of_each_region() -> None:
+    import router.policy.filters as filters
+
+    views = [view(f"us-{i}", running=i % 8) for i in range(300)]
+    views += [view(f"eu-{i}", "eu-west", running=0) for i in range(300)]
+    snap = snapshot(*views)
+    assert "m" in snap.ranked
+    request = RouteRequest(model="m", origin_region="us-east",
+                           exclude=frozenset({"us-0"}))
+    chosen = filters.eligible(snap, request, 100.0)
+    assert len(chosen) == 2 * filters.SAMPLE_PER_REGION
+    assert all(v.heartbeat.load.running == 0 for v in chosen)
+    assert "us-0" not in {v.worker_id for v in chosen}
+    decision = make_policy().pick(snap, request)
+    assert decision.worker.region == "us-east" and decision.worker.heartbeat.load.running == 0

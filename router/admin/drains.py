@@ -1,0 +1,171 @@
+"""Drain flags: shared by every router replica through Redis.
+
+An operator drains a region or a worker on any replica; the flag is written to one Redis
+hash (`<prefix>:drains`, field `region:<name>` or `worker:<id>`, value a JSON record of
+who, when and why). Every replica re-reads the hash every `poll_s` (0.5 s), so a drained
+target gets no new requests on any replica within a second; the replica that took the
+command applies it at once. Requests already running on a drained worker finish.
+
+If Redis is unreachable the replica keeps the drain flags it last read (fail static) and
+a drain command fails with a clear error instead of half-applying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from router.policy.request import NOTHING_DRAINED, Drained
+from worker.redis_client import raise_if_cancelling
+
+log = logging.getLogger("globalpool.admin")
+
+TargetKind = Literal["region", "worker"]
+
+
+class DrainKeys:
+    """The Redis name of the drain flags under one namespace prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        self.hash = f"{prefix}:drains"
+
+    @staticmethod
+    def field(kind: TargetKind, name: str) -> str:
+        return f"{kind}:{name}"
+
+
+@dataclass(frozen=True, slots=True)
+class DrainRecord:
+    """One drained target: what, since when (Unix seconds), why and from where."""
+
+    kind: TargetKind
+    name: str
+    since_unix_s: float
+    reason: str = ""
+    by: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, "name": self.name, "since_unix_s": self.since_unix_s,
+                           "reason": self.reason, "by": self.by})
+
+    @classmethod
+    def from_json(cls, field: str, payload: bytes | str) -> DrainRecord | None:
+        kind, _, name = field.partition(":")
+        if kind not in ("region", "worker") or not name:
+            return None
+        try:
+            document = json.loads(payload)
+        except ValueError:
+            document = {}
+        if not isinstance(document, dict):
+            document = {}
+        since = document.get("since_unix_s")
+        return cls(
+            kind="region" if kind == "region" else "worker",
+            name=name,
+            since_unix_s=float(since) if isinstance(since, int | float) else 0.0,
+            reason=str(document.get("reason") or ""),
+            by=str(document.get("by") or ""),
+        )
+
+
+class DrainHolder:
+    """The drain flags in force on this replica; the request path reads `current`.
+
+    `records` are the flags from Redis (set at run time); `configured` are the regions
+    regions.yaml marks `drain: true`. Either drains a region.
+    """
+
+    __slots__ = ("configured", "current", "last_read_unix_s", "records")
+
+    def __init__(self) -> None:
+        self.current: Drained = NOTHING_DRAINED
+        self.records: Mapping[str, DrainRecord] = MappingProxyType({})
+        self.configured: frozenset[str] = frozenset()
+        self.last_read_unix_s: float | None = None
+
+    def replace(self, records: Mapping[str, DrainRecord]) -> None:
+        self.records = MappingProxyType(dict(records))
+        self._update()
+
+    def set_configured(self, regions: frozenset[str]) -> None:
+        if regions != self.configured:
+            self.configured = regions
+            self._update()
+
+    def _update(self) -> None:
+        records = self.records.values()
+        self.current = Drained(
+            regions=frozenset(r.name for r in records if r.kind == "region") | self.configured,
+            workers=frozenset(r.name for r in records if r.kind == "worker"),
+        )
+
+
+class DrainError(Exception):
+    """A drain or undrain that could not be stored (Redis unreachable)."""
+
+
+class DrainStore:
+    """Reads and writes the drain flags; `run()` keeps `holder` current."""
+
+    def __init__(self, redis: Redis, keys: DrainKeys, holder: DrainHolder,
+                 *, poll_s: float = 0.5) -> None:
+        self._redis = redis
+        self._keys = keys
+        self.holder = holder
+        self._poll_s = poll_s
+
+    async def drain(self, kind: TargetKind, name: str, *, reason: str, by: str) -> DrainRecord:
+        record = DrainRecord(kind, name, time.time(), reason, by)
+        try:
+            await self._redis.hset(self._keys.hash, DrainKeys.field(kind, name),
+                                   record.to_json())
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise DrainError(f"cannot store the drain flag in Redis: {exc}") from None
+        await self.refresh()
+        return record
+
+    async def undrain(self, kind: TargetKind, name: str) -> bool:
+        """Returns whether the target was drained."""
+        try:
+            removed = await self._redis.hdel(self._keys.hash, DrainKeys.field(kind, name))
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise DrainError(f"cannot remove the drain flag in Redis: {exc}") from None
+        await self.refresh()
+        return bool(removed)
+
+    async def refresh(self) -> None:
+        """One full read of the flags; on a Redis error the last read stays in force."""
+        try:
+            raw = await self._redis.hgetall(self._keys.hash)
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            log.debug("drain flags not refreshed (keeping the last read): %s", exc)
+            return
+        records: dict[str, DrainRecord] = {}
+        for key, payload in raw.items():
+            field = key.decode() if isinstance(key, bytes) else str(key)
+            record = DrainRecord.from_json(field, payload)
+            if record is not None:
+                records[field] = record
+        if records != dict(self.holder.records):
+            self.holder.replace(records)
+        self.holder.last_read_unix_s = time.time()
+
+    async def run(self) -> None:
+        """Re-read the flags every `poll_s` until cancelled."""
+        while True:
+            await self.refresh()
+            raise_if_cancelling()  # redis-py may have swallowed a cancellation
+            await asyncio.sleep(self._poll_s)

@@ -1,0 +1,170 @@
+"""Wiring of the operators' surface into one router app: reload, drains, admin, telemetry.
+
+`router.app` creates one `Operations` per app (no globals: its own metrics registry, its
+own tracer provider), takes its middlewares, observers and holders when it builds the
+proxy, and runs `start()`/`stop()` in its cleanup context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import TracerProvider as ApiTracerProvider
+from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
+
+from router.admin.auth import AdminAuth
+from router.admin.drains import DrainHolder, DrainKeys, DrainStore
+from router.admin.events import EventLog
+from router.admin.routes import ADMIN, add_admin_routes
+from router.admin.status import AdminContext
+from router.admission.stats import SecurityStats
+from router.config import GlobalConfig
+from router.config_reload import ConfigHolder, ConfigWatcher, ReloadError, initial_holder
+from router.policy import Policy, create_policy
+from router.policy.inflight import InFlight
+from router.proxy.handlers import Proxy
+from router.proxy.outcome import Observer
+from router.registry.snapshot import SnapshotHolder
+from router.telemetry.metrics import FleetCollector, RequestMetrics, metrics_handler
+from router.telemetry.security import SecurityCollector
+from router.telemetry.tracing import SpanAnnotator, tracer_provider_from_env, tracing_middleware
+from router.telemetry.window import TrafficWindow
+from worker import redis_client
+
+log = logging.getLogger("globalpool.admin")
+
+
+@dataclass
+class Operations:
+    """Hot reload, drain flags, admin API, status page, metrics and traces of one app."""
+
+    configs: ConfigHolder
+    region: str | None
+    policy_override: str | None = None
+    tracer_provider: ApiTracerProvider | None = None
+    owns_tracer_provider: bool = False
+    drains: DrainHolder = field(default_factory=DrainHolder)
+    events: EventLog = field(default_factory=EventLog)
+    window: TrafficWindow = field(default_factory=TrafficWindow)
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    metrics: RequestMetrics = field(init=False)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _store: DrainStore | None = None
+    _redis: Redis | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(self.registry, lambda: self.configs.current.models)
+
+    @classmethod
+    def create(cls, config: GlobalConfig, *, config_path: Path | None, region: str | None,
+               policy_override: str | None = None,
+               tracer_provider: ApiTracerProvider | None = None) -> Operations:
+        owns = tracer_provider is None
+        provider = tracer_provider if tracer_provider is not None else tracer_provider_from_env()
+        return cls(configs=initial_holder(config, config_path), region=region,
+                   policy_override=policy_override, tracer_provider=provider,
+                   owns_tracer_provider=owns and provider is not None)
+
+    @property
+    def middlewares(self) -> list[Middleware]:
+        """Outermost first: the request span wraps everything, errors included."""
+        if self.tracer_provider is None:
+            return []
+        return [tracing_middleware(self.tracer_provider)]
+
+    @property
+    def observers(self) -> tuple[Observer, ...]:
+        observers: list[Observer] = [self.metrics, self.window]
+        if self.tracer_provider is not None:
+            observers.append(SpanAnnotator())
+        return tuple(observers)
+
+    def add_routes(self, app: web.Application) -> None:
+        auth = AdminAuth(lambda: self.configs.current.admin.token_env)
+        add_admin_routes(app, auth)
+        app.router.add_get("/metrics", metrics_handler(self.registry))
+
+    async def start(self, app: web.Application, *, redis_url: str, proxy: Proxy,
+                    snapshots: SnapshotHolder, inflight: InFlight,
+                    security: SecurityStats | None = None) -> None:
+        """Begin following drain flags and the config file; expose the admin context."""
+        config = self.configs.current
+        self.drains.set_configured(_configured_drains(config))
+        redis = self._redis = redis_client.connect(redis_url, max_connections=4)
+        store = DrainStore(redis, DrainKeys(config.redis.key_prefix), self.drains)
+        self._store = store
+        await store.refresh()
+        self._tasks.append(asyncio.create_task(store.run(), name="drain-flags"))
+        watcher: ConfigWatcher | None = None
+        if self.configs.path is not None:
+            watcher = ConfigWatcher(self.configs, self.configs.path, router_region=self.region,
+                                    interval_s=lambda: self.configs.current.admin.config_check_s,
+                                    extra_checks=self._policy_known)
+            self._tasks.append(asyncio.create_task(watcher.run(), name="config-watcher"))
+        self.configs.on_swap(lambda old, new: self._swapped(proxy, old, new))
+        self.configs.on_refused(self._refused)
+        self.registry.register(FleetCollector(
+            snapshots=snapshots, configs=self.configs, drains=self.drains, inflight=inflight,
+            health=proxy.health, retry_budget=proxy.retry_budget))
+        if security is not None:
+            self.registry.register(SecurityCollector(security))
+        app[ADMIN] = AdminContext(
+            region=self.region, configs=self.configs, snapshots=snapshots,
+            drain_holder=self.drains, inflight=inflight, window=self.window,
+            events=self.events, drains=store, health=proxy.health,
+            reload=watcher.reload if watcher is not None else None)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._redis is not None:
+            await self._redis.aclose()
+        if self.owns_tracer_provider and isinstance(self.tracer_provider, TracerProvider):
+            # Flushes the spans still queued. The SDK's export is a blocking HTTP call made
+            # from its own thread; wait for it off the loop so the loop keeps serving.
+            await asyncio.get_running_loop().run_in_executor(None, self.tracer_provider.shutdown)
+
+    def _swapped(self, proxy: Proxy, old: GlobalConfig, new: GlobalConfig) -> None:
+        self.drains.set_configured(_configured_drains(new))
+        self.events.record("config_reloaded", f"version {self.configs.version}",
+                           ", ".join(f"{name} needs a restart"
+                                     for name in self.configs.restart_required))
+        name = self.policy_override or new.router.policy
+        if name == (self.policy_override or old.router.policy) and (
+                new.router.near_equal_ms == old.router.near_equal_ms):
+            return
+        try:
+            context = dataclasses.replace(proxy.policy.context,
+                                          near_equal_ms=new.router.near_equal_ms)
+            proxy.policy = create_policy(name, context)
+        except ValueError as exc:  # an unknown policy name: keep the one in force
+            log.error("config %s: router.policy: %s; keeping %s", self.configs.version, exc,
+                      proxy.policy.name)
+            return
+        log.info("routing policy now %s (near_equal_ms %g)", name, new.router.near_equal_ms)
+
+    def _policy_known(self, config: GlobalConfig) -> list[str]:
+        if self.policy_override is not None or config.router.policy in Policy.registry:
+            return []
+        known = ", ".join(sorted(Policy.registry))
+        return [f"router.policy: unknown policy {config.router.policy!r} (known: {known})"]
+
+    def _refused(self, error: ReloadError) -> None:
+        self.events.record("config_refused", str(self.configs.path or "regions.yaml"),
+                           "; ".join(error.problems))
+
+
+def _configured_drains(config: GlobalConfig) -> frozenset[str]:
+    return frozenset(name for name, region in config.regions.items() if region.drain)

@@ -1,0 +1,215 @@
+"""GET /admin/status: the fleet as this router sees it, as one JSON document.
+
+Read-only and built from in-memory state only (snapshot, drain flags, passive health, the
+last minute of traffic): it never awaits Redis, so it answers even while Redis is down
+and says so (`redis.connected`, `redis.snapshot_age_s`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from router.admin.drains import DrainHolder, DrainStore
+from router.admin.events import EventLog
+from router.config_reload import ConfigHolder
+from router.policy.inflight import InFlight
+from router.registry.snapshot import SnapshotHolder, WorkerView
+from router.telemetry.window import TrafficWindow
+from worker.schema import LifecycleState
+
+MAX_EVENTS = 50
+
+
+class HealthEventView(Protocol):
+    """An ejection or readmission (router.health.HealthEvent); `at_s` is monotonic."""
+
+    @property
+    def at_s(self) -> float: ...
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def region(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def detail(self) -> str: ...
+
+
+class HealthStatusView(Protocol):
+    """What the status reads of passive health (router.health.Health)."""
+
+    @property
+    def events(self) -> Iterable[HealthEventView]: ...
+
+    def state_of(self, worker_id: str) -> object: ...
+
+
+@dataclass
+class AdminContext:
+    """Everything the admin API and the status page read; wired by router.app."""
+
+    region: str | None
+    configs: ConfigHolder
+    snapshots: SnapshotHolder
+    drain_holder: DrainHolder
+    inflight: InFlight
+    window: TrafficWindow
+    events: EventLog
+    drains: DrainStore | None = None
+    health: HealthStatusView | None = None
+    reload: Callable[[], bool] | None = None
+    started_unix_s: float = field(default_factory=time.time)
+    clock: Callable[[], float] = time.monotonic
+
+
+def _breaker(context: AdminContext, worker_id: str) -> str:
+    if context.health is None:
+        return "closed"
+    return str(context.health.state_of(worker_id))
+
+
+def _worker(context: AdminContext, view: WorkerView, freshness_now: float, now_s: float
+            ) -> dict[str, Any]:
+    heartbeat = view.heartbeat
+    drained = context.drain_holder.current.covers(view)
+    fresh = view.fresh(freshness_now)
+    breaker = _breaker(context, view.worker_id)
+    if drained:
+        status = "drained"
+    elif not fresh:
+        status = "stale"
+    elif breaker == "open":
+        status = "ejected"
+    else:
+        status = heartbeat.state.value
+    performance = heartbeat.performance
+    return {
+        "id": view.worker_id,
+        "region": view.region,
+        "status": status,  # what routing makes of it: ready, drained, ejected, stale, ...
+        "state": heartbeat.state.value,  # what the worker reports
+        "drained": drained,
+        "breaker": breaker,
+        "fresh": fresh,
+        "heartbeat_age_s": round(max(0.0, now_s - view.received_at_s), 3),
+        "endpoint": view.endpoint,
+        "models": list(heartbeat.models),
+        "capacity": {"max_num_seqs": heartbeat.capacity.max_num_seqs,
+                     "kv_blocks": heartbeat.capacity.kv_blocks_total},
+        "load": {"running": heartbeat.load.running, "waiting": heartbeat.load.waiting,
+                 "kv_cache_usage": heartbeat.load.kv_cache_usage,
+                 "router_inflight": context.inflight.of(view.worker_id)},
+        "performance": {"ttft_ms": performance.ttft_ms, "itl_ms": performance.itl_ms,
+                        "e2e_ms": performance.e2e_ms},
+        "engine": {"kind": heartbeat.engine.kind, "version": heartbeat.engine.version},
+    }
+
+
+def _region(context: AdminContext, name: str, workers: list[dict[str, Any]],
+            drained: bool) -> dict[str, Any]:
+    config = context.configs.current
+    spec = config.regions.get(name)
+    routable = [w for w in workers if w["status"] == LifecycleState.READY.value]
+    live = [w for w in workers if w["fresh"]]
+    if drained:
+        health = "drained"
+    elif not routable:
+        health = "down"
+    elif len(routable) < len(workers):
+        health = "degraded"
+    else:
+        health = "ok"
+    by_status: dict[str, int] = {}
+    for worker in workers:
+        by_status[worker["status"]] = by_status.get(worker["status"], 0) + 1
+    kv = [w["load"]["kv_cache_usage"] for w in live if w["load"]["kv_cache_usage"] is not None]
+    capacity = sum(w["capacity"]["max_num_seqs"] for w in live)
+    load = sum(w["load"]["running"] + w["load"]["waiting"] for w in live)
+    return {
+        "name": name,
+        "configured": spec is not None,
+        "models": list(spec.models) if spec is not None else [],
+        "rtt_ms": config.rtt_ms(context.region, name) if context.region else None,
+        "drained": drained,
+        "health": health,
+        "workers": by_status,
+        "capacity_seqs": capacity,
+        "load_seqs": load,
+        "utilization": round(load / capacity, 3) if capacity else None,
+        "kv_cache_usage": round(sum(kv) / len(kv), 3) if kv else None,
+        "router_inflight": sum(w["load"]["router_inflight"] for w in workers),
+    }
+
+
+def _events(context: AdminContext, now_s: float, now_unix_s: float) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = [{"at_unix_s": e.at_unix_s, "kind": e.kind, "subject": e.subject,
+               "detail": e.detail} for e in context.events.recent()]
+    if context.health is not None:
+        events += [{"at_unix_s": now_unix_s - (now_s - e.at_s), "kind": e.kind,
+                    "subject": f"worker {e.worker_id} ({e.region})", "detail": e.detail}
+                   for e in context.health.events]
+    events.sort(key=lambda e: float(e["at_unix_s"]), reverse=True)
+    return events[:MAX_EVENTS]
+
+
+def fleet_status(context: AdminContext) -> dict[str, Any]:
+    now_s = context.clock()
+    now_unix_s = time.time()
+    snapshot = context.snapshots.current
+    freshness_now = snapshot.freshness_now(now_s)
+    views = sorted(snapshot.workers.values(), key=lambda v: (v.region, v.worker_id))
+    workers = [_worker(context, view, freshness_now, now_s) for view in views]
+    configs = context.configs
+    drained = context.drain_holder.current
+    names = list(configs.current.regions)
+    names += sorted({w["region"] for w in workers} - set(names))
+    traffic = context.window.summary()
+    regions = []
+    for name in names:
+        region = _region(context, name, [w for w in workers if w["region"] == name],
+                         name in drained.regions)
+        seen = traffic.get(name)
+        region["traffic"] = None if seen is None else {
+            "requests": seen.requests, "errors": seen.errors, "share": seen.share,
+            "ttft_p50_ms": seen.ttft_p50_ms, "ttft_p99_ms": seen.ttft_p99_ms,
+            "e2e_p50_ms": seen.e2e_p50_ms, "e2e_p99_ms": seen.e2e_p99_ms,
+        }
+        regions.append(region)
+    unrouted = traffic.get("none")
+    age = snapshot.view_age_s(now_s)
+    error = configs.last_error
+    return {
+        "router": {"region": context.region,
+                   "uptime_s": round(now_unix_s - context.started_unix_s, 1),
+                   "now_unix_s": round(now_unix_s, 3)},
+        "config": {
+            "path": str(configs.path) if configs.path else None,
+            "version": configs.version,
+            "loaded_at_unix_s": round(configs.loaded_at_unix_s, 3),
+            "reloads": configs.reloads,
+            "reload_errors": configs.reload_errors,
+            "restart_required": list(configs.restart_required),
+            "last_error": None if error is None else {
+                "at_unix_s": round(error.at_unix_s, 3), "problems": list(error.problems)},
+        },
+        "redis": {"connected": snapshot.redis_connected,
+                  "snapshot_age_s": None if age is None else round(age, 3)},
+        "regions": regions,
+        "workers": workers,
+        "unrouted": None if unrouted is None else {
+            "requests": unrouted.requests, "errors": unrouted.errors, "share": unrouted.share},
+        "drains": [
+            {"kind": r.kind, "name": r.name, "since_unix_s": r.since_unix_s,
+             "reason": r.reason, "by": r.by}
+            for r in sorted(context.drain_holder.records.values(),
+                            key=lambda r: r.since_unix_s)
+        ] + [
+            {"kind": "region", "name": name, "since_unix_s": configs.loaded_at_unix_s,
+             "reason": "drain: true in regions.yaml", "by": "config"}
+            for name in sorted(context.drain_holder.configured)
+        ],
+        "events": _events(context, now_s, now_unix_s),
+    }

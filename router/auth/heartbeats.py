@@ -1,0 +1,133 @@
+"""Which heartbeats the router believes: signed by a known key, fresh, from an allowed address.
+
+The pool's membership lives in Redis, so whoever can write there could otherwise steer
+traffic. `HeartbeatGate.check` runs on every heartbeat the collector parses and returns
+why it must be dropped (a `SecurityStats.heartbeats_dropped` label), or None:
+
+- signing keys configured (worker.signing): unsigned, unknown key id, bad signature;
+  sent more than `max_clock_skew_s` in the future; older than its own `ttl_s` plus the
+  skew (a replay of a captured heartbeat of a worker that is gone); or, on pub/sub, older
+  (by send time, then sequence number) than one already accepted from the same worker
+  (a replay of an old one). A restarted worker starts its sequence again at 0 but with a
+  later send time, so it is not mistaken for a replay.
+- a region with `allowed_endpoints`: an endpoint host outside the list; and once any
+  region has a list, a heartbeat naming a region regions.yaml does not define.
+
+Without signing keys unsigned heartbeats are accepted (the local demo), and so are
+signed ones (their signatures are not checked).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from router.admission.stats import SecurityStats
+from router.auth.endpoints import EndpointAllowList
+from worker.schema import Heartbeat
+from worker.signing import verify_signature
+
+log = logging.getLogger("globalpool.registry")
+
+_LOG_EVERY_S = 60.0
+_MAX_TRACKED_WORKERS = 100_000
+
+
+@dataclass(frozen=True)
+class HeartbeatRules:
+    """What regions.yaml says about heartbeats (it may change with a hot reload)."""
+
+    allow_lists: Mapping[str, EndpointAllowList] = field(default_factory=dict)
+    known_regions: frozenset[str] = frozenset()
+    max_clock_skew_s: float = 5.0
+
+
+class HeartbeatGate:
+    """Verification for one router. `rules` is read per heartbeat (the config in force);
+    the keys come from the environment at start. `clock` is wall time (heartbeats carry
+    Unix time)."""
+
+    def __init__(
+        self,
+        *,
+        keys: Mapping[str, bytes],
+        rules: Callable[[], HeartbeatRules],
+        stats: SecurityStats,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._keys = dict(keys)
+        self._rules = rules
+        self._stats = stats
+        self._clock = clock
+        self._monotonic = monotonic
+        self._latest: dict[str, tuple[float, int]] = {}
+        self._logged_at: dict[str, float] = {}
+
+    @property
+    def signing(self) -> bool:
+        return bool(self._keys)
+
+    def check(self, heartbeat: Heartbeat, *, via_pubsub: bool) -> str | None:
+        """None to accept `heartbeat`, else the reason it is dropped (also counted/logged)."""
+        reason = self._reason(heartbeat, via_pubsub)
+        if reason is None:
+            if self._keys:
+                self._stats.heartbeats_verified += 1
+                if via_pubsub:
+                    self._remember(heartbeat)
+            return None
+        self._stats.heartbeats_dropped[reason] += 1
+        now = self._monotonic()
+        if now - self._logged_at.get(reason, -math.inf) >= _LOG_EVERY_S:
+            self._logged_at[reason] = now
+            log.warning("dropped heartbeat (%s) claiming worker %r in region %r; further drops "
+                        "for this reason are only counted for %.0f s",
+                        reason, heartbeat.worker_id, heartbeat.region, _LOG_EVERY_S)
+        return reason
+
+    def _reason(self, heartbeat: Heartbeat, via_pubsub: bool) -> str | None:
+        rules = self._rules()
+        if rules.allow_lists:
+            allow = rules.allow_lists.get(heartbeat.region)
+            if heartbeat.region not in rules.known_regions:
+                return "unknown_region"
+            if allow is not None and not allow.allows(heartbeat.endpoint):
+                return "endpoint_not_allowed"
+        if not self._keys:
+            return None
+        verdict = verify_signature(heartbeat, self._keys)
+        if verdict is not None:
+            return verdict
+        sent_at_s = heartbeat.sent_at_s
+        now = self._clock()
+        skew_s = rules.max_clock_skew_s
+        if not math.isfinite(sent_at_s) or sent_at_s > now + skew_s:
+            return "future"
+        if sent_at_s + heartbeat.ttl_s + skew_s < now:
+            return "expired"
+        if via_pubsub:
+            latest = self._latest.get(heartbeat.worker_id)
+            if latest is not None and (sent_at_s, heartbeat.seq) < latest:
+                return "replayed"
+        return None
+
+    def _remember(self, heartbeat: Heartbeat) -> None:
+        """Only pub/sub messages count: one worker's messages arrive in the order it sent
+        them, while a full read may legitimately see a newer report than messages still
+        queued, which must not then look like replays."""
+        order = (heartbeat.sent_at_s, heartbeat.seq)
+        latest = self._latest.get(heartbeat.worker_id)
+        if latest is None or order > latest:
+            if latest is None and len(self._latest) >= _MAX_TRACKED_WORKERS:
+                self._forget_old()
+            self._latest[heartbeat.worker_id] = order
+
+    def _forget_old(self) -> None:
+        """Drop workers not heard of for an hour (no heartbeat lives longer)."""
+        cutoff = self._clock() - 3600.0
+        for worker_id in [w for w, (sent, _) in self._latest.items() if sent < cutoff]:
+            del self._latest[worker_id]

@@ -1,0 +1,81 @@
+"""Arguments of `globalpool bench-proxy`, `bench-decision` and `bench-heartbeats`.
+
+Kept free of heavy imports: `globalpool` builds every subcommand's parser at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+
+def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, type=Path, help="folder for results and logs")
+    parser.add_argument("--quick", action="store_true",
+                        help="small workloads (a CI smoke test: < 60 s without peers)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated routers: globalpool,aiohttp,vllm-router,"
+                             "sglang-router,envoy (default: all; `direct` always runs)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the whole comparison this many times (default 1)")
+    parser.add_argument("--peers-dir", type=Path, default=None,
+                        help="virtualenv for the peer routers (default: "
+                             "~/.cache/globalpool/bench-peers)")
+    parser.add_argument("--profile", default="",
+                        help="comma-separated workloads (unary,stream,paced) to profile "
+                             "globalpool under with py-spy, after the measurements")
+
+
+def run_bench_proxy(args: argparse.Namespace) -> int:
+    from router.benchproxy.procs import new_event_loop
+    from router.benchproxy.run import Options, bench_proxy
+
+    options = Options(
+        out=args.out, quick=args.quick, rounds=max(1, args.rounds), peers_dir=args.peers_dir,
+        only=[n.strip() for n in args.only.split(",") if n.strip()] if args.only else None,
+        profile=[w.strip() for w in args.profile.split(",") if w.strip()],
+    )
+    loop = new_event_loop()
+    try:
+        document = loop.run_until_complete(bench_proxy(options))
+    except ValueError as exc:
+        print(str(exc))
+        return 2
+    finally:
+        loop.close()
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'report.md'}, "
+          f"{args.out / 'cpu_per_request.png'}")
+    ran = [r for r in document["results"] if r.get("completed")]
+    return 0 if ran else 1
+
+
+def add_bench_decision_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=None, help="write decision.json here")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--sizes", default="10,100,1000,10000",
+                        help="comma-separated worker counts (default 10,100,1000,10000)")
+
+
+def run_bench_decision(args: argparse.Namespace) -> int:
+    from router.benchproxy.decision import main
+
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    return main(sizes=sizes, quick=args.quick, out=args.out)
+
+
+def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=None, help="write heartbeats.json here")
+    parser.add_argument("--workers", type=int, default=10_000)
+    parser.add_argument("--hz", type=float, default=4.0, help="heartbeats per worker per second")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured window")
+    parser.add_argument("--publishers", type=int, default=2, help="publisher processes")
+    parser.add_argument("--signed", action="store_true",
+                        help="sign heartbeats and make the router verify them")
+
+
+def run_bench_heartbeats(args: argparse.Namespace) -> int:
+    from router.benchproxy.heartbeats import main
+
+    return asyncio.run(main(workers=args.workers, hz=args.hz, seconds=args.seconds,
+                            publishers=args.publishers, signed=args.signed, out=args.out))

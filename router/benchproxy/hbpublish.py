@@ -1,0 +1,163 @@
+"""A pipelined heartbeat publisher for the heartbeat-plane benchmark (one process).
+
+Publishes for workers [first, last) at `hz` each what worker/publisher.py writes for one
+heartbeat: `SET <key> <json> PX <ttl>` and `PUBLISH <channel> <json>`, with real
+`Heartbeat` JSON (built by the schema once per worker; only `seq` and `sent_at_s` change
+per beat, spliced into the encoded text). Unlike the worker's publisher it pipelines many
+workers' commands in one write without MULTI, since one process stands in for thousands
+of workers. With `--sign`, every beat is signed with worker.signing (HMAC over the
+canonical JSON): the router then verifies each one.
+
+Every 10 ms it sends the beats due by then, unless more than `max_outstanding` replies
+are still owed (Redis or this process cannot keep up): then beats are skipped and the
+achieved rate, printed as JSON at the end, shows it.
+
+    python -m router.benchproxy.hbpublish --redis-url redis://127.0.0.1:6379/0 \\
+        --prefix gp --first 0 --last 5000 --hz 4 --seconds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import time
+from urllib.parse import urlparse
+
+from router.benchproxy.decision import fleet
+from router.benchproxy.procs import new_event_loop
+from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
+from worker.signing import HeartbeatSigner
+
+TICK_S = 0.01
+
+
+def _bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+def command(*parts: bytes) -> bytes:
+    return b"*%d\r\n" % len(parts) + b"".join(_bulk(p) for p in parts)
+
+
+def worker_heartbeat(index: int, regions: int, ttl_s: float) -> Heartbeat:
+    """A realistic heartbeat (varied load and performance) for worker `index`."""
+    view = fleet(1, random.Random(index), 0.0)[0]
+    return view.heartbeat.model_copy(update={
+        "worker_id": f"hb-{index:05d}", "region": f"region-{index % regions}",
+        "endpoint": f"http://127.0.{index // 256 % 256}.{index % 256}:8000",
+        "seq": 0, "sent_at_s": 0.0, "ttl_s": ttl_s, "state": LifecycleState.READY,
+    })
+
+
+class Template:
+    """One worker's heartbeat JSON, split around `"seq":0,"sent_at_s":0.0`."""
+
+    MARK = b'"seq":0,"sent_at_s":0.0'
+
+    def __init__(self, heartbeat: Heartbeat, keys: HeartbeatKeys,
+                 signer: HeartbeatSigner | None) -> None:
+        self.heartbeat = heartbeat
+        self.key = keys.worker(heartbeat.worker_id).encode()
+        self.signer = signer
+        encoded = heartbeat.to_json().encode()
+        self.before, mark, self.after = encoded.partition(self.MARK)
+        if not mark:
+            raise ValueError("heartbeat JSON does not have seq and sent_at_s side by side")
+
+    def payload(self, seq: int, now_s: float) -> bytes:
+        if self.signer is not None:
+            beat = self.heartbeat.model_copy(update={"seq": seq, "sent_at_s": now_s})
+            return self.signer.sign(beat).to_json().encode()
+        return b'%s"seq":%d,"sent_at_s":%r%s' % (self.before, seq, now_s, self.after)
+
+
+class Replies(asyncio.Protocol):
+    """Counts RESP replies (each of ours is one line: +OK or :N)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.errors = 0
+
+    def data_received(self, data: bytes) -> None:
+        self.received += data.count(b"\r\n")
+        self.errors += data.count(b"-ERR")
+
+
+async def publish(args: argparse.Namespace) -> dict[str, float]:
+    url = urlparse(args.redis_url)
+    keys = HeartbeatKeys(args.prefix)
+    signer = None
+    if args.sign:
+        key_id, _, secret = args.sign.partition(":")
+        signer = HeartbeatSigner(key_id=key_id, secret=secret.encode())
+    templates = [Template(worker_heartbeat(i, args.regions, args.ttl_s), keys, signer)
+                 for i in range(args.first, args.last)]
+    loop = asyncio.get_running_loop()
+    transport, replies = await loop.create_connection(Replies, url.hostname, url.port or 6379)
+    channel = keys.channel.encode()
+    ttl_ms = str(round(args.ttl_s * 1000)).encode()
+    rate = len(templates) * args.hz
+    started = time.monotonic()
+    deadline = started + args.seconds
+    sent = skipped = 0
+    cursor = 0
+    seq = 0
+    stopping = asyncio.Event()  # SIGTERM: stop early, still report
+    loop.add_signal_handler(signal.SIGTERM, stopping.set)
+    while (now := time.monotonic()) < deadline and not stopping.is_set():
+        due = int((now - started) * rate) - sent - skipped
+        if due > 0:
+            if (sent * 2 - replies.received) > args.max_outstanding:
+                skipped += due
+            else:
+                batch = []
+                wall = time.time()
+                for _ in range(due):
+                    template = templates[cursor]
+                    cursor += 1
+                    if cursor == len(templates):
+                        cursor = 0
+                        seq += 1
+                    payload = template.payload(seq, wall)
+                    batch.append(command(b"SET", template.key, payload, b"PX", ttl_ms))
+                    batch.append(command(b"PUBLISH", channel, payload))
+                transport.write(b"".join(batch))
+                sent += due
+        await asyncio.sleep(TICK_S)
+    elapsed = time.monotonic() - started
+    for _ in range(100):  # up to 5 s for the last replies
+        if replies.received >= sent * 2:
+            break
+        await asyncio.sleep(0.05)
+    transport.close()
+    return {"sent": sent, "skipped": skipped, "seconds": elapsed,
+            "achieved_per_s": sent / elapsed, "target_per_s": rate,
+            "replies": replies.received, "errors": replies.errors}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--prefix", required=True)
+    parser.add_argument("--first", type=int, required=True)
+    parser.add_argument("--last", type=int, required=True)
+    parser.add_argument("--regions", type=int, default=10)
+    parser.add_argument("--hz", type=float, default=4.0)
+    parser.add_argument("--ttl-s", type=float, default=1.0)
+    parser.add_argument("--seconds", type=float, required=True)
+    parser.add_argument("--max-outstanding", type=int, default=20_000)
+    parser.add_argument("--sign", default="", help="key_id:secret to sign with")
+    args = parser.parse_args()
+    loop = new_event_loop()
+    try:
+        result = loop.run_until_complete(publish(args))
+    finally:
+        loop.close()
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

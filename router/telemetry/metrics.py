@@ -1,0 +1,237 @@
+"""Prometheus metrics of one router replica, in a registry of its own (no globals).
+
+Two kinds:
+- per request and attempt (`RequestMetrics`, an observer): counters and histograms updated
+  inline, a few dictionary lookups each;
+- the state of the fleet and of the router (`FleetCollector`): read only when Prometheus
+  scrapes, from the snapshot, the drain flags, passive health and the config holder.
+
+ITL is not measured by the router (it does not parse stream events); the per-worker ITL
+the engines report in their heartbeats is exported as `globalpool_worker_itl_seconds`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from router.admin.drains import DrainHolder
+from router.config_reload import ConfigHolder
+from router.policy.inflight import InFlight
+from router.proxy.outcome import Attempt, RequestRecord
+from router.registry.snapshot import SnapshotHolder
+from router.telemetry.window import NO_REGION
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                     1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0)
+ROUTE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+OTHER_MODEL = "(other)"  # unrouted requests for models nobody serves: bounded label values
+DEFAULT_CLASS = "interactive"
+
+
+def _traffic_class(record: RequestRecord) -> str:
+    return record.traffic_class or DEFAULT_CLASS
+
+
+class RequestMetrics:
+    """Observer: request, attempt and latency metrics. Cheap enough to run per request."""
+
+    def __init__(self, registry: CollectorRegistry, known_models: Callable[[], list[str]]
+                 ) -> None:
+        self._known_models = known_models
+        self.requests = Counter(
+            "globalpool_requests", "Client requests by serving region, model, class, status.",
+            ["region", "model", "class", "kind", "status"], registry=registry)
+        self.ttft = Histogram(
+            "globalpool_ttft_seconds",
+            "Time to first token of streamed requests: arrival at the router to first byte.",
+            ["region", "model"], buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.e2e = Histogram(
+            "globalpool_e2e_seconds", "Arrival at the router to the answer's last byte.",
+            ["region", "model"], buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.upstream_ttfb = Histogram(
+            "globalpool_upstream_ttfb_seconds",
+            "One attempt: request sent to the worker -> its first byte.",
+            ["region"], buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.route = Histogram(
+            "globalpool_route_seconds",
+            "Arrival -> first routing decision (body read, validation, policy).",
+            buckets=ROUTE_BUCKETS_S, registry=registry)
+        self.decisions = Counter(
+            "globalpool_routing_decisions",
+            "Attempts by why the worker was chosen (local, spillover, retry, ...).",
+            ["reason", "region"], registry=registry)
+        self.retries = Counter(
+            "globalpool_retries", "Attempts after the first, by the region retried in.",
+            ["region"], registry=registry)
+        self.attempt_failures = Counter(
+            "globalpool_attempt_failures", "Failed attempts by region and kind of failure.",
+            ["region", "failure"], registry=registry)
+
+        # prometheus_client's labels() validates and locks on every call; the label
+        # sets here are few, so each child is looked up once and kept.
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def attempt_finished(self, attempt: Attempt) -> None:
+        region = attempt.region
+        self._child(self.decisions, attempt.reason, region).inc()
+        if attempt.reason == "retry":
+            self._child(self.retries, region).inc()
+        if attempt.failure is not None:
+            self._child(self.attempt_failures, region, attempt.failure.value).inc()
+        ttfb_s = attempt.ttfb_s
+        if ttfb_s is not None:
+            self._child(self.upstream_ttfb, region).observe(ttfb_s)
+
+    def request_finished(self, record: RequestRecord) -> None:
+        served = record.served_by
+        if record.attempts:
+            region = (served or record.attempts[-1]).region
+            model = record.model
+        else:
+            region = NO_REGION
+            model = record.model if record.model in self._known_models() else OTHER_MODEL
+        self._child(self.requests, region, model, _traffic_class(record), record.kind,
+                    str(record.status)).inc()
+        if record.routed_s is not None:
+            self.route.observe(record.routed_s - record.received_s)
+        if served is None or served.first_byte_s is None or record.finished_s is None:
+            return
+        if record.stream:
+            self._child(self.ttft, region, model).observe(served.first_byte_s - record.received_s)
+        self._child(self.e2e, region, model).observe(record.finished_s - record.received_s)
+
+
+class HealthView(Protocol):
+    """What the telemetry reads of passive health (router.health.Health)."""
+
+    ejections_total: int
+
+    def state_of(self, worker_id: str) -> object: ...
+
+
+class RetryBudgetView(Protocol):
+    denied: int
+
+
+@dataclass(eq=False)  # hashable by identity: the registry keys collectors by it
+class FleetCollector:
+    """Scrape-time gauges of the fleet view and of this router (a prometheus Collector)."""
+
+    snapshots: SnapshotHolder
+    configs: ConfigHolder
+    drains: DrainHolder
+    inflight: InFlight
+    health: HealthView | None = None
+    retry_budget: RetryBudgetView | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.snapshots.current
+        now_s = self.clock()
+        yield _gauge("globalpool_redis_connected", "1 while the router can read Redis.",
+                     1.0 if snapshot.redis_connected else 0.0)
+        age = snapshot.view_age_s(now_s)
+        yield _gauge("globalpool_snapshot_age_seconds",
+                     "Seconds since Redis last answered the router (fleet view age).",
+                     age if age is not None else float("nan"))
+        yield _gauge("globalpool_inflight_requests", "Requests this router has open upstream.",
+                     float(self.inflight.total()))
+        yield from self._workers(now_s)
+        yield from self._config()
+        drained = GaugeMetricFamily("globalpool_drained", "1 for each drained region or worker.",
+                                    labels=["kind", "name"])
+        for record in self.drains.records.values():
+            drained.add_metric([record.kind, record.name], 1.0)
+        for name in self.drains.configured:  # `drain: true` in regions.yaml
+            drained.add_metric(["region", name], 1.0)
+        yield drained
+        if self.health is not None:
+            yield _counter("globalpool_ejections", "Workers ejected by passive health.",
+                           float(self.health.ejections_total))
+        if self.retry_budget is not None:
+            yield _counter("globalpool_retry_budget_denied",
+                           "Retries not made because the retry budget was spent.",
+                           float(self.retry_budget.denied))
+
+    def _workers(self, now_s: float) -> Iterator[Metric]:
+        snapshot = self.snapshots.current
+        freshness_now = snapshot.freshness_now(now_s)
+        by_state: dict[tuple[str, str], int] = {}
+        capacity = GaugeMetricFamily(
+            "globalpool_worker_capacity_seqs", "Sequences a worker runs at once (heartbeat).",
+            labels=["region", "worker"])
+        load = GaugeMetricFamily(
+            "globalpool_worker_load_seqs", "Sequences running + waiting on a worker (heartbeat).",
+            labels=["region", "worker"])
+        itl = GaugeMetricFamily(
+            "globalpool_worker_itl_seconds", "Inter-token latency a worker reports (heartbeat).",
+            labels=["region", "worker"])
+        ttft = GaugeMetricFamily(
+            "globalpool_worker_ttft_seconds", "Time to first token a worker reports (heartbeat).",
+            labels=["region", "worker"])
+        for view in snapshot.workers.values():
+            heartbeat = view.heartbeat
+            state = heartbeat.state.value if view.fresh(freshness_now) else "stale"
+            key = (view.region, state)
+            by_state[key] = by_state.get(key, 0) + 1
+            labels = [view.region, view.worker_id]
+            capacity.add_metric(labels, float(heartbeat.capacity.max_num_seqs))
+            load.add_metric(labels, float(heartbeat.load.running + heartbeat.load.waiting))
+            if heartbeat.performance.itl_ms is not None:
+                itl.add_metric(labels, heartbeat.performance.itl_ms / 1000.0)
+            if heartbeat.performance.ttft_ms is not None:
+                ttft.add_metric(labels, heartbeat.performance.ttft_ms / 1000.0)
+        workers = GaugeMetricFamily("globalpool_workers", "Workers known, by region and state.",
+                                    labels=["region", "state"])
+        for (region, state), count in sorted(by_state.items()):
+            workers.add_metric([region, state], float(count))
+        yield from (workers, capacity, load, itl, ttft)
+
+    def _config(self) -> Iterator[Metric]:
+        configs = self.configs
+        info = GaugeMetricFamily("globalpool_config_info", "The regions.yaml version in force.",
+                                 labels=["version"])
+        info.add_metric([configs.version], 1.0)
+        yield info
+        yield _counter("globalpool_config_reloads", "regions.yaml reloads taken.",
+                       float(configs.reloads))
+        yield _counter("globalpool_config_reload_errors",
+                       "regions.yaml reloads refused (invalid file; last good config kept).",
+                       float(configs.reload_errors))
+        yield _gauge("globalpool_config_last_reload_ok",
+                     "0 while the file on disk is refused (an older config is in force).",
+                     0.0 if configs.last_error is not None else 1.0)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def metrics_handler(registry: CollectorRegistry) -> Callable[[web.Request],
+                                                              Awaitable[web.Response]]:
+    """GET /metrics in Prometheus' text format."""
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return metrics

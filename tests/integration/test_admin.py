@@ -1,0 +1,241 @@
+"""Admin API: the token, /admin/status, drains obeyed by every replica, hot reload, audit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.integration.conftest import StartSim
+from tests.integration.operators_fleet import (
+    CHAT,
+    TOKEN,
+    OpsFleet,
+    admin,
+    chat,
+    fleet_config,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def fleet(redis_url: str, key_prefix: str, tmp_path: Path, start_sim: StartSim,
+                monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[OpsFleet]:
+    monkeypatch.setenv("GLOBALPOOL_ADMIN_TOKEN", TOKEN)
+    fleet = OpsFleet(redis_url, key_prefix, tmp_path, start_sim)
+    yield fleet
+    await fleet.close()
+
+
+async def test_admin_api_needs_the_token(fleet: OpsFleet,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    await fleet.start({"a": "us-east"})
+    status, body = await admin(fleet.url, "GET", "/admin/status", token=None)
+    assert status == 401 and body["error"]["code"] == "invalid_admin_token"
+    status, _ = await admin(fleet.url, "GET", "/admin/status", token=TOKEN + "x")
+    assert status == 401
+    status, _ = await admin(fleet.url, "POST", "/admin/drain", token="",
+                            body={"region": "us-east"})
+    assert status == 401
+    status, body = await admin(fleet.url, "GET", "/admin/status")
+    assert status == 200 and body["router"]["region"] == "us-east"
+    monkeypatch.delenv("GLOBALPOOL_ADMIN_TOKEN")
+    status, body = await admin(fleet.url, "GET", "/admin/status")
+    assert status == 403 and "GLOBALPOOL_ADMIN_TOKEN" in body["error"]["message"]
+
+
+async def test_status_shows_regions_workers_redis_and_config(fleet: OpsFleet) -> None:
+    await fleet.start({"a": "us-east", "b": "us-east", "c": "eu-west"})
+    for _ in range(4):
+        assert (await chat(fleet.url, {**CHAT, "stream": True}))[0] == 200
+    status, body = await admin(fleet.url, "GET", "/admin/status")
+    assert status == 200
+    assert body["redis"]["connected"] is True and body["redis"]["snapshot_age_s"] < 5
+    assert body["config"]["version"] and body["config"]["last_error"] is None
+    assert body["config"]["path"] == str(fleet.config_path)
+    regions = {region["name"]: region for region in body["regions"]}
+    assert set(regions) == {"us-east", "eu-west"}
+    east = regions["us-east"]
+    assert east["health"] == "ok" and east["workers"] == {"ready": 2}
+    assert east["capacity_seqs"] == 16 and east["rtt_ms"] == 0.0
+    assert regions["eu-west"]["rtt_ms"] == 80.0
+    assert east["traffic"]["requests"] == 4 and east["traffic"]["share"] == 1.0
+    assert east["traffic"]["ttft_p50_ms"] is not None
+    workers = {worker["id"]: worker for worker in body["workers"]}
+    assert workers["c"]["region"] == "eu-west" and workers["c"]["status"] == "ready"
+    assert workers["a"]["capacity"]["max_num_seqs"] == 8
+    assert workers["a"]["breaker"] == "closed"
+
+
+async def test_drained_region_gets_no_new_requests_on_any_replica(
+        fleet: OpsFleet, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    await fleet.start({"a": "us-east", "b": "eu-west"}, replicas=2)
+    first, second = fleet.urls
+    assert {(await chat(second))[1] for _ in range(3)} == {"us-east"}
+    status, body = await admin(first, "POST", "/admin/drain",
+                               body={"region": "us-east", "reason": "maintenance"})
+    assert status == 200 and body["drained"]["name"] == "us-east"
+    # The replica that took the command obeys at once ...
+    assert {(await chat(first))[1] for _ in range(5)} == {"eu-west"}
+
+    # ... and the other within a second (it re-reads the flags every 0.5 s).
+    async def second_obeys() -> bool:
+        return (await chat(second))[1] == "eu-west"
+
+    assert await wait_for(second_obeys, timeout_s=5.0) < 1.5
+    assert {(await chat(second))[1] for _ in range(5)} == {"eu-west"}
+    _, body = await admin(second, "GET", "/admin/status")
+    regions = {region["name"]: region for region in body["regions"]}
+    assert regions["us-east"]["health"] == "drained" and regions["us-east"]["drained"]
+    assert [(d["kind"], d["name"], d["reason"]) for d in body["drains"]] == [
+        ("region", "us-east", "maintenance")]
+
+    status, body = await admin(first, "POST", "/admin/undrain", body={"region": "us-east"})
+    assert status == 200 and body["was_drained"] is True
+
+    async def back() -> bool:
+        return (await chat(second))[1] == "us-east"
+
+    await wait_for(back, timeout_s=5.0)
+    audit = [r.getMessage() for r in caplog.records if r.name == "globalpool.audit"]
+    assert any("action=drain target=region:us-east" in line and "result=ok" in line
+               for line in audit)
+    assert any("action=undrain target=region:us-east" in line for line in audit)
+    assert TOKEN not in caplog.text
+
+
+async def test_drained_worker_and_everything_drained(fleet: OpsFleet) -> None:
+    await fleet.start({"a": "us-east", "b": "us-east"})
+    status, _ = await admin(fleet.url, "POST", "/admin/drain", body={"worker": "a"})
+    assert status == 200
+    workers: Counter[str] = Counter()
+    for _ in range(6):
+        async with aiohttp.ClientSession() as session, session.post(
+                f"{fleet.url}/v1/chat/completions", json=CHAT) as response:
+            assert response.status == 200
+            workers[response.headers["x-globalpool-worker"]] += 1
+    assert set(workers) == {"b"}
+    await admin(fleet.url, "POST", "/admin/drain", body={"worker": "b"})
+    status, _, answer = await chat(fleet.url)
+    assert status == 503 and b"drained" in answer
+    _, body = await admin(fleet.url, "GET", "/admin/status")
+    assert {w["id"]: w["status"] for w in body["workers"]} == {"a": "drained", "b": "drained"}
+
+
+async def test_drain_refuses_unknown_targets_and_bad_bodies(fleet: OpsFleet) -> None:
+    await fleet.start({"a": "us-east"})
+    status, body = await admin(fleet.url, "POST", "/admin/drain", body={"region": "mars"})
+    assert status == 404 and "no region named 'mars'" in body["error"]["message"]
+    status, _ = await admin(fleet.url, "POST", "/admin/drain",
+                            body={"region": "us-east", "worker": "a"})
+    assert status == 400
+    status, _ = await admin(fleet.url, "POST", "/admin/drain", body={"worker": "zz"})
+    assert status == 404
+
+
+async def test_hot_reload_takes_a_good_file_and_refuses_a_bad_one(
+        fleet: OpsFleet, redis_url: str, key_prefix: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    await fleet.start({"a": "us-east", "b": "eu-west"}, decode_step_ms=20.0)
+    _, before = await admin(fleet.url, "GET", "/admin/status")
+    assert {(await chat(fleet.url))[1] for _ in range(3)} == {"us-east"}
+
+    # A stream in flight while the file changes twice: it finishes normally.
+    async def long_stream() -> tuple[int, str, bytes]:
+        return await chat(fleet.url, {**CHAT, "stream": True, "max_tokens": 40})
+
+    in_flight = asyncio.create_task(long_stream())
+    await asyncio.sleep(0.1)
+
+    # A good file: us-east is now far from its own router (rtt) -> traffic spills over.
+    good = fleet_config(redis_url, key_prefix)
+    good["regions"]["us-east"]["rtt_ms"] = {"us-east": 500, "eu-west": 80}
+    fleet.write_config(good)
+
+    async def version_changed() -> bool:
+        _, body = await admin(fleet.url, "GET", "/admin/status")
+        return bool(body["config"]["version"] != before["config"]["version"])
+
+    await wait_for(version_changed)
+    assert {(await chat(fleet.url))[1] for _ in range(3)} == {"eu-west"}
+
+    # A bad file: refused, named by path; the good config stays in force.
+    bad = fleet_config(redis_url, key_prefix)
+    bad["regions"]["eu-west"]["rtt_ms"] = {"us-east": -5}
+    fleet.write_config(bad)
+
+    async def refused() -> bool:
+        _, body = await admin(fleet.url, "GET", "/admin/status")
+        return body["config"]["last_error"] is not None
+
+    await wait_for(refused)
+    _, body = await admin(fleet.url, "GET", "/admin/status")
+    assert body["config"]["last_error"]["problems"] == [
+        f"{fleet.config_path}: regions.eu-west.rtt_ms.us-east: must be >= 0"]
+    assert body["config"]["reload_errors"] == 1
+    assert {(await chat(fleet.url))[1] for _ in range(3)} == {"eu-west"}  # still the good one
+    assert f"{fleet.config_path}: regions.eu-west.rtt_ms.us-east: must be >= 0" in caplog.text
+    kinds = [event["kind"] for event in body["events"]]
+    assert "config_refused" in kinds and "config_reloaded" in kinds
+
+    status, _, answer = await in_flight
+    assert status == 200 and answer.rstrip().endswith(b"data: [DONE]")
+
+    # Fixing the file clears the error.
+    fleet.write_config(good)
+
+    async def cleared() -> bool:
+        _, body = await admin(fleet.url, "GET", "/admin/status")
+        return body["config"]["last_error"] is None
+
+    await wait_for(cleared)
+
+
+async def test_reload_endpoint_and_restart_only_settings(fleet: OpsFleet, redis_url: str,
+                                                         key_prefix: str) -> None:
+    config = fleet_config(redis_url, key_prefix)
+    config["admin"] = {"config_check_s": 0}  # only on demand
+    await fleet.start({"a": "us-east"}, config=config)
+    status, body = await admin(fleet.url, "POST", "/admin/reload")
+    assert status == 200 and body["result"] == "unchanged"
+    changed = fleet_config(redis_url, key_prefix, port=1234)
+    changed["admin"] = {"config_check_s": 0}
+    fleet.write_config(changed)
+    status, body = await admin(fleet.url, "POST", "/admin/reload")
+    assert status == 200 and body["result"] == "reloaded"
+    _, body = await admin(fleet.url, "GET", "/admin/status")
+    assert body["config"]["restart_required"] == ["router.port"]
+    fleet.config_path.write_text("apiVersion: globalpool/v1\nregions: [\n")
+    status, body = await admin(fleet.url, "POST", "/admin/reload")
+    assert status == 422 and body["result"] == "refused"
+    assert body["problems"][0].startswith(f"{fleet.config_path}: line ")
+
+
+async def test_reload_refuses_an_unknown_policy_and_takes_a_known_one(
+        fleet: OpsFleet, redis_url: str, key_prefix: str) -> None:
+    await fleet.start({"a": "us-east", "b": "us-east"})
+    fleet.write_config(fleet_config(redis_url, key_prefix, policy="fastest-please"))
+    status, body = await admin(fleet.url, "POST", "/admin/reload")
+    assert status == 422
+    [problem] = body["problems"]
+    assert problem.startswith(f"{fleet.config_path}: router.policy: unknown policy "
+                              "'fastest-please' (known: ")
+    assert "round_robin" in problem
+    fleet.write_config(fleet_config(redis_url, key_prefix, policy="round_robin"))
+    status, body = await admin(fleet.url, "POST", "/admin/reload")
+    assert status == 200 and body["result"] == "reloaded"
+    workers = []
+    for _ in range(4):
+        async with aiohttp.ClientSession() as session, session.post(
+                f"{fleet.url}/v1/chat/completions", json=CHAT) as response:
+            workers.append(response.headers["x-globalpool-worker"])
+    assert workers in (["a", "b", "a", "b"], ["b", "a", "b", "a"])

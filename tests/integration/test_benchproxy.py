@@ -1,0 +1,46 @@
+"""`globalpool bench-proxy --quick` runs end to end and writes numbers (peers skipped)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(90)
+def test_quick_run_writes_numbers_for_globalpool_and_aiohttp(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench-proxy", "--out", str(out), "--quick",
+         "--only", "globalpool,aiohttp"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    document = json.loads((out / "results.json").read_text())
+    rows = {(r["router"], r["workload"]): r for r in document["results"]}
+    for router in ("direct", "globalpool", "aiohttp"):
+        for workload in ("unary", "stream", "paced"):
+            row = rows[(router, workload)]
+            assert row["status"] == "ok", row
+            assert row["completed"] > 0 and row["requests_per_s"] > 0
+            assert row["ttft_ms"]["p99"] >= row["ttft_ms"]["p50"] > 0
+            assert row["e2e_ms"]["p50"] >= row["ttft_ms"]["p50"]
+    for router in ("globalpool", "aiohttp"):
+        for workload in ("unary", "stream", "paced"):
+            assert rows[(router, workload)]["cpu_us_per_request"] > 0
+    # 32 tokens 10 ms apart cannot finish sooner than ~310 ms, whoever proxies them.
+    assert rows[("globalpool", "paced")]["e2e_ms"]["p50"] >= 300
+    summary = {(s["router"], s["workload"]): s for s in document["summary"]}
+    assert summary[("globalpool", "unary")]["cpu_vs_globalpool"] == pytest.approx(1.0)
+    assert "vllm-router" not in {r["router"] for r in document["results"]}
+    report = (out / "report.md").read_text()
+    assert "globalpool" in report and "aiohttp" in report
+    assert "x globalpool" in done.stdout
+    assert (out / "cpu_per_request.png").exists() or "matplotlib" in report

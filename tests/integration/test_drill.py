@@ -1,0 +1,116 @@
+"""`globalpool drill`: each scenario, short, against the issue's goals.
+
+Each test brings up its own stack (two regions, emulated networks), drives 20 req/s of
+streaming requests, injects the fault and checks the report. Goals (issue 5): no request
+fails before its first byte; only streams in flight on a killed engine may fail
+mid-stream; a drain fails nothing; a killed region is rerouted within 1 s.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.drill.run import DrillOptions, run_drill
+from router.drill.scenarios import FaultSettings
+from tests.conftest import ROOT
+from tests.integration.stack import drill_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(autouse=True)
+def _only_when_slow_tests_are_asked_for(request: pytest.FixtureRequest) -> None:
+    """Each drill takes 30-70 s (a dozen processes start, 12+ s of load): they run with
+    `pytest -m slow` (CI runs them as a separate step), not in the default run."""
+    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
+        pytest.skip("a drill takes 30-70 s: run with `pytest -m slow`")
+
+
+async def _drill(tmp_path: Path, scenario: str, fault_s: float = 5.0,
+                 **settings: Any) -> dict[str, Any]:
+    options = DrillOptions(
+        scenario=scenario, out=tmp_path / "out", config_path=drill_config(tmp_path),
+        settings=FaultSettings(region="us-east", **settings), fault_s=fault_s,
+        warmup_s=1.0, before_s=3.0, after_s=3.0, rate_per_s=20.0, request_timeout_s=20.0,
+    )
+    report = await run_drill(options, say=print)
+    for name in ("report.json", "report.md", "timeline.png", "requests.jsonl"):
+        assert (options.out / name).stat().st_size > 0, name
+    assert report["exited_children"] == []
+    return report
+
+
+def _no_failure_before_first_byte(report: dict[str, Any]) -> None:
+    assert report["failed"]["before_first_byte"] == 0, report["phases"]
+    assert report["mid_stream_failures"]["elsewhere"] == 0, report["phases"]
+
+
+def test_kill_region_through_the_command(tmp_path: Path) -> None:
+    out = tmp_path / "kill"
+    result = subprocess.run(
+        [sys.executable, "-m", "router.cli", "drill", "kill-region", "--quick",
+         "--config", str(drill_config(tmp_path)), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=170,
+    )
+    assert "SIGKILL all engines of us-east" in result.stdout  # progress is printed
+    report = json.loads((out / "report.json").read_text())
+    assert result.returncode == (0 if report["goals_met"] else 3), result.stderr[-2000:]
+    assert report["scenario"] == "kill-region"
+    assert set(report["ttft_p99_ms"]) == {"before", "during", "after"}
+    _no_failure_before_first_byte(report)
+    assert report["time_to_reroute_s"] is not None and report["time_to_reroute_s"] <= 1.0
+    assert report["phases"]["during"]["served_by_region"].keys() == {"eu-west"}
+
+
+async def test_drain_region_by_sigterm_fails_nothing(tmp_path: Path) -> None:
+    report = await _drill(tmp_path, "drain-region")
+    assert report["failed"]["total"] == 0, report["phases"]
+    assert report["time_to_detect_s"] is not None and report["time_to_detect_s"] <= 1.0
+
+
+async def test_drain_region_by_admin_api_fails_nothing(tmp_path: Path) -> None:
+    report = await _drill(tmp_path, "drain-region", drain_via="admin")
+    assert report["failed"]["total"] == 0, report["phases"]
+    assert report["time_to_detect_s"] is not None and report["time_to_detect_s"] <= 1.0
+    assert report["touches_after_detect"] == 0
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "router (issue 5): requests sent to a blackholed region before it is ejected wait "
+    "first_byte_s, then their retry may go to another worker of the same region (only a "
+    "connect error makes the retry avoid the region) and the retry budget runs out, so "
+    "some fail with 504; see DRILLS.md"))
+async def test_partition_region(tmp_path: Path) -> None:
+    report = await _drill(tmp_path, "partition-region")
+    _no_failure_before_first_byte(report)
+    assert report["time_to_detect_s"] is not None
+
+
+async def test_slow_region(tmp_path: Path) -> None:
+    report = await _drill(tmp_path, "slow-region", extra_rtt_ms=300.0)
+    _no_failure_before_first_byte(report)
+    assert report["time_to_detect_s"] is not None
+
+
+async def test_redis_outage(tmp_path: Path) -> None:
+    report = await _drill(tmp_path, "redis-outage", fault_s=6.0)
+    assert report["failed"]["total"] == 0, report["phases"]
+    assert report["time_to_detect_s"] is not None and report["time_to_detect_s"] <= 2.0
+    assert report["time_to_recover_s"] is not None
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "router (issue 5): one successful half-open probe closes the breaker and resets its "
+    "backoff, so a flapping worker gets traffic back after every comeback; see DRILLS.md"))
+async def test_worker_flap(tmp_path: Path) -> None:
+    report = await _drill(tmp_path, "worker-flap", fault_s=10.0, flap_down_s=0.5,
+                          flap_up_s=1.5)
+    _no_failure_before_first_byte(report)
+    assert report["flap"]["cycles"] >= 2
+    assert report["flap"]["readmissions"] * 2 < report["flap"]["comebacks"], report["flap"]

@@ -1,0 +1,133 @@
+"""Prometheus /metrics on the router: present, in Prometheus naming, and moving under load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import ROOT
+from tests.integration.conftest import StartSim
+from tests.integration.operators_fleet import (
+    CHAT,
+    TOKEN,
+    OpsFleet,
+    admin,
+    chat,
+    fleet_config,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture
+async def fleet(redis_url: str, key_prefix: str, tmp_path: Path, start_sim: StartSim,
+                monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[OpsFleet]:
+    monkeypatch.setenv("GLOBALPOOL_ADMIN_TOKEN", TOKEN)
+    fleet = OpsFleet(redis_url, key_prefix, tmp_path, start_sim)
+    yield fleet
+    await fleet.close()
+
+
+async def scrape(url: str) -> Samples:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = await response.text()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: Samples, metric: str, **labels: str) -> float:
+    """The sum over samples of `metric` whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items()
+               if n == metric and set(labels.items()) <= set(ls))
+
+
+async def test_metrics_move_under_load(fleet: OpsFleet) -> None:
+    await fleet.start({"a": "us-east", "b": "us-east", "c": "eu-west"})
+    before = await scrape(fleet.url)
+    assert value(before, "globalpool_requests_total") == 0
+    assert value(before, "globalpool_redis_connected") == 1
+    assert 0 <= value(before, "globalpool_snapshot_age_seconds") < 5
+    assert value(before, "globalpool_workers", region="us-east", state="ready") == 2
+    assert value(before, "globalpool_config_reload_errors_total") == 0
+
+    bodies = [{**CHAT, "stream": i % 2 == 0} for i in range(20)]
+    results = await asyncio.gather(*(chat(fleet.url, body) for body in bodies))
+    assert [status for status, _, _ in results] == [200] * 20
+    assert (await chat(fleet.url, {**CHAT, "model": "nope"}))[0] == 404
+
+    after = await scrape(fleet.url)
+    assert value(after, "globalpool_requests_total", status="200") == 20
+    assert value(after, "globalpool_requests_total", model="m", kind="chat",
+                 **{"class": "interactive"}) == 20
+    assert value(after, "globalpool_requests_total", region="none", model="(other)",
+                 status="404") == 1
+    assert value(after, "globalpool_ttft_seconds_count") == 10  # the streams
+    assert value(after, "globalpool_e2e_seconds_count") == 20
+    assert value(after, "globalpool_ttft_seconds_sum") > 0
+    assert value(after, "globalpool_upstream_ttfb_seconds_count") == 20
+    assert value(after, "globalpool_route_seconds_count") == 20
+    decisions = value(after, "globalpool_routing_decisions_total")
+    assert decisions == 20 and value(after, "globalpool_routing_decisions_total",
+                                     reason="local", region="us-east") > 0
+    assert value(after, "globalpool_retries_total") == 0
+    assert value(after, "globalpool_worker_capacity_seqs", worker="a") == 8
+    assert value(after, "globalpool_config_info") == 1
+
+
+async def test_retries_failures_drains_and_reload_errors_show(fleet: OpsFleet,
+                                                              redis_url: str,
+                                                              key_prefix: str) -> None:
+    await fleet.start({"a": "us-east", "b": "us-east"})
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{fleet.sims['a'].url}/sim/faults", json={"error_rate": 1.0}) as response:
+        assert response.status == 200
+    for _ in range(6):
+        assert (await chat(fleet.url))[0] == 200
+    samples = await scrape(fleet.url)
+    assert value(samples, "globalpool_attempt_failures_total", failure="server_error") >= 1
+    assert value(samples, "globalpool_retries_total", region="us-east") >= 1
+    assert value(samples, "globalpool_routing_decisions_total", reason="retry") >= 1
+
+    await admin(fleet.url, "POST", "/admin/drain", body={"worker": "b"})
+    samples = await scrape(fleet.url)
+    assert value(samples, "globalpool_drained", kind="worker", name="b") == 1
+
+    bad = fleet_config(redis_url, key_prefix)
+    bad["regions"]["eu-west"]["rtt_ms"] = {"us-east": -1}
+    fleet.write_config(bad)
+
+    async def refused() -> bool:
+        return value(await scrape(fleet.url), "globalpool_config_reload_errors_total") == 1
+
+    await wait_for(refused)
+    assert value(await scrape(fleet.url), "globalpool_config_last_reload_ok") == 0
+
+
+async def test_every_metric_on_the_grafana_dashboard_is_exported(fleet: OpsFleet) -> None:
+    await fleet.start({"a": "us-east"})
+    assert (await chat(fleet.url, {**CHAT, "stream": True}))[0] == 200
+    async with aiohttp.ClientSession() as session, session.get(f"{fleet.url}/metrics") as reply:
+        text = await reply.text()
+    # Families are declared (# TYPE) even before their first labelled sample.
+    declared = {re.sub(r"_total$", "", name)
+                for name in re.findall(r"^# TYPE (globalpool_[a-z0-9_]+) ", text, re.MULTILINE)}
+    dashboard = json.loads((ROOT / "dashboards" / "globalpool.json").read_text())
+    used = {re.sub(r"_(total|bucket|count|sum)$", "", name)
+            for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"globalpool_[a-z0-9_]+", target["expr"])}
+    assert len(used) > 15 and used - declared == set()

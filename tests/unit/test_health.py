@@ -1,0 +1,118 @@
+"""The breaker's state machine, the health filter and the retry budget, with an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.health import Breaker, BreakerPolicy, BreakerState, Health, RetryBudget
+from router.proxy.outcome import Attempt, Failure
+from tests.unit.test_policy import FakeClock, view
+
+POLICY = BreakerPolicy(failures_to_eject=3, base_backoff_s=1.0, max_backoff_s=4.0)
+
+
+def test_breaker_ejects_after_consecutive_failures_and_probes_half_open() -> None:
+    breaker = Breaker(POLICY)
+    assert not breaker.failed(0.0, severe=False)
+    assert not breaker.failed(0.0, severe=False)
+    assert breaker.succeeded() is False  # a success in between resets the count
+    for _ in range(2):
+        assert not breaker.failed(1.0, severe=False)
+    assert breaker.failed(1.0, severe=False)
+    assert breaker.state is BreakerState.OPEN
+    assert not breaker.admits(1.5)
+    assert breaker.admits(2.0)  # backoff over: half-open, one probe allowed
+    assert breaker.state is BreakerState.HALF_OPEN
+    breaker.dispatched()
+    assert not breaker.admits(2.0)  # the probe is out; everyone else waits
+    assert breaker.succeeded() is True
+    assert breaker.state is BreakerState.CLOSED and breaker.admits(2.0)
+
+
+def test_failed_probe_doubles_the_backoff_up_to_the_cap() -> None:
+    breaker = Breaker(POLICY)
+    assert breaker.failed(0.0, severe=True)  # connection refused: at once
+    assert breaker.open_until_s == 1.0
+    ends = []
+    now = 1.0
+    for _ in range(4):
+        assert breaker.admits(now)
+        breaker.dispatched()
+        assert breaker.failed(now, severe=False)  # a failed probe re-ejects at once
+        ends.append(breaker.open_until_s - now)
+        now = breaker.open_until_s
+    assert ends == [2.0, 4.0, 4.0, 4.0]
+
+
+def attempt(worker_id: str, failure: Failure | None, region: str = "us-east", *,
+            ttfb_s: float | None = 0.05, predicted_ms: float = 50.0,
+            retry_after_s: float | None = None) -> Attempt:
+    result = Attempt(worker_id=worker_id, region=region, predicted_ttft_ms=predicted_ms,
+                     reason="local", started_s=0.0, failure=failure, streamed=True,
+                     retry_after_s=retry_after_s)
+    if failure is None and ttfb_s is not None:
+        result.first_byte_s = ttfb_s
+    return result
+
+
+def test_health_filter_ejects_refused_workers_and_fails_open() -> None:
+    clock = FakeClock(10.0)
+    health = Health(POLICY, clock=clock)
+    views = [view("a"), view("b"), view("c", "eu-west")]
+    health.attempt_finished(attempt("a", Failure.CONNECT))
+    assert [v.worker_id for v in health.filter(views, 10.0)] == ["b", "c"]
+    assert health.ejections_total == 1
+    assert health.events[-1].kind == "ejected"
+    for worker_id in ("b", "c"):
+        health.attempt_finished(attempt(worker_id, Failure.RESET))
+    # Everything is ejected: the filter fails open rather than leave nothing to try.
+    assert [v.worker_id for v in health.filter(views, 10.0)] == ["a", "b", "c"]
+
+
+def test_busy_is_not_a_failure_but_is_honoured() -> None:
+    clock = FakeClock(10.0)
+    health = Health(POLICY, clock=clock)
+    views = [view("a"), view("b")]
+    health.attempt_finished(attempt("a", Failure.BUSY, retry_after_s=2.0))
+    assert [v.worker_id for v in health.filter(views, 11.0)] == ["b"]
+    assert [v.worker_id for v in health.filter(views, 12.5)] == ["a", "b"]
+    assert health.ejections_total == 0 and health.state_of("a") is BreakerState.CLOSED
+
+
+def test_a_region_with_most_workers_ejected_is_ejected() -> None:
+    health = Health(POLICY, clock=FakeClock(0.0))
+    views = [view("us-1"), view("us-2"), view("us-3"), view("eu-1", "eu-west")]
+    for worker_id in ("us-1", "us-2"):
+        health.attempt_finished(attempt(worker_id, Failure.CONNECT))
+    assert [v.worker_id for v in health.filter(views, 0.1)] == ["eu-1"]
+
+
+def test_slow_region_learns_a_penalty_that_decays() -> None:
+    clock = FakeClock(0.0)
+    health = Health(POLICY, clock=clock, latency_half_life_s=10.0)
+    for _ in range(20):
+        # Both regions answer 20 ms later than predicted (a constant miss), eu-west 500 more.
+        health.attempt_finished(attempt("us-1", None, "us-east", ttfb_s=0.070,
+                                        predicted_ms=50.0))
+        health.attempt_finished(attempt("eu-1", None, "eu-west", ttfb_s=0.570,
+                                        predicted_ms=50.0))
+    assert health.region_penalty_ms("eu-west", 0.0) == pytest.approx(500.0, rel=0.05)
+    assert health.region_penalty_ms("eu-west", 10.0) == pytest.approx(
+        (520.0 / 2) - 20.0, rel=0.05)
+    assert health.region_penalty_ms("us-east", 0.0) == 0.0
+    assert health.region_penalty_ms("ap-south", 0.0) == 0.0
+
+
+def test_retry_budget_caps_retries_at_a_share_of_requests() -> None:
+    clock = FakeClock(0.0)
+    budget = RetryBudget(0.2, min_per_s=0.0, cap=10.0, clock=clock)
+    allowed = 0
+    for _ in range(100):
+        budget.request_arrived()
+        allowed += budget.try_spend()
+    assert 20 <= allowed <= 22  # 20% of 100, plus the initial allowance of 2
+    assert budget.denied == 100 - allowed
+    floor = RetryBudget(0.0, min_per_s=5.0, cap=10.0, clock=clock)
+    spent = sum(floor.try_spend() for _ in range(10))
+    clock.now += 1.0
+    assert floor.try_spend() and spent == 2

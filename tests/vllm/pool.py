@@ -1,0 +1,321 @@
+"""Two real vLLM servers as two regions, each launched by `globalpool worker --launch`,
+with a real Valkey and a real router in front: what a user runs, on loopback.
+
+Region i's vLLM listens on 127.0.i.1 and is pinned to core i-1 (the machine has two);
+caches and TMPDIR live under the test's work folder. The settings below were measured on
+this machine kind (see issue 3): a 64 MiB KV cache, ~1.4-1.7 GiB and ~20-60 s to healthy
+per server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+import redis
+import yaml
+
+from router.devstack.valkey import free_port
+from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
+from worker.supervisor import die_with_parent
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "tiny-llama"
+MAX_NUM_SEQS = 16
+# Long enough that 16 requests of ~2000 tokens keep a CPU vLLM's queue full for seconds
+# (the model has 2048 positions; 2048 tokens of KV cache are 2 MiB of the 64).
+MAX_MODEL_LEN = 2048
+# vLLM's --max-num-queued-reqs caps running + waiting requests (check_admission): past it,
+# 503 "The engine is currently busy".
+MAX_UNFINISHED = MAX_NUM_SEQS + 8
+REGIONS = ("us-east", "eu-west")
+HEARTBEAT_INTERVAL_S = 0.2
+# The probe timeout is a third of the TTL (at most 1 s): a CPU vLLM busy with a burst
+# answers /metrics late on two cores shared with everything else.
+HEARTBEAT_TTL_S = 3.0
+START_TIMEOUT_S = 300.0
+
+
+def vllm_command(python: Path, model_dir: Path, host: str, port: int) -> list[str]:
+    """The engine command after `globalpool worker --launch --`."""
+    return [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", MODEL,
+        "--host", host, "--port", str(port),
+        "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-queued-reqs", str(MAX_UNFINISHED),
+        "--enable-prefix-caching", "--enforce-eager",
+        "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
+    ]
+
+
+def vllm_environment(work: Path, index: int) -> dict[str, str]:
+    """What each server needs on a CPU machine without network (issue 3, measured)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    cache = work / f"cache-{index}"
+    tmp = work / f"tmp-{index}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env.update({
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(work / "hf-home"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_HOST_IP": "127.0.0.1",  # else the engine binds a non-loopback address
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TMPDIR": str(tmp),
+        "VLLM_CPU_OMP_THREADS_BIND": str(index),  # one core each
+        "PYTHONPATH": str(ROOT),
+    })
+    return env
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of `pid` (Linux /proc); [] once it is gone."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, depth first."""
+    return [pid_below for child in children(pid) for pid_below in (child, *descendants(child))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def pss_mib(pids: list[int]) -> float:
+    """Proportional set size of these processes together (shared pages counted once)."""
+    total_kib = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total_kib += int(line.split()[1])
+    return total_kib / 1024
+
+
+@dataclass
+class Agent:
+    """One `globalpool worker --launch` process and the vLLM it runs."""
+
+    region: str
+    host: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    engine_log_path: Path
+    started_at: float
+    seen_pids: set[int] = field(default_factory=set)
+
+    @property
+    def worker_id(self) -> str:
+        return f"{self.region}-{self.host}-{self.port}"
+
+    @property
+    def engine_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def engine_pid(self) -> int | None:
+        """The vLLM API server: the agent's one child."""
+        found = children(self.process.pid)
+        return found[0] if found else None
+
+    def engine_tree(self) -> list[int]:
+        """The vLLM processes (API server, engine core, workers); remembered for the
+        check that none outlives the agent."""
+        pids = descendants(self.process.pid)
+        self.seen_pids.update(pids)
+        return pids
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class RealPool:
+    """Start with `start()`, stop with `stop()`; `measurements` collects what was timed."""
+
+    def __init__(self, work: Path, vllm_python: Path, model_dir: Path, redis_url: str,
+                 key_prefix: str) -> None:
+        self.work = work
+        self.vllm_python = vllm_python
+        self.model_dir = model_dir
+        self.redis_url = redis_url
+        self.keys = HeartbeatKeys(key_prefix)
+        self.key_prefix = key_prefix
+        self.agents: dict[str, Agent] = {}
+        self.routers: list[subprocess.Popen[bytes]] = []
+        self.router_url = ""
+        self.config_path = work / "regions.yaml"
+        self.measurements: dict[str, Any] = {}
+        self._redis = redis.Redis.from_url(redis_url)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._write_config()
+        for index, region in enumerate(REGIONS):
+            self.start_agent(region, index)
+        for region in REGIONS:
+            self.wait_for_state(region, LifecycleState.READY, timeout_s=START_TIMEOUT_S)
+            agent = self.agents[region]
+            self.measurements[f"time to ready, {region} (s)"] = round(
+                time.monotonic() - agent.started_at, 1)
+            self.measurements[f"vLLM memory at start, {region} (PSS MiB)"] = round(
+                pss_mib(agent.engine_tree()))
+        self.router_url, router = self.start_router()
+        self.routers.append(router)
+        self.wait_router_sees(self.router_url, len(REGIONS))
+
+    def start_agent(self, region: str, index: int) -> Agent:
+        host = f"127.0.{index + 1}.1"
+        port = free_port(host)
+        log_path = self.work / f"agent-{region}.log"
+        engine_log = self.work / f"vllm-{region}.log"
+        argv = [
+            sys.executable, "-m", "worker.cli", "--region", region,
+            "--redis-url", self.redis_url, "--key-prefix", self.key_prefix,
+            "--interval-s", str(HEARTBEAT_INTERVAL_S), "--ttl-s", str(HEARTBEAT_TTL_S),
+            "--drain-timeout-s", "60", "--start-timeout-s", str(START_TIMEOUT_S),
+            "--max-restart-backoff-s", "2", "--stop-timeout-s", "20",
+            "--engine-log", str(engine_log),
+            "--launch", "--", *vllm_command(self.vllm_python, self.model_dir, host, port),
+        ]
+        with log_path.open("ab") as log:
+            # die_with_parent: a test run that is killed still drains and stops the agents.
+            process = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                                       env=vllm_environment(self.work, index))
+        agent = Agent(region, host, port, process, log_path, engine_log, time.monotonic())
+        self.agents[region] = agent
+        return agent
+
+    def start_router(self, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
+        port = free_port()
+        log_path = self.work / f"router-{port}.log"
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "router.cli", "router", "--config",
+                 str(self.config_path), "--redis-url", self.redis_url, "--host", "127.0.0.1",
+                 "--port", str(port), "--seed", "7", *extra],
+                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=die_with_parent,
+            )
+        url = f"http://127.0.0.1:{port}"
+        self.wait_router_sees(url, 1, process=process)
+        return url, process
+
+    def stop(self) -> list[int]:
+        """Routers, then agents (they drain and stop their vLLM). Returns leftover PIDs."""
+        for router in self.routers:
+            _terminate(router, 10)
+        for agent in self.agents.values():
+            agent.engine_tree()
+            _terminate(agent.process, 120)
+        self._redis.close()
+        seen = {pid for agent in self.agents.values() for pid in agent.seen_pids}
+        seen |= {agent.process.pid for agent in self.agents.values()}
+        return sorted(pid for pid in seen if alive(pid))
+
+    def _write_config(self) -> None:
+        document = {
+            "apiVersion": "globalpool/v1",
+            "redis": {"url": self.redis_url, "key_prefix": self.key_prefix},
+            "router": {"region": "us-east", "host": "127.0.0.1", "port": 0,
+                       "max_attempts": 2,
+                       "timeouts": {"connect_s": 1, "first_byte_s": 60, "idle_s": 30,
+                                    "total_s": 120}},
+            "heartbeat": {"interval_s": HEARTBEAT_INTERVAL_S, "ttl_s": HEARTBEAT_TTL_S},
+            "regions": {
+                "us-east": {"rtt_ms": {"us-east": 1, "eu-west": 80}, "models": [MODEL]},
+                "eu-west": {"rtt_ms": {"eu-west": 1}, "models": [MODEL]},
+            },
+        }
+        self.config_path.write_text(yaml.safe_dump(document))
+
+    # -- observing -----------------------------------------------------------------------
+
+    def heartbeat(self, region: str) -> Heartbeat | None:
+        raw = self._redis.get(self.keys.worker(self.agents[region].worker_id))
+        return None if raw is None else Heartbeat.from_json(raw)
+
+    def wait_for_state(self, region: str, state: LifecycleState, timeout_s: float = 30.0,
+                       ) -> Heartbeat:
+        agent = self.agents[region]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            beat = self.heartbeat(region)
+            if beat is not None and beat.state is state:
+                return beat
+            if agent.process.poll() is not None:
+                raise AssertionError(f"agent {region} exited with {agent.process.returncode}:\n"
+                                     f"{_tail(agent.log_path)}\n{_tail(agent.engine_log_path)}")
+            time.sleep(0.05)
+        raise AssertionError(f"{region} not {state.value} within {timeout_s:g} s:\n"
+                             f"{_tail(agent.log_path)}\n{_tail(agent.engine_log_path)}")
+
+    def wait_router_sees(self, url: str, workers: int, *,
+                         process: subprocess.Popen[bytes] | None = None,
+                         timeout_s: float = 30.0) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError), \
+                    urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                if json.loads(response.read()).get("workers", 0) >= workers:
+                    return
+            if process is not None and process.poll() is not None:
+                raise AssertionError(f"router exited with {process.returncode}")
+            time.sleep(0.1)
+        raise AssertionError(f"router {url} did not see {workers} workers in {timeout_s} s")
+
+    def client(self, region: str | None = None, url: str | None = None,
+               timeout_s: float = 120.0) -> openai.OpenAI:
+        """The unchanged `openai` client, as if from `region` (router) — no retries of its
+        own, so that every retry seen is the router's."""
+        headers = {"x-globalpool-client-region": region} if region else None
+        return openai.OpenAI(base_url=f"{url or self.router_url}/v1", api_key="unused",
+                             default_headers=headers, max_retries=0, timeout=timeout_s)
+
+    def async_client(self, region: str | None = None, url: str | None = None,
+                     timeout_s: float = 120.0) -> openai.AsyncOpenAI:
+        headers = {"x-globalpool-client-region": region} if region else None
+        return openai.AsyncOpenAI(base_url=f"{url or self.router_url}/v1", api_key="unused",
+                                  default_headers=headers, max_retries=0, timeout=timeout_s)
+
+
+def _terminate(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"({path} unreadable)"

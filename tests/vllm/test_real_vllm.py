@@ -1,0 +1,407 @@
+"""The whole path against real vLLM: two CPU vLLM servers as two regions, each launched and
+supervised by `globalpool worker --launch`, the router in front, the unchanged `openai`
+client. Run with `pytest -m vllm` (see conftest.py); `.ci/run` always does.
+
+The tests share one pool and run in file order: the last two kill a vLLM and drain a
+worker. The model has random weights, so every request sets `max_tokens` and `ignore_eos`
+to get exact lengths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.test_worker_agent import HeartbeatChannel, subscribed
+from tests.vllm.pool import (
+    HEARTBEAT_INTERVAL_S,
+    MAX_NUM_SEQS,
+    MAX_UNFINISHED,
+    MODEL,
+    RealPool,
+    alive,
+    pss_mib,
+)
+from worker.schema import Heartbeat, LifecycleState
+from worker.sim.config import SimConfig
+from worker.sim.server import SimServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+CHAT: Any = [{"role": "user", "content": "Which region answers fastest today?"}]
+EXACT = {"ignore_eos": True}
+REGION = "x-globalpool-region"
+WORKER = "x-globalpool-worker"
+ROUTE = "x-globalpool-route"
+
+
+def test_chat_through_the_router_non_streaming_and_streaming(pool: RealPool) -> None:
+    client = pool.client("us-east")
+    assert [model.id for model in client.models.list()] == [MODEL]
+
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT, max_tokens=16, extra_body=EXACT)
+    completion = raw.parse()
+    assert raw.headers[REGION] == "us-east"
+    assert raw.headers[WORKER] == pool.agents["us-east"].worker_id
+    assert completion.model == MODEL
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.choices[0].message.content
+    assert completion.usage is not None and completion.usage.completion_tokens == 16
+
+    with pool.client("eu-west").chat.completions.with_streaming_response.create(
+        model=MODEL, messages=CHAT, max_tokens=24, stream=True, extra_body=EXACT,
+        stream_options={"include_usage": True},
+    ) as response:
+        assert response.headers[REGION] == "eu-west"
+        chunks = list(response.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and
+            c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+
+    legacy = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=5,
+                                       extra_body=EXACT)
+    assert legacy.usage is not None and legacy.usage.completion_tokens == 5
+
+
+def test_heartbeats_describe_the_real_engine(pool: RealPool) -> None:
+    for region in ("us-east", "eu-west"):
+        beat = pool.heartbeat(region)
+        assert beat is not None and beat.state is LifecycleState.READY
+        assert beat.endpoint == pool.agents[region].engine_url
+        assert beat.models == (MODEL,)
+        assert beat.engine.kind == "vllm"
+        assert beat.engine.version == "0.32.0"
+        assert beat.engine.kv_usage_metric == "vllm:kv_cache_usage_perc"
+        assert {
+            "vllm:num_requests_running", "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc", "vllm:cache_config_info",
+            "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+            "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+        } <= set(beat.engine.metric_names), beat.engine.metric_names
+        assert beat.capacity.max_num_seqs == MAX_NUM_SEQS, "read from the launched command"
+        assert beat.capacity.kv_blocks_total and beat.capacity.kv_blocks_total > 0
+        assert beat.capacity.block_size_tokens and beat.capacity.block_size_tokens > 0
+        assert beat.load.kv_cache_usage is not None
+
+
+def label_sets(text: str) -> dict[str, set[frozenset[str]]]:
+    """vllm:* sample name -> the label-name sets it appears with."""
+    found: dict[str, set[frozenset[str]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:") and not sample.name.endswith("_created"):
+                found.setdefault(sample.name, set()).add(frozenset(sample.labels))
+    return found
+
+
+async def test_simulator_metrics_have_the_real_servers_names_and_labels(pool: RealPool) -> None:
+    async with SimServer(SimConfig(served_model_names=(MODEL,), decode_step_ms=1.0)) as sim:
+        client = openai.AsyncOpenAI(base_url=f"{sim.url}/v1", api_key="unused", max_retries=0)
+        await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+        await client.close()
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{sim.url}/metrics") as response:
+                simulated = label_sets(await response.text())
+            async with http.get(f"{pool.agents['us-east'].engine_url}/metrics") as response:
+                real = label_sets(await response.text())
+    missing = sorted(set(simulated) - set(real))
+    assert missing == [], f"the simulator emits metrics vLLM 0.32 does not have: {missing}"
+    different = {name: (sorted(map(sorted, simulated[name])), sorted(map(sorted, real[name])))
+                 for name in simulated if not simulated[name] <= real[name]}
+    assert different == {}, f"label names differ (simulator, vLLM): {different}"
+    assert len(simulated) > 20
+
+
+@contextlib.asynccontextmanager
+async def watching(pool: RealPool, region: str) -> AsyncIterator[Callable[[], list[Heartbeat]]]:
+    """Every heartbeat `region` publishes meanwhile (pub/sub: none is missed however busy
+    the machine is; the stored key would only show the latest)."""
+    worker_id = pool.agents[region].worker_id
+    seen: list[Heartbeat] = []
+
+    async def collect(channel: HeartbeatChannel) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                item = await channel.next(timeout_s=1.0)
+                if isinstance(item, Heartbeat) and item.worker_id == worker_id:
+                    seen.append(item)
+
+    async with subscribed(pool.redis_url, pool.keys) as channel:
+        task = asyncio.create_task(collect(channel))
+        try:
+            yield lambda: list(seen)
+        finally:
+            await asyncio.sleep(2 * HEARTBEAT_INTERVAL_S)  # the messages still on their way
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def until_beat(pool: RealPool, region: str, accept: Callable[[Heartbeat], bool],
+                     timeout_s: float = 30.0) -> Heartbeat:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            beat = pool.heartbeat(region)
+            if beat is not None and accept(beat):
+                return beat
+            await asyncio.sleep(0.05)
+
+
+def idle(beat: Heartbeat) -> bool:
+    return (beat.load.running == 0 and beat.load.waiting == 0
+            and (beat.load.kv_cache_usage or 0.0) < 0.001)
+
+
+async def chat(client: openai.AsyncOpenAI, max_tokens: int, *, stream: bool = False,
+               ) -> tuple[str, str, int]:
+    """(region, route reason, completion tokens) of one request."""
+    if not stream:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=CHAT, max_tokens=max_tokens, extra_body=EXACT)
+        usage = raw.parse().usage
+        return (raw.headers.get(REGION, ""), raw.headers.get(ROUTE, ""),
+                usage.completion_tokens if usage else -1)
+    raw_stream = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT, max_tokens=max_tokens, extra_body=EXACT, stream=True,
+        stream_options={"include_usage": True})
+    tokens = -1
+    async for chunk in raw_stream.parse():
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return raw_stream.headers.get(REGION, ""), raw_stream.headers.get(ROUTE, ""), tokens
+
+
+async def test_heartbeat_load_rises_under_a_burst_and_falls_after(
+    pool: RealPool, measurements: dict[str, Any]
+) -> None:
+    engine = pool.async_client(url=pool.agents["us-east"].engine_url)
+    burst = MAX_UNFINISHED - 2  # all admitted: 16 run, the rest wait
+    started = time.monotonic()
+    async with watching(pool, "us-east") as seen:
+        results = await asyncio.gather(*(chat(engine, 400) for _ in range(burst)))
+        burst_s = time.monotonic() - started
+        measurements["vLLM memory after a burst, us-east (PSS MiB)"] = round(
+            pss_mib(pool.agents["us-east"].engine_tree()))
+        after = await until_beat(pool, "us-east", idle, timeout_s=10)
+    await engine.close()
+
+    assert [tokens for _, _, tokens in results] == [400] * burst
+    beats = seen()
+    loads = [(b.load.running, b.load.waiting, b.load.kv_cache_usage) for b in beats]
+    assert max(b.load.running for b in beats) == MAX_NUM_SEQS, loads
+    assert max(b.load.waiting for b in beats) >= 1, loads
+    assert max(b.load.kv_cache_usage or 0.0 for b in beats) > 0.01, loads
+    assert after.load.running == 0 and after.load.waiting == 0
+    assert any(b.performance.ttft_ms is not None for b in [*beats, after])
+    measurements[f"burst of {burst} x 400 tokens on one CPU vLLM (s)"] = round(burst_s, 1)
+    measurements["heartbeats in that burst: published, degraded"] = (
+        len(beats), sum(b.state is LifecycleState.DEGRADED for b in beats))
+    measurements["peak KV usage in that burst"] = round(
+        max(b.load.kv_cache_usage or 0.0 for b in beats), 3)
+
+
+async def until_served_in(pool: RealPool, origin: str, region: str,
+                          timeout_s: float = 30.0) -> None:
+    """Wait until a request from `origin` is served in `region` (ejections have expired)."""
+    client = pool.async_client(origin)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while (await chat(client, 2))[0] != region:  # noqa: ASYNC110 - polls the router
+                await asyncio.sleep(0.5)
+    finally:
+        await client.close()
+
+
+async def test_traffic_spills_to_the_other_region_when_one_is_saturated(pool: RealPool) -> None:
+    for region in ("us-east", "eu-west"):
+        await until_served_in(pool, region, region)
+        client = pool.async_client(region)
+        local = [await chat(client, 4) for _ in range(3)]
+        await client.close()
+        assert [served for served, _, _ in local] == [region] * 3, "light load stays local"
+
+    client = pool.async_client("us-east")
+    results = await asyncio.gather(*(chat(client, 120, stream=i % 2 == 0) for i in range(40)))
+    await client.close()
+    assert [tokens for _, _, tokens in results] == [120] * 40
+    regions = Counter(served for served, _, _ in results)
+    assert regions["us-east"] >= 8 and regions["eu-west"] >= 8, regions
+    assert any("spillover" in route for served, route, _ in results if served == "eu-west")
+
+
+async def until_engine_full(engine_url: str, timeout_s: float = 60.0) -> None:
+    """vLLM's own count of running + waiting requests reaches its --max-num-queued-reqs."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http, \
+            asyncio.timeout(timeout_s):
+        while True:
+            async with http.get(f"{engine_url}/metrics") as response:
+                families = {f.name: f for f in text_string_to_metric_families(
+                    await response.text())}
+            unfinished = sum(sample.value for name in ("vllm:num_requests_running",
+                                                       "vllm:num_requests_waiting")
+                             for sample in families[name].samples)
+            if unfinished >= MAX_UNFINISHED:
+                return
+            await asyncio.sleep(0.1)
+
+
+async def test_a_full_vllm_queue_503_is_retried_in_the_other_region(pool: RealPool) -> None:
+    # round_robin sends every other request to the full engine, as a policy that reads
+    # load (predicted_ttft) would not.
+    rr_url, rr = pool.start_router("--policy", "round_robin")
+    pool.routers.append(rr)
+    engine_url = pool.agents["us-east"].engine_url
+    await until_beat(pool, "us-east", idle)
+    engine = pool.async_client(url=engine_url)
+    # 16 run and 8 wait until the first 16 finish: seconds of a full queue.
+    fillers = [asyncio.create_task(chat(engine, 2000, stream=True))
+               for _ in range(MAX_UNFINISHED)]
+    try:
+        await until_engine_full(engine_url)
+        refusals: list[int] = []
+        for _ in range(20):
+            try:
+                await chat(engine, 4)
+            except openai.APIStatusError as exc:
+                refusals.append(exc.status_code)
+                assert "retry-after" not in exc.response.headers  # as measured
+                break
+            await asyncio.sleep(0.1)
+        assert refusals == [503], "vLLM refuses past --max-num-queued-reqs"
+
+        client = pool.async_client("us-east", url=rr_url)
+        results = []
+        for _ in range(8):
+            results.append(await chat(client, 4))
+            await asyncio.sleep(0.2)  # within the router's retry budget
+        await client.close()
+        assert not any(task.done() for task in fillers), "the queue stayed full throughout"
+    finally:
+        for task in fillers:
+            task.cancel()  # a client going away stops its generation
+        await asyncio.gather(*fillers, return_exceptions=True)
+        await engine.close()
+    assert [tokens for _, _, tokens in results] == [4] * 8
+    retried = [served for served, route, _ in results if route == "retry"]
+    assert retried and set(retried) == {"eu-west"}, results
+    router_log = (pool.work / f"router-{rr_url.rsplit(':', 1)[1]}.log").read_text()
+    assert "503" in router_log and pool.agents["us-east"].worker_id in router_log
+    await until_beat(pool, "us-east", idle, timeout_s=30)
+
+
+async def steady_requests(client: openai.AsyncOpenAI, stop: asyncio.Event,
+                          results: list[tuple[str, str, int] | BaseException]) -> None:
+    while not stop.is_set():
+        try:
+            results.append(await chat(client, 8))
+        except openai.APIError as exc:
+            results.append(exc)
+
+
+async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarted(
+    pool: RealPool, measurements: dict[str, Any]
+) -> None:
+    agent = pool.agents["us-east"]
+    await until_served_in(pool, "us-east", "us-east")
+    vllm_pid = agent.engine_pid()
+    assert vllm_pid is not None
+    old_tree = agent.engine_tree()
+    assert len(old_tree) >= 2, "API server and engine core"
+
+    client = pool.async_client("us-east")
+    stop = asyncio.Event()
+    results: list[tuple[str, str, int] | BaseException] = []
+    senders = [asyncio.create_task(steady_requests(client, stop, results)) for _ in range(4)]
+    try:
+        await asyncio.sleep(1.0)
+        os.kill(vllm_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        degraded = await until_beat(pool, "us-east",
+                                    lambda b: b.state is LifecycleState.DEGRADED, 5)
+        degraded_after_s = time.monotonic() - killed_at
+        await asyncio.sleep(2.0)
+    finally:
+        stop.set()
+        await asyncio.gather(*senders)
+        await client.close()
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    served = [r for r in results if not isinstance(r, BaseException)]
+    assert all(tokens == 8 for _, _, tokens in served)
+    assert any(region == "eu-west" for region, _, _ in served), "retried in the other region"
+    assert degraded.state is LifecycleState.DEGRADED
+    await asyncio.sleep(0.5)
+    assert [pid for pid in old_tree if alive(pid)] == [], "the crashed vLLM's group is gone"
+
+    ready = await until_beat(pool, "us-east", lambda b: b.state is LifecycleState.READY
+                             and b.seq > degraded.seq, timeout_s=240)
+    restart_s = time.monotonic() - killed_at
+    assert ready.engine.version == "0.32.0"
+    new_pid = agent.engine_pid()
+    assert new_pid is not None and new_pid != vllm_pid
+    log = agent.log()
+    assert f"engine (pid {vllm_pid}) was killed by SIGKILL" in log
+    assert "restarting in 1.0 s (restart 1)" in log
+    await until_served_in(pool, "us-east", "us-east")
+    measurements["kill -9 vLLM -> heartbeat degraded (s)"] = round(degraded_after_s, 2)
+    measurements["kill -9 vLLM -> restarted and ready (s)"] = round(restart_s, 1)
+
+
+async def test_a_drained_worker_finishes_in_flight_requests_then_stops_its_vllm(
+    pool: RealPool, measurements: dict[str, Any]
+) -> None:
+    agent = pool.agents["us-east"]
+    await until_served_in(pool, "us-east", "us-east")
+    tree = agent.engine_tree()
+    client = pool.async_client("us-east")
+    opened: list[str] = []
+
+    async def stream_one() -> tuple[str, int]:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=CHAT, max_tokens=1500, extra_body=EXACT, stream=True,
+            stream_options={"include_usage": True})
+        opened.append(raw.headers.get(REGION, ""))
+        tokens = -1
+        async for chunk in raw.parse():
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return raw.headers.get(REGION, ""), tokens
+
+    in_flight = [asyncio.create_task(stream_one()) for _ in range(6)]
+    async with asyncio.timeout(60):
+        while len(opened) < len(in_flight):  # noqa: ASYNC110 - tasks append as they open
+            await asyncio.sleep(0.05)
+    assert "us-east" in opened, opened
+    agent.process.send_signal(signal.SIGTERM)
+    drain_started = time.monotonic()
+    await until_beat(pool, "us-east", lambda b: b.state is LifecycleState.DRAINING, 5)
+    await asyncio.sleep(0.5)  # a router tick: the draining heartbeat has reached it
+    during = [await chat(client, 4) for _ in range(3)]
+    finished = await asyncio.gather(*in_flight)
+    await client.close()
+    code = await asyncio.to_thread(agent.process.wait, 120)
+    drain_s = time.monotonic() - drain_started
+
+    assert [tokens for _, tokens in finished] == [1500] * 6, "none failed, none cut short"
+    assert [served for served, _, _ in during] == ["eu-west"] * 3
+    assert code == 0, agent.log()
+    assert pool.heartbeat("us-east") is None, "the heartbeat is removed"
+    assert [pid for pid in tree if alive(pid)] == [], "no vLLM process outlives its agent"
+    log = agent.log()
+    assert "SIGTERM: draining worker" in log
+    assert "stopping engine" in log
+    measurements["requests in flight on us-east when SIGTERM came"] = opened.count("us-east")
+    measurements["SIGTERM -> in-flight done, vLLM stopped, agent exited (s)"] = round(drain_s, 1)

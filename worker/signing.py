@@ -1,0 +1,154 @@
+"""Signed heartbeats: HMAC-SHA256 over the canonical heartbeat, with a key id for rotation.
+
+Anybody who can write to Redis could otherwise publish a heartbeat that points routers at
+an address of their choosing. A worker signs every heartbeat with a shared secret; a
+router that has signing keys configured drops every heartbeat it cannot verify.
+
+- The canonical form is the heartbeat as JSON with sorted keys and no whitespace,
+  *without* the `signature` field (but with `key_id`, `seq` and `sent_at_s`, so none of
+  them can be changed or swapped without breaking the signature).
+- Keys are `key_id:secret` pairs, from `GLOBALPOOL_HEARTBEAT_KEYS="kid1:s1,kid2:s2"` or a
+  file named by `GLOBALPOOL_HEARTBEAT_KEYS_FILE` (same format, commas or newlines). A
+  router accepts every listed key, so two can be valid at once during a rotation; a
+  worker signs with `GLOBALPOOL_HEARTBEAT_KEY_ID` (or `--signing-key-id`), by default the
+  first key listed.
+
+This module is shared: workers sign with it and routers verify with it (`router` may
+import from `worker`, never the reverse).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker.schema import Heartbeat
+
+KEYS_ENV = "GLOBALPOOL_HEARTBEAT_KEYS"
+KEYS_FILE_ENV = "GLOBALPOOL_HEARTBEAT_KEYS_FILE"
+KEY_ID_ENV = "GLOBALPOOL_HEARTBEAT_KEY_ID"
+_KEY_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+MIN_SECRET_BYTES = 16
+
+
+class SigningKeyError(ValueError):
+    """The configured signing keys cannot be used. The message never contains a secret."""
+
+
+def parse_keys(spec: str, source: str = KEYS_ENV) -> dict[str, bytes]:
+    """`"kid1:secret1,kid2:secret2"` (commas or newlines; `#` starts a comment line) ->
+    {key_id: secret}, in the order given. Raises SigningKeyError."""
+    keys: dict[str, bytes] = {}
+    entries = [e.strip() for line in spec.splitlines() if not line.lstrip().startswith("#")
+               for e in line.split(",")]
+    for number, entry in enumerate((e for e in entries if e), start=1):
+        key_id, sep, secret = entry.partition(":")
+        key_id = key_id.strip()
+        if not sep or not key_id or not set(key_id) <= _KEY_ID_CHARS:
+            raise SigningKeyError(f"{source}: entry {number}: expected key_id:secret with a "
+                                  "key id of letters, digits and ._-")
+        if len(secret.encode()) < MIN_SECRET_BYTES:
+            raise SigningKeyError(f"{source}: key {key_id!r}: the secret must be at least "
+                                  f"{MIN_SECRET_BYTES} bytes")
+        if key_id in keys:
+            raise SigningKeyError(f"{source}: key {key_id!r} is listed twice")
+        keys[key_id] = secret.encode()
+    return keys
+
+
+def keys_from_environ(environ: Mapping[str, str]) -> dict[str, bytes]:
+    """The heartbeat keys named by the environment ({} when none). Raises SigningKeyError."""
+    keys: dict[str, bytes] = {}
+    path = environ.get(KEYS_FILE_ENV)
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise SigningKeyError(f"{KEYS_FILE_ENV}={path}: cannot read: "
+                                  f"{exc.strerror or exc}") from None
+        keys.update(parse_keys(text, path))
+    spec = environ.get(KEYS_ENV)
+    if spec:
+        for key_id, secret in parse_keys(spec).items():
+            if key_id in keys:
+                raise SigningKeyError(f"{KEYS_ENV}: key {key_id!r} is also in {KEYS_FILE_ENV}")
+            keys[key_id] = secret
+    return keys
+
+
+def canonical_bytes(heartbeat: Heartbeat) -> bytes:
+    """What is signed: the heartbeat without `signature`, as compact JSON with sorted keys."""
+    document = heartbeat.model_dump(mode="json", exclude={"signature"})
+    return json.dumps(document, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=True, allow_nan=False).encode()
+
+
+def signature_of(heartbeat: Heartbeat, secret: bytes) -> str:
+    """Hex HMAC-SHA256 of the canonical heartbeat (whose `key_id` is already set)."""
+    return hmac.new(secret, canonical_bytes(heartbeat), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class HeartbeatSigner:
+    """Signs heartbeats with one key. `repr` never shows the secret."""
+
+    key_id: str
+    secret: bytes
+
+    def __repr__(self) -> str:
+        return f"HeartbeatSigner(key_id={self.key_id!r})"
+
+    def sign(self, heartbeat: Heartbeat) -> Heartbeat:
+        unsigned = heartbeat.model_copy(update={"key_id": self.key_id, "signature": None})
+        return unsigned.model_copy(update={"signature": signature_of(unsigned, self.secret)})
+
+    @classmethod
+    def from_environ(
+        cls, environ: Mapping[str, str], key_id: str | None = None
+    ) -> HeartbeatSigner | None:
+        """The signer the environment asks for: `key_id` (or $GLOBALPOOL_HEARTBEAT_KEY_ID,
+        or the first key) of the configured keys; None when no keys are configured.
+        Raises SigningKeyError when the key id names no configured key."""
+        keys = keys_from_environ(environ)
+        wanted = key_id or environ.get(KEY_ID_ENV) or None
+        if not keys:
+            if wanted:
+                raise SigningKeyError(f"signing key {wanted!r} requested but no keys are set "
+                                      f"(set {KEYS_ENV} or {KEYS_FILE_ENV})")
+            return None
+        chosen = wanted or next(iter(keys))
+        if chosen not in keys:
+            raise SigningKeyError(f"signing key {chosen!r} is not among the configured keys "
+                                  f"({', '.join(keys)})")
+        return cls(chosen, keys[chosen])
+
+
+class Verdict:
+    """Why a heartbeat was refused (the values are counter labels)."""
+
+    UNSIGNED = "unsigned"
+    UNKNOWN_KEY = "unknown_key"
+    BAD_SIGNATURE = "bad_signature"
+
+
+def verify_signature(heartbeat: Heartbeat, keys: Mapping[str, bytes]) -> str | None:
+    """None if `heartbeat` carries a valid signature by one of `keys`, else a Verdict value.
+
+    The comparison is constant time (`hmac.compare_digest`).
+    """
+    if heartbeat.signature is None or heartbeat.key_id is None:
+        return Verdict.UNSIGNED
+    secret = keys.get(heartbeat.key_id)
+    if secret is None:
+        return Verdict.UNKNOWN_KEY
+    try:
+        expected = signature_of(heartbeat, secret)
+    except ValueError:  # NaN or infinity in a float field: never produced by a signer
+        return Verdict.BAD_SIGNATURE
+    if not hmac.compare_digest(expected, heartbeat.signature):
+        return Verdict.BAD_SIGNATURE
+    return None

@@ -181,6 +181,7 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         admission=app[ADMISSION],
         observers=operations.observers,
         drains=operations.drains,
+        propagate_trace=operations.tracer_provider is not None,
     )
     yield
     await session.close()

@@ -162,8 +162,11 @@ class WorkerAgent:
                     elif not beat.probe.engine_ok:
                         # An engine that stays unreachable (stopped or crashed) has nothing
                         # left to finish: waiting out the deadline would only delay shutdown.
+                        # A launched engine whose process still runs is busy, not gone: it
+                        # may be streaming the very requests the drain waits for.
                         unreachable += 1
-                        if announced and unreachable >= UNREACHABLE_BEATS_END_DRAIN:
+                        if (announced and unreachable >= UNREACHABLE_BEATS_END_DRAIN
+                                and (self._engine is None or self._engine.down)):
                             log.warning("engine unreachable while draining; not waiting")
                             return
                     announced = announced or beat.heartbeat.state is LifecycleState.DRAINING

@@ -73,6 +73,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's --max-num-seqs: sequences it runs at once "
                         "(default: the launched command's, then "
                         f"{DEFAULT_MAX_NUM_SEQS}, vLLM's default)")
+    parser.add_argument("--probe-timeout-s", type=float,
+                        help="longest wait for each of /health, /metrics, /v1/models; a "
+                        "probe that times out counts as failed (default: a third of the TTL, "
+                        "at most 1 s; a CPU vLLM under load may need more)")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0,
                         help="on SIGTERM, longest wait for in-flight requests "
                         "(default: %(default)s)")
@@ -177,6 +181,11 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     max_num_seqs = _max_num_seqs(args, launch)
     if args.drain_timeout_s < 0:
         raise WorkerConfigError("--drain-timeout-s: must be >= 0")
+    # Leaves room for the jittered interval and one Redis write inside one TTL.
+    probe_timeout_s: float = _first(args.probe_timeout_s, min(1.0, ttl_s / 3))
+    if not 0 < probe_timeout_s <= ttl_s / 2:
+        raise WorkerConfigError(f"--probe-timeout-s {probe_timeout_s:g}: must be > 0 and at "
+                                f"most half the TTL ({ttl_s:g}s)")
     kind = cast(Literal["vllm", "sim", "openai"], args.engine_kind)
     return AgentSettings(
         identity=WorkerIdentity(worker_id, region, advertise_url, max_num_seqs, kind),
@@ -188,8 +197,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         timing=HeartbeatTiming(interval_s=interval_s, ttl_s=ttl_s,
                                max_backoff_s=max(interval_s, min(ttl_s, 5.0))),
         drain_timeout_s=args.drain_timeout_s,
-        # Leaves room for the jittered interval and one Redis write inside one TTL.
-        probe_timeout_s=min(1.0, ttl_s / 3),
+        probe_timeout_s=probe_timeout_s,
         launch=launch,
         restart=restart,
     )

@@ -33,6 +33,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the trace here (it is always in OUT/trace.jsonl)")
     parser.add_argument("--seed", type=int, default=None,
                         help="trace seed (default: the scenario's)")
+    parser.add_argument("--attempts", type=int, default=2,
+                        help="run a policy again, up to this many times in all, when the "
+                        "load generator fell behind (the machine stalled) (default "
+                        "%(default)s)")
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -55,7 +59,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     options = BenchOptions(
         scenario=args.scenario, policies=policies, out=args.out, quick=args.quick,
         replicas=args.replicas, trace_path=args.trace_path, save_trace=args.save_trace,
-        seed=args.seed,
+        seed=args.seed, attempts=max(1, args.attempts),
         command="globalpool " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]),
     )
 

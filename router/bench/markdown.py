@@ -48,6 +48,26 @@ def policy_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def twin_table(results: dict[str, Any]) -> list[str]:
+    lines = [
+        "| policy | interactive TTFT p50 / p90 / p99 (ms) | SLO attainment | prefix hits | "
+        "ITL p50 (ms) | test bed: p99 / SLO / ITL p50 |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for name, run in results.get("twin", {}).items():
+        ttft = run["interactive"]["ttft_ms"]
+        measured = results["policies"].get(name)
+        on_bed = ("-" if measured is None else
+                  f"{_ms(measured['interactive']['ttft_ms']['p99'])} ms / "
+                  f"{_pct(measured['slo_attainment'])} / {_ms(measured['itl_ms']['p50'])} ms")
+        lines.append(f"| `{name}` | {_ms(ttft['p50'])} / {_ms(ttft['p90'])} / "
+                     f"{_ms(ttft['p99'])} | {_pct(run['slo_attainment'])} | "
+                     f"{_pct(run['prefix_hit_rate'])} | "
+                     f"{_ms(run.get('itl_ms', {}).get('p50'))} | "
+                     f"{on_bed} |")
+    return lines
+
+
 def origin_table(results: dict[str, Any]) -> list[str]:
     regions = list(results["scenario"]["regions"])
     header = " | ".join(f"{r}: p99 / SLO / served here" for r in regions)
@@ -90,6 +110,15 @@ def render(results: dict[str, Any]) -> str:
         "",
         *origin_table(results),
         "",
+        "## The same trace on the virtual-time twin (no machine)",
+        "",
+        "The simulator's engine model on one virtual clock, the real policy classes, RTTs as "
+        "delays, heartbeats from the engines' state every interval (router/bench/twin.py). "
+        "`oracle` scores like predicted_ttft from every engine's exact state at every "
+        "decision: a reference for what is reachable on this trace.",
+        "",
+        *twin_table(results),
+        "",
         "## Goals",
         "",
     ]
@@ -100,9 +129,15 @@ def render(results: dict[str, Any]) -> str:
     for name, run in results["policies"].items():
         lag = run["loadgen"]
         load = run["host_load_1m"]
-        lines.append(f"- `{name}`: send lag p50 {lag['p50_ms']} ms, p99 {lag['p99_ms']} ms, "
+        if run.get("disturbed"):
+            lines.append(f"- **`{name}` was disturbed by the machine** (the load generator "
+                         "fell behind in every attempt): read its latencies with care")
+        tries = len(run.get("attempts", [None]))
+        lines.append(f"- `{name}` ({tries} attempt(s)): send lag p50 {lag['p50_ms']} ms, "
+                     f"p99 {lag['p99_ms']} ms, "
                      f"max {lag['max_ms']} ms, skipped {lag['skipped']}; host load (1 min) "
-                     f"{load['start']} -> {load['end']} on {results['host']['cpus']} CPUs; "
+                     f"{load['start']} -> {load['end']} on {results['host']['cpus']} CPUs, "
+                     f"CPU pressure {_pct(run.get('cpu_pressure'))}; "
                      f"CPU cores used by the test bed: {_cpu(run.get('cpu_cores_used', {}))}; "
                      f"routes: {', '.join(f'{k} {v}' for k, v in run['routes'].items())}")
     lines += ["", "## Definitions", ""]

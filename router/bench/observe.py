@@ -44,7 +44,7 @@ def parse_engine_metrics(text: str) -> EngineSample:
 
 
 @dataclass(frozen=True, slots=True)
-class Engine:
+class EngineEndpoint:
     """One simulator to watch: its name, region and direct URL."""
 
     name: str
@@ -56,12 +56,12 @@ class Engine:
 class EngineWatch:
     """Samples every engine until cancelled; `series` holds (t_s, {name: sample})."""
 
-    engines: Sequence[Engine]
+    engines: Sequence[EngineEndpoint]
     interval_s: float = 1.0
     series: list[tuple[float, dict[str, EngineSample]]] = field(default_factory=list)
 
     async def sample(self, session: aiohttp.ClientSession) -> dict[str, EngineSample]:
-        async def one(engine: Engine) -> tuple[str, EngineSample | None]:
+        async def one(engine: EngineEndpoint) -> tuple[str, EngineSample | None]:
             try:
                 async with session.get(f"{engine.url}/metrics") as response:
                     return engine.name, parse_engine_metrics(await response.text())

@@ -75,8 +75,9 @@ def _pct(value: float | None) -> str:
 
 
 def build_results(*, scenario: Scenario, scenario_file: Path, trace: Trace,
-                  runs: dict[str, dict[str, Any]], replicas: int, router_regions: list[str],
-                  quick: bool, command: str) -> dict[str, Any]:
+                  runs: dict[str, dict[str, Any]], twin: dict[str, dict[str, Any]],
+                  replicas: int, router_regions: list[str], quick: bool, command: str
+                  ) -> dict[str, Any]:
     found = goals(runs, replicas)
     return {
         "benchmark": "globalpool bench",
@@ -97,6 +98,7 @@ def build_results(*, scenario: Scenario, scenario_file: Path, trace: Trace,
         },
         "definitions": DEFINITIONS,
         "policies": runs,
+        "twin": twin,
         "goals": found,
         "goals_met": all(goal["met"] is not False for goal in found),
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(),

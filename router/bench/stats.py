@@ -43,6 +43,8 @@ DEFINITIONS = {
     "swings": "1-s bins where such a share is more than 25 points and 4 standard errors away "
               "from its centred 5-s average (by chance: ~1 in 16,000 bins)",
     "lag_ms": "load generator: actual send time - scheduled time",
+    "cpu_pressure": "Linux PSI: share of the run's wall time in which some runnable task on "
+                    "the machine waited for a CPU (other engineers' work included)",
 }
 
 

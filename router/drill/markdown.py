@@ -36,8 +36,11 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("router view current again after Redis returned",
                      _value(report["time_to_recover_s"], " s")))
         rows.append(("router reported a stale view for", _value(report["router_stale_s"], " s")))
-        rows.append(("fewest workers in the router's view from the fault on",
-                     f"{_value(report['workers_seen_min'])} of {report['workers_expected']}"))
+        expected = report["workers_expected"]
+        rows.append(("fewest workers in the router's view while Redis was down",
+                     f"{_value(report.get('workers_seen_min_during'))} of {expected}"))
+        rows.append(("fewest workers in its view in the 5 s after Redis returned",
+                     f"{_value(report.get('workers_seen_min_after'))} of {expected}"))
     if "flap" in report:
         flap = report["flap"]
         rows.append(("flap: kills / comebacks / traffic resumed",

@@ -24,7 +24,10 @@ def timeline_png(report: dict[str, Any], path: Path) -> None:
 
     rows: list[dict[str, Any]] = report["per_second"]
     seconds = [row["second"] + 0.5 for row in rows]
-    regions = sorted({region for row in rows for region in row["served_by_region"]})
+    seen = {region for row in rows for region in row["served_by_region"]}
+    # The config's order, so that a region has the same colour in every drill's plot.
+    regions = [r for r in report.get("regions", []) if r in seen] + sorted(
+        seen - set(report.get("regions", [])))
     figure, (share_ax, error_ax, ttft_ax) = plt.subplots(
         3, 1, figsize=(11, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]})
     figure.suptitle(f"globalpool drill {report['scenario']}: {report['description']}",

@@ -15,6 +15,8 @@ from router.drill.analysis import Target, Timeline
 from router.drill.scenarios import Scenario, WorkerFlap
 
 STALL_S = 0.25
+# After Redis returns: how long the router's view of the workers is watched.
+RECONNECT_WINDOW_S = 5.0
 
 DEFINITIONS = {
     "touch": "a request touches the fault target if it was served by the faulty region or "
@@ -76,10 +78,11 @@ def build_report(
         report["time_to_detect_s"] = _round(detect)
         report["time_to_recover_s"] = _round(recover)
         report["router_stale_s"] = _stale_seconds(health)
-        seen = [p["workers"] for p in health
-                if p["t_s"] >= timeline.fault_s and isinstance(p.get("workers"), int)]
-        report["workers_seen_min"] = min(seen, default=None)
         report["workers_expected"] = expected_workers
+        report["workers_seen_min_during"] = _fewest_workers(
+            health, timeline.fault_s, timeline.cleared_s)
+        report["workers_seen_min_after"] = _fewest_workers(
+            health, timeline.cleared_s, timeline.cleared_s + RECONNECT_WINDOW_S)
     mid = [r for r in requests if r.failure == "mid_stream"]
     report["mid_stream_failures"] = {
         "on_target": sum(1 for r in mid if target.serves(r)),
@@ -111,6 +114,13 @@ def build_report(
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
+
+
+def _fewest_workers(health: list[dict[str, Any]], from_s: float, to_s: float) -> int | None:
+    """The fewest workers the router's /health reported between two moments."""
+    return min((p["workers"] for p in health
+                if from_s <= p["t_s"] < to_s and isinstance(p.get("workers"), int)),
+               default=None)
 
 
 def _stale_seconds(health: list[dict[str, Any]]) -> float:
@@ -178,6 +188,16 @@ def _goals(name: str, report: dict[str, Any]) -> list[dict[str, Any]]:
                       "measured": report["time_to_recover_s"],
                       "met": report["time_to_recover_s"] is not None})
     return goals
+
+
+def rerender(out: Path) -> None:
+    """report.md and timeline.png again from `out/report.json` (no drill is run)."""
+    from router.drill.markdown import render
+    from router.drill.plot import timeline_png
+
+    report = json.loads((out / "report.json").read_text())
+    timeline_png(report, out / "timeline.png")
+    (out / "report.md").write_text(render(report))
 
 
 def write_outputs(out: Path, report: dict[str, Any], results: Sequence[RequestResult],

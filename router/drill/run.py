@@ -234,6 +234,7 @@ async def _drive(options: DrillOptions, stack: LocalStack, timeline: Timeline,
         max_start_lag_s=generator.max_start_lag_s,
         exited=[c.name for c in stack.exited()],
     )
+    report["regions"] = list(stack.config.regions)
     report["host"] = {"cpus": os.cpu_count(), "load_average_1m_at_end": os.getloadavg()[0],
                       "load_average_1m_at_start": load_at_start}
     write_outputs(options.out, report, results, context.t0_s, observer.health)

@@ -1,6 +1,7 @@
 """One table over several drills' report.json files (for DRILLS.md).
 
-    python -m router.drill.summary docs/drills
+    python -m router.drill.summary docs/drills            # the table
+    python -m router.drill.summary --render docs/drills   # redraw report.md, timeline.png
 """
 
 from __future__ import annotations
@@ -42,11 +43,22 @@ def table(folder: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`FOLDER`: print the table; `--render FOLDER`: redraw every report.md and timeline.png
+    from its report.json first (after a change to how reports look)."""
     args = sys.argv[1:] if argv is None else argv
+    render = args[:1] == ["--render"]
+    if render:
+        args = args[1:]
     if len(args) != 1:
-        print("usage: python -m router.drill.summary FOLDER", file=sys.stderr)
+        print("usage: python -m router.drill.summary [--render] FOLDER", file=sys.stderr)
         return 2
-    print(table(Path(args[0])))
+    folder = Path(args[0])
+    if render:
+        from router.drill.report import rerender
+
+        for path in sorted(folder.glob("*/report.json")):
+            rerender(path.parent)
+    print(table(folder))
     return 0
 
 

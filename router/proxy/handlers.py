@@ -65,6 +65,7 @@ class Proxy:
     observers: tuple[Observer, ...] = ()
     drains: DrainHolder = field(default_factory=DrainHolder)
     admission: Admission | None = None  # API keys and rate limits; None: neither
+    propagate_trace: bool = False  # tracing on: workers continue the router's span
 
     @property
     def config(self) -> GlobalConfig:
@@ -83,8 +84,11 @@ class Proxy:
             limit = router_config.max_body_bytes
             raise ApiError(413, f"request body is too large (limit {limit} bytes)")
         try:
-            async with asyncio.timeout(router_config.client_timeouts.body_s):
-                body = await request.read()
+            if request.content.is_eof():
+                body = await request.read()  # already all here: nothing to time out
+            else:
+                async with asyncio.timeout(router_config.client_timeouts.body_s):
+                    body = await request.read()
         except TimeoutError:
             raise ApiError(408, "the request body did not arrive within "
                            f"{router_config.client_timeouts.body_s:g} s") from None
@@ -115,7 +119,8 @@ class Proxy:
     ) -> web.StreamResponse:
         router_config = self.config.router
         headers = upstream_headers(request)
-        inject_current_trace(headers)  # the worker continues this router's span
+        if self.propagate_trace:
+            inject_current_trace(headers)  # the worker continues this router's span
         session_id, traffic_class, budget_ms = _routing_hints(request)
         record.traffic_class = traffic_class
         tried: set[str] = set()

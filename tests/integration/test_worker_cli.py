@@ -177,6 +177,12 @@ def test_attaching_has_no_launch() -> None:
     assert settings_from_args(parse("--redis-url", "redis://r"), {}).launch is None
 
 
+def test_probe_timeout_may_be_raised_for_a_slow_engine() -> None:
+    settings = settings_from_args(parse("--redis-url", "redis://r", "--ttl-s", "8",
+                                        "--probe-timeout-s", "2.5"), {})
+    assert settings.probe_timeout_s == 2.5
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     ([], "pass --engine-url URL, or --launch -- COMMAND"),
     (["--launch"], "give the engine's command after `--`"),
@@ -185,6 +191,7 @@ def test_attaching_has_no_launch() -> None:
     (["--launch", "--", "vllm", "serve", "m", "--max-num-seqs", "0"], "must be >= 1"),
     (["--stop-timeout-s", "0", "--launch", "--", "vllm"], "--stop-timeout-s: must be > 0"),
     (["--max-failed-starts", "-1", "--launch", "--", "vllm"], "--max-failed-starts"),
+    (["--probe-timeout-s", "1.5", "--engine-url", "http://e:1"], "at most half the TTL"),
 ])
 def test_bad_launch_settings_are_refused(argv: list[str], message: str) -> None:
     with pytest.raises(WorkerConfigError, match=re.escape(message)):

@@ -23,9 +23,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from worker.agent import WorkerAgent
 from worker.heartbeat import EngineView, HeartbeatLoop, HeartbeatTiming, WorkerIdentity, next_state
-from worker.probe import ProbeResult, ServedModels, parse_metrics
-from worker.schema import Heartbeat, LifecycleState
+from worker.probe import MetricsSample, ProbeResult, ServedModels, parse_metrics
+from worker.publisher import HeartbeatPublisher
+from worker.redis_client import connect
+from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
 from worker.supervisor import (
     EngineCommand,
     EngineGaveUpError,
@@ -361,14 +364,16 @@ _SLOW = ProbeResult(health_ok=True, metrics=None, models=None, version=None,
 
 
 class ScriptedProber:
-    """Answers with the next scripted result; the state of a real engine is not needed to
-    test how the loop turns results into lifecycle states."""
+    """Answers with the next scripted result (the last one again once all are used); the
+    state of a real engine is not needed to test how results become lifecycle states."""
 
     def __init__(self, results: list[ProbeResult]) -> None:
         self._results = list(results)
+        self.calls = 0
 
     async def probe(self) -> ProbeResult:
-        return self._results.pop(0)
+        self.calls += 1
+        return self._results.pop(0) if len(self._results) > 1 else self._results[0]
 
 
 class Collected:
@@ -408,3 +413,47 @@ async def test_a_down_engine_process_degrades_at_once() -> None:
     S = LifecycleState
     states = await _states([_UP, _SLOW, _SLOW, _UP], FakeProcess(), down_from=1)
     assert states == [S.READY, S.DEGRADED, S.DEGRADED, S.DEGRADED]
+
+
+_IDLE = ProbeResult(
+    health_ok=True,
+    metrics=MetricsSample(running=0, waiting=0, kv_cache_usage=0.0,
+                          kv_usage_metric="vllm:kv_cache_usage_perc", kv_blocks_total=None,
+                          block_size_tokens=None),
+    models=ServedModels(("tiny-llama",), ()), version=None)
+_BUSY = ProbeResult(health_ok=False, metrics=None, models=None, version=None,
+                    errors=("/health: timed out", "/metrics: timed out"))
+
+
+@pytest.mark.parametrize("launched", [True, False])
+async def test_a_drain_waits_for_a_busy_launched_engine_but_not_for_a_vanished_one(
+    launched: bool, engine: Engine, session: aiohttp.ClientSession, redis_url: str,
+    key_prefix: str,
+) -> None:
+    """Unanswered probes end a drain only when no engine process is known to be running:
+    a launched vLLM too busy to answer /health within the probe timeout is still
+    streaming the requests the drain waits for."""
+    script = [_UP, _BUSY, _BUSY, _BUSY, _BUSY, _BUSY, _IDLE]
+    prober = ScriptedProber(script)
+    supervisor = EngineSupervisor(
+        engine.command(), FAST,
+        http_health_check(session, f"http://127.0.0.1:{engine.port}/health"),
+    ) if launched else None
+    publisher = HeartbeatPublisher(connect(redis_url), HeartbeatKeys(key_prefix))
+    beats = HeartbeatLoop(
+        WorkerIdentity("w", "us-east", "http://127.0.0.1:1", 4), prober, publisher,
+        HeartbeatTiming(interval_s=0.05, ttl_s=1.0), engine_process=supervisor,
+    )
+    agent = WorkerAgent(beats, publisher, "w", drain_timeout_s=10.0, engine=supervisor)
+    try:
+        run = asyncio.create_task(agent.run())
+        await until(lambda: prober.calls >= 1)
+        agent.request_drain("test")
+        assert await asyncio.wait_for(run, 10.0) == 0
+    finally:
+        await publisher.aclose()
+    if launched:
+        assert prober.calls >= len(script), "waited through every unanswered probe"
+        assert supervisor is not None and supervisor.state is ProcessState.STOPPED
+    else:
+        assert prober.calls < len(script), "an unreachable attached engine is not waited for"

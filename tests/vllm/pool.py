@@ -39,9 +39,10 @@ MAX_MODEL_LEN = 2048
 MAX_UNFINISHED = MAX_NUM_SEQS + 8
 REGIONS = ("us-east", "eu-west")
 HEARTBEAT_INTERVAL_S = 0.2
-# The probe timeout is a third of the TTL (at most 1 s): a CPU vLLM busy with a burst
-# answers /metrics late on two cores shared with everything else.
-HEARTBEAT_TTL_S = 3.0
+# A CPU vLLM busy with a burst answers /metrics late (its API server shares two cores
+# with everything else): probes may take up to PROBE_TIMEOUT_S, the TTL leaves room.
+HEARTBEAT_TTL_S = 6.0
+PROBE_TIMEOUT_S = 2.5
 START_TIMEOUT_S = 300.0
 
 
@@ -195,6 +196,7 @@ class RealPool:
             sys.executable, "-m", "worker.cli", "--region", region,
             "--redis-url", self.redis_url, "--key-prefix", self.key_prefix,
             "--interval-s", str(HEARTBEAT_INTERVAL_S), "--ttl-s", str(HEARTBEAT_TTL_S),
+            "--probe-timeout-s", str(PROBE_TIMEOUT_S),
             "--drain-timeout-s", "60", "--start-timeout-s", str(START_TIMEOUT_S),
             "--max-restart-backoff-s", "2", "--stop-timeout-s", "20",
             "--engine-log", str(engine_log),
@@ -241,9 +243,10 @@ class RealPool:
             "apiVersion": "globalpool/v1",
             "redis": {"url": self.redis_url, "key_prefix": self.key_prefix},
             "router": {"region": "us-east", "host": "127.0.0.1", "port": 0,
-                       "max_attempts": 2,
-                       "timeouts": {"connect_s": 1, "first_byte_s": 60, "idle_s": 30,
-                                    "total_s": 120}},
+                       "max_attempts": 3,
+                       # a CPU vLLM under load may accept connections late
+                       "timeouts": {"connect_s": 5, "first_byte_s": 60, "idle_s": 30,
+                                    "total_s": 180}},
             "heartbeat": {"interval_s": HEARTBEAT_INTERVAL_S, "ttl_s": HEARTBEAT_TTL_S},
             "regions": {
                 "us-east": {"rtt_ms": {"us-east": 1, "eu-west": 80}, "models": [MODEL]},

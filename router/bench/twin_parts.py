@@ -1,0 +1,117 @@
+"""The twin's parts: a virtual clock shared by many engines, and a worker as its agent
+reports it (router.bench.twin)."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from worker.schema import Performance
+from worker.sim.engine import Engine
+from worker.sim.sequence import Sequence as EngineSequence
+
+HOLD_INTERVALS = 4  # as worker.probe.PerformanceTracker
+
+
+class SharedClock:
+    """Virtual time for many engines: `sleep` waits until the driver reaches its due time."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+        self._timers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    def now(self) -> float:
+        return self.now_s
+
+    async def sleep(self, seconds: float) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._timers, (self.now_s + max(0.0, seconds), next(self._order), future))
+        await future
+
+    def next_due(self) -> float | None:
+        return self._timers[0][0] if self._timers else None
+
+    def fire_due(self) -> None:
+        while self._timers and self._timers[0][0] <= self.now_s:
+            _, _, future = heapq.heappop(self._timers)
+            if not future.done():
+                future.set_result(None)
+
+
+@dataclass
+class TwinWorker:
+    name: str
+    region: str
+    engine: Engine
+    observer: EngineEvents
+    slots: int
+    in_transit: int = 0
+    finished: list[EngineSequence] = field(default_factory=list)
+    held: dict[str, tuple[float, int]] = field(default_factory=dict)
+    seq: int = 0
+
+    def performance(self) -> Performance:
+        """As the agent reports it: means over the interval, each held for a few
+        intervals when no request finished (worker.probe.PerformanceTracker)."""
+        phases = [(s.arrival_s, s.scheduled_s, s.first_token_s, s.finished_s, s.prompt.num_tokens)
+                  for s in self.finished]
+        self.finished.clear()
+        done = [(arrival, scheduled, first, end, tokens)
+                for arrival, scheduled, first, end, tokens in phases
+                if scheduled is not None and first is not None and end is not None]
+        fresh: dict[str, float] = {}
+        if done:
+            count = len(done)
+            fresh["e2e_ms"] = 1000 * sum(end - arrival for arrival, _, _, end, _ in done) / count
+            fresh["ttft_ms"] = 1000 * sum(first - arr for arr, _, first, _, _ in done) / count
+            prefill_s = sum(first - scheduled for _, scheduled, first, _, _ in done)
+            if prefill_s > 0:
+                fresh["prefill_tokens_per_s"] = sum(t for *_, t in done) / prefill_s
+        values: dict[str, float] = {}
+        for name in ("e2e_ms", "ttft_ms", "prefill_tokens_per_s"):
+            if name in fresh:
+                self.held[name] = (fresh[name], 0)
+            elif name in self.held:
+                value, age = self.held[name]
+                self.held[name] = (value, age + 1)
+                if age + 1 > HOLD_INTERVALS:
+                    del self.held[name]
+            if name in self.held:
+                values[name] = self.held[name][0]
+        return Performance(**values)
+
+
+class EngineEvents:
+    """Engine events the twin needs: finished sequences (for heartbeats and clients) and
+    prefix-cache counters."""
+
+    def __init__(self, on_finished: Callable[[EngineSequence], None]) -> None:
+        self._on_finished = on_finished
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    def on_admitted(self, seq: EngineSequence, queried_tokens: int, hit_tokens: int) -> None:
+        self.queried_tokens += queried_tokens
+        self.hit_tokens += hit_tokens
+
+    def on_first_token(self, seq: EngineSequence) -> None:
+        pass
+
+    def on_decode_token(self, inter_token_s: float) -> None:
+        pass
+
+    def on_step(self, scheduled_tokens: int, generated_tokens: int) -> None:
+        pass
+
+    def on_preempted(self, seq: EngineSequence) -> None:
+        pass
+
+    def on_finished(self, seq: EngineSequence) -> None:
+        self._on_finished(seq)
+
+    def on_rejected(self) -> None:
+        pass

@@ -110,6 +110,7 @@ class Testbed:
         self._say = say
         self.stack: BenchStack | None = None
         self.policy: str | None = None
+        self._unused = False  # the routers have not served a run yet
 
     def _write_config(self, policy: str, port: int) -> None:
         document = config_document(self.scenario, policy, self.router_regions[0], port)
@@ -128,6 +129,7 @@ class Testbed:
                                 start_timeout_s=90.0)
         await self.stack.start()
         self.policy = policy
+        self._unused = True
 
     def _started(self) -> BenchStack:
         if self.stack is None:
@@ -135,10 +137,13 @@ class Testbed:
         return self.stack
 
     async def use(self, policy: str) -> None:
-        """Restart every router replica with `policy` (no-op if it already runs it)."""
+        """Fresh router replicas running `policy` (restarted, unless they were started with
+        it and have served nothing yet)."""
         stack = self._started()
-        if policy == self.policy:
+        if policy == self.policy and self._unused:
+            self._unused = False
             return
+        self._unused = False
         routers = stack.by_role("router")
         await stack.kill(routers, signal.SIGTERM)
         self._write_config(policy, stack.port)

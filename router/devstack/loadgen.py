@@ -74,6 +74,18 @@ class RequestResult:
         }
 
 
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> RequestResult:
+        """The inverse of `to_json` (times stay relative to its `t0_s`)."""
+        return cls(
+            index=record["index"], origin_region=record["origin"], start_s=record["start_s"],
+            end_s=record["end_s"], status=record["status"],
+            first_byte_s=record["first_byte_s"], first_token_s=record["first_token_s"],
+            region=record["region"], worker=record["worker"], retried=record["retried"],
+            tokens=record["tokens"], failure=record["failure"], error=record["error"],
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class LoadTarget:
     """Where requests go: a router URL, and the client region they come from.

@@ -16,6 +16,8 @@ Definitions (also written into every report):
   the fault or at a request's start) in which every new request succeeded elsewhere:
   status 200, complete stream, served outside the target, not retried. None if no such
   window began while the fault lasted.
+- `time_to_return_s`: from the fault's end to the first 1-s window in which the target
+  serves at least half its pre-fault share of requests again.
 - For a fault without a target (Redis outage) both come from the router's /health:
   detect = fault -> first answer with `redis_connected: false`; recover = Redis back ->
   first answer with `redis_connected: true` and every worker known again.
@@ -132,10 +134,24 @@ def time_to_reroute(requests: Sequence[RequestResult], target: Target,
 
 def time_to_return(requests: Sequence[RequestResult], target: Target,
                    timeline: Timeline) -> float | None:
-    """Seconds from the fault's end to the first request served by the target again."""
-    back = [r.start_s for r in requests
-            if r.start_s >= timeline.cleared_s and r.ok and target.serves(r)]
-    return None if not back else min(back) - timeline.cleared_s
+    """Seconds from the fault's end to the start of the first 1-s window in which the
+    target serves at least half the share of requests it served before the fault; None if
+    that did not happen before the end (or the target served nothing before)."""
+    before = [r for r in requests if timeline.phase(r.start_s) == "before"]
+    if not before:
+        return None
+    share_before = sum(1 for r in before if target.serves(r)) / len(before)
+    if share_before == 0:
+        return None
+    after = [r for r in requests if r.start_s >= timeline.cleared_s]
+    for moment in [timeline.cleared_s, *(r.start_s for r in after)]:
+        if moment + REROUTE_WINDOW_S > timeline.end_s:
+            return None
+        window = [r for r in after if moment <= r.start_s < moment + REROUTE_WINDOW_S]
+        if window and sum(1 for r in window if target.serves(r)) / len(window) >= (
+                share_before / 2):
+            return moment - timeline.cleared_s
+    return None
 
 
 def health_times(polls: Sequence[dict[str, Any]], timeline: Timeline,

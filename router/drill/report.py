@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,9 @@ DEFINITIONS = {
                          "a request start) in which every new request succeeded elsewhere: "
                          "200, complete stream, served outside the target, not retried. "
                          "Not defined for a Redis outage (nothing to reroute)",
-    "time_to_return_s": "fault cleared -> first request served by the target again",
+    "time_to_return_s": "fault cleared -> start of the first 1-s window in which the target "
+                        "serves at least half the share of requests it served before the "
+                        "fault",
     "time_to_recover_s": "Redis back -> first /health answer with redis_connected=true and "
                          "every worker known",
     "phases": "by request start: before = [warmup end, fault), during = [fault, cleared), "
@@ -45,20 +48,40 @@ DEFINITIONS = {
 }
 
 
+@dataclass(frozen=True)
+class DrillFacts:
+    """What was done, as the report needs it: from a Scenario, or from an old report."""
+
+    scenario: str
+    description: str
+    target: Target
+    flap_cycles: int | None = None
+    flap_comebacks: int | None = None
+
+    @classmethod
+    def of(cls, scenario: Scenario) -> DrillFacts:
+        if isinstance(scenario, WorkerFlap):
+            return cls(scenario.name, scenario.describe(), scenario.target(),
+                       scenario.cycles, scenario.comebacks)
+        return cls(scenario.name, scenario.describe(), scenario.target())
+
+
 def build_report(
-    *, scenario: Scenario, options_json: dict[str, Any], timeline: Timeline,
+    *, facts: DrillFacts, options_json: dict[str, Any], timeline: Timeline,
     results: Sequence[RequestResult], t0_s: float, events: list[tuple[float, str]],
     health: list[dict[str, Any]], router_events: list[dict[str, Any]], expected_workers: int,
     skipped: int, exited: list[str], max_start_lag_s: float = 0.0,
 ) -> dict[str, Any]:
     requests = analysis.relative(results, t0_s)
-    target = scenario.target()
+    target = facts.target
     phases = analysis.phase_stats(requests, timeline)
     failed = analysis.failures(requests)
     report: dict[str, Any] = {
-        "scenario": scenario.name,
-        "description": scenario.describe(),
+        "scenario": facts.scenario,
+        "description": facts.description,
         "target": target.label,
+        "target_regions": sorted(target.regions),
+        "target_workers": sorted(target.workers),
         "requests": len(requests),
         "failed": {k: failed[k] for k in ("before_first_byte", "mid_stream")}
         | {"total": failed["total"]},
@@ -88,9 +111,9 @@ def build_report(
         "on_target": sum(1 for r in mid if target.serves(r)),
         "elsewhere": sum(1 for r in mid if not target.serves(r)),
     }
-    if isinstance(scenario, WorkerFlap):
-        report["flap"] = _flap_stats(scenario, requests, timeline, router_events)
-    report["goals"] = _goals(scenario.name, report)
+    if facts.flap_cycles is not None:
+        report["flap"] = _flap_stats(facts, requests, timeline, router_events)
+    report["goals"] = _goals(facts.scenario, report)
     report["goals_met"] = all(goal["met"] for goal in report["goals"])
     report["exited_children"] = exited
     report["phases"] = phases
@@ -128,18 +151,18 @@ def _stale_seconds(health: list[dict[str, Any]]) -> float:
     return round(len(stale) * 0.25, 2)
 
 
-def _flap_stats(scenario: WorkerFlap, requests: Sequence[RequestResult], timeline: Timeline,
+def _flap_stats(facts: DrillFacts, requests: Sequence[RequestResult], timeline: Timeline,
                 router_events: list[dict[str, Any]]) -> dict[str, Any]:
     """How often traffic came back to the flapping worker, against how often it came back."""
-    target = scenario.target()
+    target = facts.target
     worker = next(iter(target.workers))
     seconds = [any(target.serves(r) and r.ok for r in requests if int(r.start_s) == second)
                for second in range(int(timeline.fault_s), int(timeline.cleared_s))]
     readmissions = sum(1 for a, b in itertools.pairwise(seconds) if b and not a)
     served = [r for r in requests if timeline.phase(r.start_s) == "during" and target.serves(r)]
     return {
-        "cycles": scenario.cycles,
-        "comebacks": scenario.comebacks,
+        "cycles": facts.flap_cycles,
+        "comebacks": facts.flap_comebacks,
         "readmissions": readmissions,
         "seconds_with_traffic": sum(seconds),
         "requests_served_during": len(served),
@@ -188,6 +211,41 @@ def _goals(name: str, report: dict[str, Any]) -> list[dict[str, Any]]:
                       "measured": report["time_to_recover_s"],
                       "met": report["time_to_recover_s"] is not None})
     return goals
+
+
+def reanalyze(out: Path) -> dict[str, Any]:
+    """report.json (and .md, .png) again from the raw records a drill left in `out`
+    (requests.jsonl, health.jsonl and the old report.json): after a change of definitions,
+    without running the drill again."""
+    old = json.loads((out / "report.json").read_text())
+    with (out / "requests.jsonl").open() as lines:
+        results = [RequestResult.from_json(json.loads(line)) for line in lines]
+    health: list[dict[str, Any]] = []
+    if (out / "health.jsonl").exists():
+        with (out / "health.jsonl").open() as lines:
+            health = [json.loads(line) for line in lines]
+    flap = old.get("flap") or {}
+    labels = [part.split(" ", 1) for part in old["target"].split(", ") if " " in part]
+    regions = old.get("target_regions", [name for kind, name in labels if kind == "region"])
+    workers = old.get("target_workers", [name for kind, name in labels if kind == "worker"])
+    facts = DrillFacts(old["scenario"], old["description"],
+                       Target(frozenset(regions), frozenset(workers)),
+                       flap.get("cycles"), flap.get("comebacks"))
+    expected = old.get("workers_expected") or max(
+        (p["workers"] for p in health if isinstance(p.get("workers"), int)), default=0)
+    report = build_report(
+        facts=facts, options_json=old["options"], timeline=Timeline(**old["timeline"]),
+        results=results, t0_s=0.0, events=[(e["t_s"], e["what"]) for e in old["events"]],
+        health=health, router_events=old["router_events"], expected_workers=expected,
+        skipped=old["load"]["skipped_by_loadgen"], exited=old["exited_children"],
+        max_start_lag_s=old["load"].get("max_start_lag_s", 0.0),
+    )
+    for kept in ("regions", "host"):
+        if kept in old:
+            report[kept] = old[kept]
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    rerender(out)
+    return report
 
 
 def rerender(out: Path) -> None:

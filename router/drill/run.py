@@ -31,7 +31,7 @@ from router.devstack.loadgen import LoadGenerator, LoadSpec, LoadTarget, Request
 from router.devstack.stack import LocalStack
 from router.devstack.valkey import free_port
 from router.drill.analysis import Timeline
-from router.drill.report import build_report, write_outputs
+from router.drill.report import DrillFacts, build_report, write_outputs
 from router.drill.scenarios import DrillContext, FaultSettings, Scenario
 
 _POLL = aiohttp.ClientTimeout(total=1.0)
@@ -226,7 +226,7 @@ async def _drive(options: DrillOptions, stack: LocalStack, timeline: Timeline,
         if not load.done():
             load.cancel()
     report = build_report(
-        scenario=scenario, options_json=_options_json(options), timeline=timeline,
+        facts=DrillFacts.of(scenario), options_json=_options_json(options), timeline=timeline,
         results=results, t0_s=context.t0_s, events=context.events,
         health=observer.health, router_events=sorted(observer.router_events.values(),
                                                      key=lambda e: e["t_s"]),

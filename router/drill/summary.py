@@ -2,6 +2,7 @@
 
     python -m router.drill.summary docs/drills            # the table
     python -m router.drill.summary --render docs/drills   # redraw report.md, timeline.png
+    python -m router.drill.summary --reanalyze DIR        # recompute from requests.jsonl
 """
 
 from __future__ import annotations
@@ -43,21 +44,27 @@ def table(folder: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`FOLDER`: print the table; `--render FOLDER`: redraw every report.md and timeline.png
-    from its report.json first (after a change to how reports look)."""
+    """`FOLDER`: print the table. First, `--render`: redraw every report.md and
+    timeline.png from its report.json (after a change to how reports look);
+    `--reanalyze`: recompute every report from its raw records (after a change of
+    definitions)."""
     args = sys.argv[1:] if argv is None else argv
-    render = args[:1] == ["--render"]
-    if render:
+    mode = args[0] if args[:1] in (["--render"], ["--reanalyze"]) else None
+    if mode is not None:
         args = args[1:]
     if len(args) != 1:
-        print("usage: python -m router.drill.summary [--render] FOLDER", file=sys.stderr)
+        print("usage: python -m router.drill.summary [--render|--reanalyze] FOLDER",
+              file=sys.stderr)
         return 2
     folder = Path(args[0])
-    if render:
-        from router.drill.report import rerender
+    if mode is not None:
+        from router.drill.report import reanalyze, rerender
 
         for path in sorted(folder.glob("*/report.json")):
-            rerender(path.parent)
+            if mode == "--reanalyze" and (path.parent / "requests.jsonl").exists():
+                reanalyze(path.parent)
+            else:
+                rerender(path.parent)
     print(table(folder))
     return 0
 

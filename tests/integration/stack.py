@@ -75,7 +75,7 @@ def small_config(tmp_path: Path, **overrides: Any) -> Path:
     return path
 
 
-def start_up(tmp_path: Path, config_path: Path, timeout_s: float = 60.0) -> RunningUp:
+def start_up(tmp_path: Path, config_path: Path, timeout_s: float = 150.0) -> RunningUp:
     """`globalpool up --config ... --state-file ...`, waiting until the state file appears."""
     state_file = tmp_path / "up-state.json"
     stdout_path = tmp_path / "up-stdout.log"

@@ -4,7 +4,9 @@ that must hold.
 Brings up 3 regions x 2 simulated workers behind emulated networks, a router replica per
 region sharing one Valkey, and replays the quick skewed-3region trace (20 s, ~490
 requests) against predicted_ttft, nearest and power_of_two through the command. About
-2-3 minutes on 2 cores, so it runs with `pytest -m slow` (as the drills do).
+3 minutes on 2 quiet cores (up to ~8 on a busy machine: the benchmark waits, bounded, for
+the CPUs to calm down and reruns a disturbed policy once), so it runs with
+`pytest -m slow` (as the drills do).
 """
 
 from __future__ import annotations
@@ -19,25 +21,33 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(720)]
 
 POLICIES = ("predicted_ttft", "nearest", "power_of_two")
 
 
+def _skip_unless_slow_tests_are_asked_for(config: pytest.Config) -> None:
+    if "slow" not in (config.getoption("markexpr") or "").replace("not slow", ""):
+        pytest.skip("the quick benchmark takes 3-8 minutes: run with `pytest -m slow`")
+
+
 @pytest.fixture(autouse=True)
 def _only_when_slow_tests_are_asked_for(request: pytest.FixtureRequest) -> None:
-    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
-        pytest.skip("the quick benchmark takes 2-3 minutes: run with `pytest -m slow`")
+    _skip_unless_slow_tests_are_asked_for(request.config)
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
+def quick_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[Path, dict[str, Any], str]:
+    # Module-scoped fixtures are set up before function-scoped autouse ones: check here too,
+    # or a plain `pytest` would run the benchmark only to skip its tests.
+    _skip_unless_slow_tests_are_asked_for(request.config)
     out = tmp_path_factory.mktemp("bench") / "out"
     saved = out.parent / "saved-trace.jsonl"
     result = subprocess.run(
         [sys.executable, "-m", "router.cli", "bench", "--quick",
          "--policies", ",".join(POLICIES), "--out", str(out), "--save-trace", str(saved)],
-        cwd=ROOT, capture_output=True, text=True, timeout=420,
+        cwd=ROOT, capture_output=True, text=True, timeout=660,
     )
     assert result.returncode in (0, 3), result.stdout[-3000:] + result.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text()), result.stdout + result.stderr
@@ -73,14 +83,18 @@ def test_predicted_ttft_beats_siloed_pools_on_p99_ttft(
     assert ours["by_origin"]["us-east"]["traffic_share"]["us-east"] < 0.9
 
 
-def test_affinity_raises_the_prefix_hit_rate_without_raising_p99(
+def test_affinity_raises_the_prefix_hit_rate_without_a_worse_tail(
         quick_run: tuple[Path, dict[str, Any], str]) -> None:
-    """Against power_of_two (no affinity, no locality). "Without raising P99" allows 25 %:
-    on the quick trace the two P99s are within ~15 % of each other, in either order, from
-    run to run and on the virtual-time twin, so a strict `<=` would fail at random."""
+    """Against power_of_two (no affinity, no locality). The prefix-hit rate is clearly
+    higher (~26-28 % against ~19-22 %). The tail is compared where it is measurable on the
+    quick trace: SLO attainment and P90. Its P99 is the 4th-worst of ~350 interactive
+    requests; predicted_ttft's P99 was 0.94x to 1.42x power_of_two's in quick runs on the
+    test bed and 1.12x on the virtual-time twin, so "P99 not raised" is not an ordering
+    that holds, and is not asserted (BENCHMARKS.md, Routing policies)."""
     runs = quick_run[1]["policies"]
     ours, spread = runs["predicted_ttft"], runs["power_of_two"]
     assert ours["routes"].get("affinity", 0) > 0
-    assert ours["prefix_hit_rate"] > spread["prefix_hit_rate"]
-    assert (ours["interactive"]["ttft_ms"]["p99"]
-            <= 1.25 * spread["interactive"]["ttft_ms"]["p99"])
+    assert ours["prefix_hit_rate"] > spread["prefix_hit_rate"] + 0.02
+    assert ours["slo_attainment"] >= spread["slo_attainment"] - 0.05
+    assert (ours["interactive"]["ttft_ms"]["p90"]
+            <= 1.25 * spread["interactive"]["ttft_ms"]["p90"])

@@ -222,3 +222,28 @@ def test_the_twin_replays_a_trace_in_virtual_time_with_the_real_policies() -> No
     assert pooled["slo_attainment"] > siloed["slo_attainment"]
     assert pooled["interactive"]["ttft_ms"]["p99"] < siloed["interactive"]["ttft_ms"]["p99"]
     assert pooled["traffic_share"]["b"] > siloed["traffic_share"]["b"]
+
+
+def test_a_saved_trace_is_what_the_benchmark_replays(tmp_path: Path) -> None:
+    from router.bench.run import BenchOptions, load_trace
+
+    scenario = parse_scenario(small())
+    saved = generate(scenario, seed=9)
+    path = tmp_path / "t.jsonl"
+    saved.save(path)
+    options = BenchOptions(scenario="t", policies=("nearest",), out=tmp_path, trace_path=path)
+    assert load_trace(options, scenario) == saved
+    other = parse_scenario(small(regions={"x": {"workers": 1}}, demand={"x": [{"at": 0,
+                                                                              "load": 1}]}))
+    with pytest.raises(ValueError, match="are not regions of scenario"):
+        load_trace(options, other)
+
+
+def test_the_command_refuses_unknown_policies_before_starting_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from router.cli import main
+
+    assert main(["bench", "--out", str(tmp_path / "out"), "--policies",
+                 "predicted_ttft,fastest"]) == 2
+    assert "unknown fastest" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -67,9 +67,12 @@ def test_reroute_needs_a_whole_second_of_clean_requests_elsewhere() -> None:
 
 
 def test_return_after_clearing() -> None:
-    requests = [*_steady(10, 22), *_steady(22.5, 23, "us-east")]
-    back = time_to_return(requests, US_EAST, TIMELINE)
-    assert back is not None and abs(back - 2.5) < 1e-9
+    before = _steady(1, 10, "us-east")
+    single = [*before, *_steady(10, 21), _req(21.0, "us-east"), *_steady(21.1, 30)]
+    assert time_to_return(single, US_EAST, TIMELINE) is None  # one request is not a return
+    back = time_to_return([*before, *_steady(10, 22.5), *_steady(22.5, 30, "us-east")],
+                          US_EAST, TIMELINE)
+    assert back is not None and abs(back - 2.0) < 1e-9  # the window [22, 23) is half back
 
 
 def test_phases_and_seconds() -> None:

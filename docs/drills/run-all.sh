@@ -32,6 +32,7 @@ drill() {
 drill kill-region          kill-region
 drill drain-region         drain-region
 drill drain-region-admin   drain-region --drain-via admin
+drill drain-region-config  drain-region --drain-via config
 drill partition-region     partition-region
 drill partition-region-5s  partition-region --set router.timeouts.first_byte_s=5
 drill slow-region          slow-region

@@ -55,6 +55,7 @@ HOLDER = web.AppKey("holder", SnapshotHolder)
 PROXY = web.AppKey("proxy", Proxy)
 COLLECTOR = web.AppKey("collector", HeartbeatCollector)
 _INFLIGHT = web.AppKey("inflight", InFlight)
+_HEALTH = web.AppKey("health", Health)
 ADMISSION = web.AppKey("admission", Admission)
 # Auth, rate-limit, residency and heartbeat-verification counters (for /metrics).
 SECURITY_STATS = web.AppKey("security_stats", SecurityStats)
@@ -105,6 +106,13 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     inflight = InFlight()
     app[_INFLIGHT] = inflight
+    health_config = settings.config.router.health
+    health = app[_HEALTH] = Health(BreakerPolicy(
+        failures_to_eject=health_config.failures_to_eject,
+        base_backoff_s=health_config.base_backoff_s,
+        max_backoff_s=health_config.max_backoff_s,
+    ), stall_after_s=health_config.stall_after_s, stall_factor=health_config.stall_factor)
+    stalls = asyncio.create_task(health.watch_stalls(), name="stall-watch")
     redis = redis_client.connect(settings.redis_url)
     pubsub_redis = redis_client.connect_pubsub(settings.redis_url)
     collector = HeartbeatCollector(
@@ -115,6 +123,9 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         local_inflight=inflight.of,
         gate=heartbeat_gate(lambda: app[OPERATIONS].configs.current,  # follows reloads
                             settings.heartbeat_keys, app[SECURITY_STATS]),
+        # A worker whose heartbeat turns `degraded` is ejected like a refused connection.
+        on_down=lambda view: health.reported_down(view.worker_id, view.region,
+                                                  view.heartbeat.state.value),
     )
     app[COLLECTOR] = collector
     task = asyncio.create_task(collector.run(), name="heartbeat-collector")
@@ -123,8 +134,8 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         await asyncio.wait_for(collector.synced.wait(), timeout=3.0)
     yield
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    stalls.cancel()
+    await asyncio.gather(task, stalls, return_exceptions=True)
     await redis.aclose()
     await pubsub_redis.aclose()
 
@@ -154,11 +165,7 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
     health_config = config.router.health
-    health = Health(BreakerPolicy(
-        failures_to_eject=health_config.failures_to_eject,
-        base_backoff_s=health_config.base_backoff_s,
-        max_backoff_s=health_config.max_backoff_s,
-    ))
+    health = app[_HEALTH]
     context = RoutingContext(
         rtt_ms=app[OPERATIONS].configs.rtt_ms,  # follows hot reloads
         inflight=app[_INFLIGHT],

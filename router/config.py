@@ -66,6 +66,14 @@ class HealthConfig(_Strict):
         default=0.2, ge=0, le=1, description="retries may add at most this share of load")
     retry_budget_min_per_s: float = Field(
         default=5.0, ge=0, description="retries allowed per second even when traffic is low")
+    stall_after_s: float = Field(
+        default=3.0, gt=0, le=3600,
+        description="a stream waiting this long for its first byte (and stall_factor times "
+        "its predicted TTFT) while other workers answer marks its worker stalled: the worker "
+        "is ejected and its waiting requests are retried elsewhere, without waiting for "
+        "timeouts.first_byte_s")
+    stall_factor: float = Field(
+        default=10.0, ge=1, description="see stall_after_s")
 
 
 class ClientTimeouts(_Strict):
@@ -169,7 +177,7 @@ class AdminConfig(_Strict):
         description="environment variable holding the admin token; unset = admin API off",
     )
     config_check_s: float = Field(
-        default=1.0, ge=0, le=3600,
+        default=0.5, ge=0, le=3600,
         description="how often the router checks this file for changes (hot reload); 0 = never",
     )
 

@@ -141,7 +141,7 @@ class ConfigWatcher:
         *,
         router_region: str | None,
         interval_s: Callable[[], float],
-        settle_s: float = 0.1,
+        settle_s: float = 0.05,
         extra_checks: Callable[[GlobalConfig], list[str]] = lambda _config: [],
     ) -> None:
         self._holder = holder

@@ -105,6 +105,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--stop-timeout-s", type=float, default=30.0,
                         help="after the drain, SIGTERM to the engine's process group, then "
                         "SIGKILL after this many seconds (default: %(default)s)")
+    launch.add_argument("--engine-nice", type=int, default=0, metavar="N",
+                        help="run the engine at CPU niceness N (0-19), its whole session "
+                        "included, so that a CPU-bound engine (vLLM on CPU, or its API "
+                        "server under load) cannot starve this agent's probes and "
+                        "heartbeats (default: %(default)s)")
     launch.add_argument("--engine-log", type=Path,
                         help="append the engine's output to this file (default: stderr)")
     parser.add_argument("--signing-key-id",
@@ -222,6 +227,8 @@ def _launch_settings(args: argparse.Namespace) -> tuple[EngineCommand | None, Re
             raise WorkerConfigError(f"{flag}: must be > 0")
     if args.max_failed_starts < 0:
         raise WorkerConfigError("--max-failed-starts: must be >= 0")
+    if not 0 <= args.engine_nice <= 19:
+        raise WorkerConfigError("--engine-nice: must be 0..19")
     policy = RestartPolicy(
         start_timeout_s=args.start_timeout_s,
         initial_backoff_s=min(1.0, args.max_restart_backoff_s),
@@ -229,7 +236,8 @@ def _launch_settings(args: argparse.Namespace) -> tuple[EngineCommand | None, Re
         max_failed_starts=args.max_failed_starts,
         stop_timeout_s=args.stop_timeout_s,
     )
-    return EngineCommand(tuple(command), log_path=args.engine_log), policy
+    return EngineCommand(tuple(command), log_path=args.engine_log,
+                         niceness=args.engine_nice), policy
 
 
 def _engine_url(args: argparse.Namespace, launch: EngineCommand | None) -> str:

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import shlex
@@ -66,6 +67,7 @@ class EngineCommand:
     argv: tuple[str, ...]
     env: Mapping[str, str] | None = None
     log_path: Path | None = None
+    niceness: int = 0  # see _start_engine_process
 
     def __str__(self) -> str:
         return shlex.join(self.argv)
@@ -124,6 +126,21 @@ def die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent:
         os._exit(1)
+
+
+def _start_engine_process(niceness: int) -> None:
+    """preexec_fn of the engine: die with the agent, and run at `niceness`.
+
+    The engine gets its own session (for the process-group kill), and with the kernel's
+    autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`) every session is
+    its own scheduling group: a plain `nice` would only order the engine's processes
+    among themselves. The session's group is niced too, so the agent keeps its share.
+    """
+    die_with_parent()
+    if niceness:
+        os.nice(niceness)
+        with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as autogroup:
+            autogroup.write(str(niceness))
 
 
 class EngineSupervisor:
@@ -223,7 +240,8 @@ class EngineSupervisor:
             process = await asyncio.create_subprocess_exec(
                 *self._command.argv,
                 stdin=asyncio.subprocess.DEVNULL, stdout=output, stderr=output, env=env,
-                start_new_session=True, preexec_fn=die_with_parent,
+                start_new_session=True,
+                preexec_fn=functools.partial(_start_engine_process, self._command.niceness),
             )
         except OSError as exc:
             raise EngineGaveUpError(f"cannot start the engine `{self._command}`: {exc}") from exc

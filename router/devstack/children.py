@@ -64,7 +64,7 @@ async def spawn(
     env: Mapping[str, str] | None = None, starts: int = 1,
 ) -> Child:
     """Start `python -m module args...` and wait for its ready line (StackError if none)."""
-    log = log_path.open("ab")
+    log = log_path.open("wb" if starts == 1 else "ab")  # a restart continues the log
     process = await asyncio.create_subprocess_exec(
         python, "-m", module, *args,
         stdin=asyncio.subprocess.DEVNULL,

@@ -240,7 +240,7 @@ class LocalStack:
         else:
             assert region is not None, "extra router replicas need a region"
             host = region_address(self._region_index(region))
-            port = self.port or free_port(host)
+            port = free_port(host)
         args = ["router", "--config", str(self.config_path), "--redis-url", self.redis_url,
                 "--host", host, "--port", str(port)]
         if region is not None:

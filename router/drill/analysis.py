@@ -194,8 +194,10 @@ def phase_stats(requests: Sequence[RequestResult], timeline: Timeline) -> dict[s
     return stats
 
 
-def per_second(requests: Sequence[RequestResult], end_s: float) -> list[dict[str, Any]]:
-    """One row per second of request starts: served per region, errors, retries, TTFT P99."""
+def per_second(requests: Sequence[RequestResult], end_s: float,
+               target: Target | None = None) -> list[dict[str, Any]]:
+    """One row per second of request starts: served per region (and by the target),
+    errors, retries, TTFT P99."""
     rows: list[dict[str, Any]] = []
     seconds = max(1, math.ceil(end_s))
     buckets: list[list[RequestResult]] = [[] for _ in range(seconds)]
@@ -217,6 +219,7 @@ def per_second(requests: Sequence[RequestResult], end_s: float) -> list[dict[str
             "failed_mid_stream": sum(r.failure == "mid_stream" for r in bucket),
             "retried": sum(r.retried for r in bucket),
             "ttft_p99_ms": _round(percentile(ttfts, 99)),
+            "served_by_target": sum(1 for r in bucket if r.ok and target and target.serves(r)),
         })
     return rows
 

@@ -30,8 +30,10 @@ def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per second, open loop (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=16,
                         help="tokens per streamed answer (default %(default)s)")
-    parser.add_argument("--drain-via", choices=("sigterm", "admin"), default="sigterm",
-                        help="drain-region: SIGTERM the agents, or POST /admin/drain")
+    parser.add_argument("--drain-via", choices=("sigterm", "admin", "config"),
+                        default="sigterm",
+                        help="drain-region: SIGTERM the agents, POST /admin/drain, or "
+                        "`drain: true` in (a copy of) regions.yaml")
     parser.add_argument("--extra-rtt-ms", type=float, default=300.0,
                         help="slow-region: RTT added to the region's path (default %(default)s)")
     parser.add_argument("--slow-factor", type=float, default=1.0,

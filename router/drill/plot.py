@@ -44,6 +44,11 @@ def timeline_png(report: dict[str, Any], path: Path) -> None:
               / row["requests"] if row["requests"] else 0.0 for row in rows]
     share_ax.bar(seconds, failed, width=1.0, bottom=bottoms, label="failed", color="#d62728",
                  linewidth=0)
+    if report.get("target_workers"):
+        share_ax.plot(seconds, [100.0 * row.get("served_by_target", 0) / row["requests"]
+                                if row["requests"] else 0.0 for row in rows],
+                      color="black", linewidth=1.2, drawstyle="steps-mid",
+                      label=f"served by {', '.join(report['target_workers'])}")
     share_ax.set_ylabel("served by region\n(% of requests started)")
     share_ax.set_ylim(0, 105)
     share_ax.legend(loc="lower left", fontsize=8, ncol=len(regions) + 1)

@@ -129,7 +129,7 @@ def build_report(
         # latencies (and heartbeats, and timeouts) of that moment are not the router's.
         "machine_stalled": max_start_lag_s > STALL_S,
     }
-    report["per_second"] = analysis.per_second(requests, timeline.end_s)
+    report["per_second"] = analysis.per_second(requests, timeline.end_s, target)
     report["definitions"] = DEFINITIONS
     report["options"] = options_json
     return report
@@ -185,6 +185,9 @@ def _goals(name: str, report: dict[str, Any]) -> list[dict[str, Any]]:
     if name == "drain-region":
         goals.append({"goal": "0 failed requests", "measured": failed["total"],
                       "met": failed["total"] == 0})
+        detect = report["time_to_detect_s"]
+        goals.append({"goal": "no new requests to the drained region within 1 s",
+                      "measured": detect, "met": detect is not None and detect <= 1.0})
     if name in ("kill-region", "worker-flap"):
         detect = report["time_to_detect_s"]
         goals.append({"goal": "the router stops sending to the killed engine(s) within 1 s",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import secrets
 import shlex
@@ -137,12 +136,14 @@ def _progress_line(now: float, phase: str, recent: list[RequestResult], in_fligh
             f"TTFT p99 {p99}")
 
 
-def with_overrides(config_path: Path, overrides: Sequence[str], out: Path) -> Path:
+def with_overrides(config_path: Path, overrides: Sequence[str], out: Path,
+                   *, copy: bool = False) -> Path:
     """`config_path` with `a.b.c=VALUE` settings (VALUE read as YAML) written to `out`.
 
-    The drill's routers then read the written copy; without overrides the file itself.
+    The drill's routers then read the written copy; without overrides (and unless `copy`,
+    for a drill that edits the file) the file itself.
     """
-    if not overrides:
+    if not overrides and not copy:
         return config_path
     document = yaml.safe_load(config_path.read_text(encoding="utf-8"))
     for override in overrides:
@@ -156,7 +157,7 @@ def with_overrides(config_path: Path, overrides: Sequence[str], out: Path) -> Pa
             node = node.setdefault(name, {})
         node[leaf] = yaml.safe_load(raw)
     written = out / "regions.yaml"
-    written.write_text(f"# {config_path} with --set {' '.join(overrides)}\n"
+    written.write_text(f"# {config_path}, changed by globalpool drill: {' '.join(overrides)}\n"
                        + yaml.safe_dump(document, sort_keys=False))
     return written
 
@@ -164,7 +165,8 @@ def with_overrides(config_path: Path, overrides: Sequence[str], out: Path) -> Pa
 async def run_drill(options: DrillOptions, say: Callable[[str], None]) -> dict[str, Any]:
     """Run one drill end to end; returns the report (also written under options.out)."""
     options.out.mkdir(parents=True, exist_ok=True)
-    config_path = with_overrides(options.config_path, options.overrides, options.out)
+    config_path = with_overrides(options.config_path, options.overrides, options.out,
+                                 copy=options.settings.drain_via == "config")
     config = load_config(config_path)
     timeline = options.timeline
     say(f"drill {options.scenario}: {options.rate_per_s:g} req/s for {timeline.end_s:g} s; "
@@ -251,6 +253,3 @@ def _options_json(options: DrillOptions) -> dict[str, Any]:
 def command_line() -> str:
     return "globalpool " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
 
-
-def dump(report: dict[str, Any]) -> str:
-    return json.dumps(report, indent=2)

@@ -13,10 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+import yaml
+
 from router.devstack.stack import LocalStack
 from router.drill.analysis import Target
 
-DrainVia = Literal["sigterm", "admin"]
+DrainVia = Literal["sigterm", "admin", "config"]
 RedisMode = Literal["stop", "freeze"]
 
 
@@ -106,23 +108,47 @@ class KillRegion(Scenario, name="kill-region",
 class DrainRegion(Scenario, name="drain-region",
                   summary="drain the region (SIGTERM its worker agents, or the admin API)"):
     def describe(self) -> str:
-        if self.context.settings.drain_via == "admin":
+        via = self.context.settings.drain_via
+        if via == "admin":
             return "drain the region with POST /admin/drain; undrain when cleared"
+        if via == "config":
+            return ("set `drain: true` on the region in the routers' regions.yaml (hot "
+                    "reload); set it back when cleared")
         return ("SIGTERM every worker agent of the region (they drain and leave); "
                 "start them again when cleared")
 
     async def inject(self) -> None:
-        if self.context.settings.drain_via == "admin":
+        via = self.context.settings.drain_via
+        if via == "admin":
             self.context.mark(f"POST /admin/drain region {self.region}")
             await self.stack.admin("/admin/drain", {"region": self.region, "reason": "drill"})
+            return
+        if via == "config":
+            self.context.mark(f"regions.yaml: regions.{self.region}.drain = true")
+            self._set_config_drain(True)
             return
         self.context.mark(f"SIGTERM the worker agents of {self.region}")
         self.stack.drain(self.stack.by_role("worker", self.region))
 
+    def _set_config_drain(self, drained: bool) -> None:
+        # The drill's own copy of the config (run_drill makes one for this mode); written
+        # whole and renamed into place, so that the router never reads half a file.
+        path = self.stack.config_path
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+        document["regions"][self.region]["drain"] = drained
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(yaml.safe_dump(document, sort_keys=False))
+        partial.replace(path)
+
     async def clear(self) -> None:
-        if self.context.settings.drain_via == "admin":
+        via = self.context.settings.drain_via
+        if via == "admin":
             self.context.mark(f"POST /admin/undrain region {self.region}")
             await self.stack.admin("/admin/undrain", {"region": self.region})
+            return
+        if via == "config":
+            self.context.mark(f"regions.yaml: regions.{self.region}.drain = false")
+            self._set_config_drain(False)
             return
         workers = self.stack.by_role("worker", self.region)
         if not await self.stack.wait_exited(workers, 10.0):

@@ -6,7 +6,9 @@
 
 A connection refused or reset ejects at once (the process is gone or going); other
 failures (5xx, timeouts, broken streams) eject after `failures_to_eject` in a row. Each
-ejection in a row doubles the backoff, up to `max_backoff_s`; a success resets it.
+ejection doubles the backoff, up to `max_backoff_s`. A readmission does not forget the
+ejections: only `stable_after_s` of staying admitted does, so a flapping worker (killed
+again soon after every comeback) stays out longer each time instead of 1 s every time.
 In half-open exactly one request (the probe) is let through; the rest wait for its result.
 """
 
@@ -27,20 +29,22 @@ class BreakerPolicy:
     failures_to_eject: int = 3
     base_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
+    stable_after_s: float = 30.0  # admitted this long: earlier ejections are forgotten
 
 
 class Breaker:
     """The state of one worker. All times are monotonic seconds passed in by the caller."""
 
-    __slots__ = ("_policy", "consecutive_failures", "ejections", "open_until_s",
-                 "probe_in_flight", "state")
+    __slots__ = ("_policy", "closed_at_s", "consecutive_failures", "ejections",
+                 "open_until_s", "probe_in_flight", "state")
 
     def __init__(self, policy: BreakerPolicy) -> None:
         self._policy = policy
         self.state = BreakerState.CLOSED
         self.consecutive_failures = 0
-        self.ejections = 0  # ejections in a row, for the backoff
+        self.ejections = 0  # recent ejections, for the backoff
         self.open_until_s = 0.0
+        self.closed_at_s = 0.0  # when it was last readmitted
         self.probe_in_flight = False
 
     def admits(self, now_s: float) -> bool:
@@ -57,14 +61,23 @@ class Breaker:
         if self.state is BreakerState.HALF_OPEN:
             self.probe_in_flight = True
 
-    def succeeded(self) -> bool:
+    def succeeded(self, now_s: float) -> bool:
         """Returns True if this success readmitted an ejected worker."""
         readmitted = self.state is not BreakerState.CLOSED
-        self.state = BreakerState.CLOSED
+        if readmitted:
+            self.state = BreakerState.CLOSED
+            self.closed_at_s = now_s
+        elif self.ejections and now_s - self.closed_at_s >= self._policy.stable_after_s:
+            self.ejections = 0
         self.consecutive_failures = 0
-        self.ejections = 0
         self.probe_in_flight = False
         return readmitted
+
+    @property
+    def forgettable(self) -> bool:
+        """Closed with nothing to remember: the caller may drop this breaker."""
+        return (self.state is BreakerState.CLOSED and self.consecutive_failures == 0
+                and self.ejections == 0)
 
     def failed(self, now_s: float, *, severe: bool) -> bool:
         """Count a failure; returns True if it ejected the worker."""

@@ -8,6 +8,7 @@ an attempt that might succeed beats a certain 503 (the ejection cap).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -26,6 +27,13 @@ _COUNTED = frozenset({Failure.CONNECT, Failure.SERVER_ERROR, Failure.TIMEOUT, Fa
                       Failure.MID_STREAM, Failure.IDLE})
 _SEVERE = frozenset({Failure.CONNECT, Failure.RESET})
 BUSY_DEFAULT_S = 0.5
+# A region's first bytes must miss their predictions by this much more than the other
+# regions' before it is penalised (ms): smaller misses are scheduling noise.
+PENALTY_FLOOR_MS = 25.0
+# Penalties are recomputed at most this often (s), or after a new sample.
+PENALTY_REFRESH_S = 0.05
+# How often waiting streams are checked for stalled workers (s).
+STALL_CHECK_S = 0.25
 BUSY_MAX_S = 10.0
 
 
@@ -48,15 +56,23 @@ class Health:
         clock: Callable[[], float] = time.monotonic,
         latency_half_life_s: float = 10.0,
         region_eject_fraction: float = 0.5,
+        stall_after_s: float = 3.0,
+        stall_factor: float = 10.0,
     ) -> None:
         self._policy = policy or BreakerPolicy()
         self._clock = clock
         self._breakers: dict[str, Breaker] = {}
         self._busy_until_s: dict[str, float] = {}
         self._excess_ms: dict[str, tuple[float, float]] = {}  # region -> (ewma, at_s)
-        self._baseline_ms = 0.0  # the smallest regional excess, as of the last sample
+        self._penalties: dict[str, float] = {}  # region -> penalty, as of _penalties_at_s
+        self._penalties_at_s = -1e18
         self._half_life_s = latency_half_life_s
         self._region_fraction = region_eject_fraction
+        self._stall_after_s = stall_after_s
+        self._stall_factor = stall_factor
+        self._awaiting: dict[int, Attempt] = {}  # streams before their first byte
+        self._last_first_byte_s: dict[str, float] = {}
+        self._last_any_first_byte_s = -1e18
         self.events: deque[HealthEvent] = deque(maxlen=100)
         self.ejections_total = 0
 
@@ -91,40 +107,59 @@ class Health:
 
     def region_penalty_ms(self, region: str, now_s: float) -> float:
         """How much slower than predicted this region's first bytes have been lately,
-        beyond the least-surprising region's (ms, >= 0).
+        beyond the other regions' (ms, >= 0).
 
-        Relative, because every prediction misses some constant (engine scheduling,
-        this machine's load): only a region slower than the others should be avoided,
-        and a region with no samples yet is not thereby made to look better.
+        Every prediction misses some constant (engine scheduling, this machine's load),
+        so a region is compared with the least-surprising *other* region; a region this
+        router has no recent samples from counts as "as predicted" (0 ms). A region that
+        carries all the traffic is thus judged against the prediction itself, not against
+        itself, and misses below `PENALTY_FLOOR_MS` are treated as noise.
         """
         entry = self._excess_ms.get(region)
         if entry is None:
             return 0.0
-        ewma, at_s = entry
-        decay: float = 0.5 ** ((now_s - at_s) / self._half_life_s)
-        return max(0.0, ewma * decay - self._baseline_ms)
+        if now_s - self._penalties_at_s > PENALTY_REFRESH_S or now_s < self._penalties_at_s:
+            self._refresh_penalties(now_s)
+        return self._penalties.get(region, 0.0)
+
+    def _refresh_penalties(self, now_s: float) -> None:
+        half_life_s = self._half_life_s
+        current = {region: ewma * 0.5 ** ((now_s - at_s) / half_life_s)
+                   for region, (ewma, at_s) in self._excess_ms.items()}
+        penalties: dict[str, float] = {}
+        for region, excess in current.items():
+            others = [value for other, value in current.items() if other != region]
+            baseline = min(others) if others else 0.0
+            penalties[region] = max(0.0, excess - max(0.0, baseline) - PENALTY_FLOOR_MS)
+        self._penalties = penalties
+        self._penalties_at_s = now_s
 
     def state_of(self, worker_id: str) -> BreakerState:
         breaker = self._breakers.get(worker_id)
         return BreakerState.CLOSED if breaker is None else breaker.state
 
     # --- the proxy's calls ------------------------------------------------------------
-    def dispatched(self, worker_id: str) -> None:
-        breaker = self._breakers.get(worker_id)
+    def dispatched(self, attempt: Attempt) -> None:
+        breaker = self._breakers.get(attempt.worker_id)
         if breaker is not None:
             breaker.dispatched()
+        if attempt.streamed:
+            self._awaiting[id(attempt)] = attempt  # until its first byte: see check_stalls
 
     def attempt_finished(self, attempt: Attempt) -> None:
         now_s = self._clock()
+        if self._awaiting.pop(id(attempt), None) is not None:
+            self._saw_first_byte(attempt)
         failure = attempt.failure
         if failure is None:
             if attempt.client_gone and attempt.first_byte_s is None:
                 return  # says nothing about the worker
             breaker = self._breakers.get(attempt.worker_id)
             if breaker is not None:
-                if breaker.succeeded():
-                    self._event(now_s, attempt, "readmitted", "a request succeeded")
-                if breaker.consecutive_failures == 0 and breaker.state is BreakerState.CLOSED:
+                if breaker.succeeded(now_s):
+                    self._event(now_s, attempt.worker_id, attempt.region, "readmitted",
+                                "a request succeeded")
+                if breaker.forgettable:
                     del self._breakers[attempt.worker_id]
             self._learn_latency(attempt, now_s)
             return
@@ -141,10 +176,86 @@ class Health:
             if breaker.failed(now_s, severe=failure in _SEVERE):
                 self.ejections_total += 1
                 backoff = breaker.open_until_s - now_s
-                self._event(now_s, attempt, "ejected", f"{failure.value}; back in {backoff:.1f} s")
+                self._event(now_s, attempt.worker_id, attempt.region, "ejected",
+                            f"{failure.value}; back in {backoff:.1f} s")
 
     def request_finished(self, record: RequestRecord) -> None:
         return None
+
+    def reported_down(self, worker_id: str, region: str, detail: str) -> None:
+        """The worker's own heartbeat says it stopped serving (ready -> degraded).
+
+        Counted like a refused connection: it ejects, and the worker comes back only
+        through the breaker (backoff, then one probe), so a worker that keeps crashing
+        and restarting is kept out longer each time instead of being readmitted by its
+        next `ready` heartbeat.
+        """
+        now_s = self._clock()
+        breaker = self._breakers.get(worker_id)
+        if breaker is None:
+            breaker = self._breakers[worker_id] = Breaker(self._policy)
+        if breaker.failed(now_s, severe=True):
+            self.ejections_total += 1
+            backoff = breaker.open_until_s - now_s
+            self._event(now_s, worker_id, region, "ejected",
+                        f"heartbeat: {detail}; back in {backoff:.1f} s")
+
+    # --- stalls: a worker that answers nobody while the others answer -------------------
+    def check_stalls(self) -> list[str]:
+        """Find workers whose streams have all waited far past their predicted TTFT for a
+        first byte while other workers delivered theirs; eject them and abandon their
+        waiting attempts (retried elsewhere, nothing has reached the client yet).
+
+        A partition or a hung engine shows up here within `stall_after_s`, not after
+        `timeouts.first_byte_s` (which must stay long enough for the longest legitimate
+        queue). Returns the workers found stalled now.
+        """
+        now_s = self._clock()
+        waiting: dict[str, list[Attempt]] = {}
+        for key, attempt in list(self._awaiting.items()):
+            if attempt.first_byte_s is not None:
+                del self._awaiting[key]
+                self._saw_first_byte(attempt)
+            else:
+                waiting.setdefault(attempt.worker_id, []).append(attempt)
+        stalled: list[str] = []
+        for worker_id, attempts in waiting.items():
+            answered_s = self._last_first_byte_s.get(worker_id, -1e18)
+            oldest = min(attempts, key=lambda a: a.started_s)
+            limit_s = max(self._stall_after_s, self._stall_factor * oldest.predicted_ttft_ms / 1000)
+            if (now_s - oldest.started_s < limit_s or answered_s >= oldest.started_s
+                    or self._last_any_first_byte_s <= oldest.started_s):
+                continue
+            stalled.append(worker_id)
+            detail = (f"stalled: no first byte for {now_s - oldest.started_s:.1f} s "
+                      f"({len(attempts)} waiting) while other workers answer")
+            breaker = self._breakers.get(worker_id)
+            if breaker is None:
+                breaker = self._breakers[worker_id] = Breaker(self._policy)
+            if breaker.failed(now_s, severe=True):
+                self.ejections_total += 1
+                detail += f"; back in {breaker.open_until_s - now_s:.1f} s"
+            self._event(now_s, worker_id, oldest.region, "ejected", detail)
+            for attempt in attempts:
+                attempt.abandon(f"worker {worker_id} stalled")
+        return stalled
+
+    async def watch_stalls(self, interval_s: float = STALL_CHECK_S) -> None:
+        """Run `check_stalls` every `interval_s` until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self._awaiting:
+                self.check_stalls()
+
+    def _saw_first_byte(self, attempt: Attempt) -> None:
+        first_byte_s = attempt.first_byte_s
+        if first_byte_s is None:
+            return
+        if first_byte_s > self._last_first_byte_s.get(attempt.worker_id, -1e18):
+            self._last_first_byte_s[attempt.worker_id] = first_byte_s
+            if len(self._last_first_byte_s) > 8192:
+                self._last_first_byte_s.clear()  # departed workers; the next answers refill it
+        self._last_any_first_byte_s = max(self._last_any_first_byte_s, first_byte_s)
 
     def _learn_latency(self, attempt: Attempt, now_s: float) -> None:
         ttfb_s = attempt.ttfb_s
@@ -155,12 +266,9 @@ class Health:
         ewma = excess if previous is None else (
             0.8 * previous[0] * 0.5 ** ((now_s - previous[1]) / self._half_life_s) + 0.2 * excess)
         self._excess_ms[attempt.region] = (ewma, now_s)
-        self._baseline_ms = min(
-            value * 0.5 ** ((now_s - at_s) / self._half_life_s)
-            for value, at_s in self._excess_ms.values()
-        )
+        self._penalties_at_s = -1e18  # recompute at the next question
 
-    def _event(self, now_s: float, attempt: Attempt, kind: str, detail: str) -> None:
-        self.events.append(HealthEvent(now_s, attempt.worker_id, attempt.region, kind, detail))
-        log.warning("worker %s (%s) %s: %s", attempt.worker_id, attempt.region, kind, detail)
+    def _event(self, now_s: float, worker_id: str, region: str, kind: str, detail: str) -> None:
+        self.events.append(HealthEvent(now_s, worker_id, region, kind, detail))
+        log.warning("worker %s (%s) %s: %s", worker_id, region, kind, detail)
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from router.policy.request import NoRoute, RouteRequest
 from router.registry.snapshot import Snapshot, WorkerView
+from worker.schema import LifecycleState
 
 
 def eligible(snapshot: Snapshot, request: RouteRequest, now_s: float) -> list[WorkerView]:
     """Workers that serve the model, are `ready`, fresh, not drained and not yet tried.
 
-    Raises NoRoute with a reason a client can act on when none is left.
+    With no `ready` worker left, `degraded` ones are tried rather than none (fail open:
+    an agent reports `degraded` when its probe times out, which an engine busy on an
+    overloaded machine can do while it still serves). Raises NoRoute with a reason a
+    client can act on when none is left.
     """
     serving = snapshot.serving(request.model)
     if not serving:
@@ -25,6 +29,13 @@ def eligible(snapshot: Snapshot, request: RouteRequest, now_s: float) -> list[Wo
             view
             for view in serving
             if view.ready and view.fresh(freshness_now) and view.worker_id not in request.exclude
+        ]
+    if not candidates:
+        candidates = [
+            view
+            for view in serving
+            if view.heartbeat.state is LifecycleState.DEGRADED and view.fresh(freshness_now)
+            and view.worker_id not in request.exclude
         ]
     if candidates and request.drained:
         candidates = not_drained(candidates, request)

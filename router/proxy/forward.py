@@ -207,19 +207,29 @@ async def forward_stream(
     attempt: Attempt,
 ) -> web.StreamResponse:
     """A streaming request, passed through chunk by chunk without parsing the events."""
+    upstream: aiohttp.ClientResponse | None = None
     try:
-        async with asyncio.timeout(timeouts.first_byte_s):
-            upstream = await _send(session, url, body, headers)
-            refused = await _refuse_if_failed(upstream)
-            if refused is not None:
-                attempt.first_byte_s = time.monotonic()
-                attempt.status = upstream.status
-                return web.Response(
-                    status=upstream.status, body=refused,
-                    headers=_answer_headers(response_headers, upstream, attempt),
-                )
-            first = await upstream.content.readany()
+        async with asyncio.timeout(timeouts.first_byte_s) as deadline:
+            attempt.first_byte_deadline = deadline  # health may abandon a stalled attempt
+            try:
+                upstream = await _send(session, url, body, headers)
+                refused = await _refuse_if_failed(upstream)
+                if refused is not None:
+                    attempt.first_byte_s = time.monotonic()
+                    attempt.status = upstream.status
+                    return web.Response(
+                        status=upstream.status, body=refused,
+                        headers=_answer_headers(response_headers, upstream, attempt),
+                    )
+                first = await upstream.content.readany()
+            finally:
+                attempt.first_byte_deadline = None
     except TimeoutError:
+        if upstream is not None:
+            upstream.close()  # the engine stops working on it; the connection is not reused
+        if attempt.abandoned is not None:
+            raise UpstreamFailure(f"abandoned before its first byte: {attempt.abandoned}",
+                                  Failure.TIMEOUT, status=504) from None
         raise UpstreamFailure(
             f"no first byte within {timeouts.first_byte_s:g} s", Failure.TIMEOUT, status=504
         ) from None

@@ -127,8 +127,9 @@ class Proxy:
         avoid_regions: set[str] = set()
         failure: UpstreamFailure | None = None
         self.retry_budget.request_arrived()
+        free_retry = False
         for attempt_number in range(router_config.max_attempts):
-            if attempt_number > 0 and not self.retry_budget.try_spend():
+            if attempt_number > 0 and not free_retry and not self.retry_budget.try_spend():
                 log.warning("retry budget exhausted; not retrying %s", parsed.model)
                 break
             route = RouteRequest(
@@ -150,6 +151,7 @@ class Proxy:
                 decision = self.policy.pick(self.holder.current, route)
             except NoRoute as exc:
                 if failure is not None:
+                    log.warning("no retry for %s: %s", parsed.model, exc.reason)
                     break  # report the upstream failure, not "nothing left to try"
                 record.error = exc.reason
                 return _no_route(exc, configured=parsed.model in self.config.models)
@@ -174,7 +176,7 @@ class Proxy:
             url = worker.endpoint.rstrip("/") + request.path
             set_upstream_key(headers, upstream_key(self.config, worker.region))
             self.inflight.started(worker.worker_id)
-            self.health.dispatched(worker.worker_id)
+            self.health.dispatched(attempt)
             try:
                 if parsed.stream:
                     response = await forward_stream(request, self.session, url, body, headers,
@@ -193,8 +195,16 @@ class Proxy:
                 attempt.failure = exc.kind
                 attempt.status = exc.status
                 attempt.retry_after_s = exc.retry_after_s
-                if exc.kind is Failure.CONNECT:
-                    avoid_regions.add(worker.region)  # the path there may be down, too
+                # A retry costs no budget when the failed attempt did no work anywhere: a
+                # refused connection, or a wait abandoned on a stalled worker (ejected, so
+                # its requests move once; the budget guards against amplification, and
+                # this is failover).
+                free_retry = exc.kind is Failure.CONNECT or attempt.abandoned is not None
+                if exc.kind in _PATH_FAILURES:
+                    # The path to the region may be down (refused, or a blackhole that
+                    # only times out): the retry prefers another region. A reset is
+                    # usually one stale pooled connection, not the region.
+                    avoid_regions.add(worker.region)
                 failure = exc
             finally:
                 self.inflight.finished(worker.worker_id)
@@ -246,6 +256,9 @@ class Proxy:
             "redis_connected": snapshot.redis_connected,
             "view_age_s": None if age is None else round(age, 3),
         })
+
+
+_PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
 
 
 def _no_route(exc: NoRoute, *, configured: bool) -> web.Response:

@@ -7,6 +7,7 @@ request path: they must be cheap and must not await.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -40,10 +41,23 @@ class Attempt:
     client_gone: bool = False
     streamed: bool = False
     retry_after_s: float | None = None
+    # While waiting for the first byte: the deadline that `abandon` brings forward.
+    first_byte_deadline: asyncio.Timeout | None = None
+    abandoned: str | None = None
 
     @property
     def ttfb_s(self) -> float | None:
         return None if self.first_byte_s is None else self.first_byte_s - self.started_s
+
+    def abandon(self, reason: str) -> bool:
+        """Give up waiting for the first byte now (the attempt fails as a TIMEOUT and the
+        request is retried elsewhere). Only before the first byte; True if it was."""
+        deadline = self.first_byte_deadline
+        if deadline is None or self.first_byte_s is not None or self.abandoned is not None:
+            return False
+        self.abandoned = reason
+        deadline.reschedule(asyncio.get_running_loop().time())
+        return True
 
 
 @dataclass(slots=True)

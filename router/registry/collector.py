@@ -8,12 +8,23 @@ Two paths feed one table of worker views:
 
 Redis unreachable: the table is kept (fail static), the snapshot says
 `redis_connected=False`, and the loop reconnects with bounded backoff.
+
+Freshness runs on Redis's clock, not the wall clock: a heartbeat goes stale only when
+Redis has delivered something newer (another heartbeat, or a full read) since its TTL ran
+out. A Redis that hangs (accepts but never answers, as a partitioned server does) then
+cannot age every worker out at once while the collector is still waiting for its read to
+time out; one dead worker still ages out, because the others' heartbeats keep that
+clock running. After a reconnect, workers that have not re-published yet (Redis came
+back empty) keep their place for one TTL from the reconnect instead of being dropped by
+the first full read, and time during which the router itself was not running (a stalled
+host) does not count towards heartbeat ages either.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +37,7 @@ from redis.exceptions import RedisError
 
 from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView
 from worker.redis_client import raise_if_cancelling
-from worker.schema import Heartbeat, HeartbeatKeys
+from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
 
 log = logging.getLogger("globalpool.registry")
 
@@ -35,6 +46,8 @@ log = logging.getLogger("globalpool.registry")
 MIN_REBUILD_INTERVAL_S = 0.02
 # How often workers past their TTL are looked for.
 EXPIRY_CHECK_S = 0.25
+# Waiting for pub/sub this much longer than asked means this process was not scheduled.
+STALL_TOLERANCE_S = 1.0
 # A full read of N workers happens at most every N / this many seconds.
 FULL_READ_WORKERS_PER_S = 1000.0
 
@@ -64,9 +77,11 @@ class HeartbeatCollector:
         full_read_interval_s: float = 2.0,
         max_backoff_s: float = 2.0,
         gate: HeartbeatCheck | None = None,
+        on_down: Callable[[WorkerView], None] = lambda _view: None,
     ) -> None:
         self._redis = redis
         self._gate = gate
+        self._on_down = on_down
         self._pubsub_redis = pubsub_redis
         self._keys = keys
         self._holder = holder
@@ -102,7 +117,7 @@ class HeartbeatCollector:
         pubsub: PubSub = self._pubsub_redis.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(self._keys.channel)
-            await self._full_read()
+            await self._full_read(reconnected=not self._connected)
             if not self._connected:
                 log.info("redis connected; %d workers known", len(self._views))
             self._connected = True
@@ -117,7 +132,11 @@ class HeartbeatCollector:
                 raise_if_cancelling()  # redis-py may have swallowed a cancellation
                 wait_s = 0.25 if not dirty else max(
                     0.0, published_at + MIN_REBUILD_INTERVAL_S - self._clock())
+                waited_from = self._clock()
                 message = await pubsub.get_message(timeout=wait_s)
+                overslept_s = self._clock() - waited_from - wait_s
+                if overslept_s > STALL_TOLERANCE_S:
+                    dirty |= self._forgive(overslept_s)
                 while message is not None:
                     dirty |= self._apply_message(message)
                     message = await pubsub.get_message(timeout=0.0)
@@ -142,7 +161,7 @@ class HeartbeatCollector:
         """Large fleets are read in full less often: pub/sub carries the updates anyway."""
         return max(self._full_read_interval_s, len(self._views) / FULL_READ_WORKERS_PER_S)
 
-    async def _full_read(self) -> None:
+    async def _full_read(self, *, reconnected: bool = False) -> None:
         keys: list[bytes] = []
         async for key in self._redis.scan_iter(match=self._keys.pattern, count=1000):
             keys.append(key)
@@ -157,9 +176,17 @@ class HeartbeatCollector:
                 if view is not None:
                     seen.add(view.worker_id)
                     self._store(view, force=True)
-        # Keys that expired or were deleted are gone from Redis: drop them here too.
-        for worker_id in [w for w in self._views if w not in seen]:
-            del self._views[worker_id]
+        # A worker whose key is missing is not dropped here: a deleted one said `gone:`,
+        # and any other ages out by its TTL on this collector's clock (see the module
+        # doc). Redis's own key expiry cannot be trusted for that: after Redis restarts
+        # empty, or after a stall of Redis's host, keys are missing although their workers
+        # are alive and about to re-publish.
+        if reconnected:
+            # Redis may have come back empty: a worker that has not re-published yet keeps
+            # its place for one TTL from now; its next heartbeat, or expiry, settles it.
+            for worker_id in [w for w in self._views if w not in seen]:
+                self._views[worker_id] = dataclasses.replace(self._views[worker_id],
+                                                             received_at_s=now)
         self._last_ok_at_s = self._clock()
 
     def _apply_message(self, message: dict[str, Any]) -> bool:
@@ -201,13 +228,28 @@ class HeartbeatCollector:
             if not force or current.heartbeat.seq != view.heartbeat.seq:
                 return False
             view = current  # same report seen again via a full read: keep its receipt time
+        elif (current is not None and view.heartbeat.state is LifecycleState.DEGRADED
+              and current.heartbeat.state is LifecycleState.READY):
+            self._on_down(view)
         self._views[view.worker_id] = view
         return True
 
-    def _expired_any(self) -> bool:
-        if not self._connected:
-            return False
+    def _forgive(self, stalled_s: float) -> bool:
+        """This process was not running for `stalled_s` (its host stalled, or it was
+        stopped): no heartbeat could be received meanwhile, so that time does not count
+        towards any worker's heartbeat age. Pending messages are applied right after."""
+        log.warning("the collector was not scheduled for %.1f s (a stalled host?); "
+                    "heartbeat ages exclude that time", stalled_s)
         now = self._clock()
+        for worker_id, view in self._views.items():
+            self._views[worker_id] = dataclasses.replace(
+                view, received_at_s=min(now, view.received_at_s + stalled_s))
+        return bool(self._views)
+
+    def _expired_any(self) -> bool:
+        if not self._connected or self._last_ok_at_s is None:
+            return False
+        now = min(self._clock(), self._last_ok_at_s)  # Redis's clock: see the module doc
         expired = [w for w, v in self._views.items() if not v.fresh(now)]
         for worker_id in expired:
             del self._views[worker_id]

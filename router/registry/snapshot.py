@@ -156,13 +156,15 @@ class Snapshot:
         )
 
     def freshness_now(self, now_s: float) -> float:
-        """The time to judge heartbeat freshness by.
+        """The time to judge heartbeat freshness by: the last moment Redis delivered
+        anything (a heartbeat or a full read), never later than `now_s`.
 
-        While Redis is unreachable no heartbeat can arrive, so the clock for staleness
-        stops at the last moment Redis answered: the router keeps routing to the workers
-        it last knew (fail static) and relies on its own observations to avoid dead ones.
+        While Redis is unreachable, or hangs, no heartbeat can arrive, so the clock for
+        staleness stops: the router keeps routing to the workers it last knew (fail
+        static) and relies on its own observations to avoid dead ones. While Redis
+        answers, the other workers' heartbeats and the periodic full read keep it running.
         """
-        if self.redis_connected or self.last_redis_ok_at_s is None:
+        if self.last_redis_ok_at_s is None:
             return now_s
         return min(now_s, self.last_redis_ok_at_s)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from router.health import Breaker, BreakerPolicy, BreakerState, Health, RetryBudget
+from router.health.tracker import PENALTY_FLOOR_MS
 from router.proxy.outcome import Attempt, Failure
 from tests.unit.test_policy import FakeClock, view
 
+FLOOR = PENALTY_FLOOR_MS
 POLICY = BreakerPolicy(failures_to_eject=3, base_backoff_s=1.0, max_backoff_s=4.0)
 
 
@@ -15,7 +17,7 @@ def test_breaker_ejects_after_consecutive_failures_and_probes_half_open() -> Non
     breaker = Breaker(POLICY)
     assert not breaker.failed(0.0, severe=False)
     assert not breaker.failed(0.0, severe=False)
-    assert breaker.succeeded() is False  # a success in between resets the count
+    assert breaker.succeeded(0.0) is False  # a success in between resets the count
     for _ in range(2):
         assert not breaker.failed(1.0, severe=False)
     assert breaker.failed(1.0, severe=False)
@@ -25,8 +27,27 @@ def test_breaker_ejects_after_consecutive_failures_and_probes_half_open() -> Non
     assert breaker.state is BreakerState.HALF_OPEN
     breaker.dispatched()
     assert not breaker.admits(2.0)  # the probe is out; everyone else waits
-    assert breaker.succeeded() is True
+    assert breaker.succeeded(2.0) is True
     assert breaker.state is BreakerState.CLOSED and breaker.admits(2.0)
+
+
+def test_a_flapping_worker_stays_out_longer_after_every_comeback() -> None:
+    breaker = Breaker(POLICY)  # base 1 s, cap 4 s; forgets after 30 s admitted
+    now, backoffs = 0.0, []
+    for _ in range(4):
+        assert breaker.failed(now, severe=True)  # killed again soon after its comeback
+        backoffs.append(breaker.open_until_s - now)
+        now = breaker.open_until_s
+        assert breaker.admits(now)
+        breaker.dispatched()
+        assert breaker.succeeded(now) is True  # readmitted by its probe...
+        now += 2.0  # ...and killed 2 s later
+    assert backoffs == [1.0, 2.0, 4.0, 4.0]
+    assert not breaker.forgettable
+    assert breaker.succeeded(now + 31.0) is False  # a stretch of success: forgotten
+    assert breaker.forgettable
+    assert breaker.failed(now + 32.0, severe=True)
+    assert breaker.open_until_s == now + 33.0
 
 
 def test_failed_probe_doubles_the_backoff_up_to_the_cap() -> None:
@@ -96,11 +117,36 @@ def test_slow_region_learns_a_penalty_that_decays() -> None:
                                         predicted_ms=50.0))
         health.attempt_finished(attempt("eu-1", None, "eu-west", ttfb_s=0.570,
                                         predicted_ms=50.0))
-    assert health.region_penalty_ms("eu-west", 0.0) == pytest.approx(500.0, rel=0.05)
+    # Compared with the other region's miss, less a noise floor.
+    assert health.region_penalty_ms("eu-west", 0.0) == pytest.approx(500.0 - FLOOR, rel=0.05)
     assert health.region_penalty_ms("eu-west", 10.0) == pytest.approx(
-        (520.0 / 2) - 20.0, rel=0.05)
+        (520.0 - 20.0) / 2 - FLOOR, rel=0.05)
     assert health.region_penalty_ms("us-east", 0.0) == 0.0
     assert health.region_penalty_ms("ap-south", 0.0) == 0.0
+
+
+def test_a_slow_region_that_carries_all_the_traffic_is_penalised() -> None:
+    health = Health(POLICY, clock=FakeClock(0.0))
+    for _ in range(20):
+        health.attempt_finished(attempt("us-1", None, "us-east", ttfb_s=0.350,
+                                        predicted_ms=50.0))
+    # No other region has samples: judged against the prediction itself.
+    assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(300.0 - FLOOR, rel=0.05)
+    quiet = Health(POLICY, clock=FakeClock(0.0))
+    for _ in range(20):
+        quiet.attempt_finished(attempt("us-1", None, "us-east", ttfb_s=0.065,
+                                       predicted_ms=50.0))
+    assert quiet.region_penalty_ms("us-east", 0.0) == 0.0  # a small miss is noise
+
+
+def test_a_degraded_heartbeat_ejects_through_the_breaker() -> None:
+    clock = FakeClock(10.0)
+    health = Health(POLICY, clock=clock)
+    views = [view("a"), view("b")]
+    health.reported_down("a", "us-east", "degraded")
+    assert [v.worker_id for v in health.filter(views, 10.5)] == ["b"]
+    assert health.events[-1].kind == "ejected" and "heartbeat" in health.events[-1].detail
+    assert [v.worker_id for v in health.filter(views, 11.0)] == ["a", "b"]  # half-open probe
 
 
 def test_retry_budget_caps_retries_at_a_share_of_requests() -> None:

@@ -44,6 +44,12 @@ HEARTBEAT_INTERVAL_S = 0.2
 HEARTBEAT_TTL_S = 6.0
 PROBE_TIMEOUT_S = 2.5
 START_TIMEOUT_S = 300.0
+# The agents launch vLLM with --engine-nice: on this machine the engines' compute threads
+# and the control plane (agents, routers, Valkey, the test) share two cores, and each
+# engine runs in its own session, which the kernel's autogroup scheduling weighs like the
+# test's whole process tree: a busy engine would starve its agent's probes and heartbeats
+# for seconds (heartbeats go stale, which is not what these tests are about).
+ENGINE_NICENESS = 10
 
 
 def vllm_command(python: Path, model_dir: Path, host: str, port: int) -> list[str]:
@@ -200,6 +206,7 @@ class RealPool:
             "--drain-timeout-s", "60", "--start-timeout-s", str(START_TIMEOUT_S),
             "--max-restart-backoff-s", "2", "--stop-timeout-s", "20",
             "--engine-log", str(engine_log),
+            "--engine-nice", str(ENGINE_NICENESS),
             "--launch", "--", *vllm_command(self.vllm_python, self.model_dir, host, port),
         ]
         with log_path.open("ab") as log:

@@ -400,7 +400,9 @@ async def test_a_drained_worker_finishes_in_flight_requests_then_stops_its_vllm(
                 await asyncio.sleep(0.05)
         agent.process.send_signal(signal.SIGTERM)
         drain_started = time.monotonic()
-        async with asyncio.timeout(5):
+        # Normally a fraction of a second; the bound leaves room for a machine whose two
+        # cores are busy with both engines (the agent's probe waits for the busy one).
+        async with asyncio.timeout(20):
             while not any(b.state is LifecycleState.DRAINING for b in seen()):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)  # a router tick: the draining heartbeat has reached it

@@ -1,0 +1,185 @@
+"""The heartbeat collector against a real Valkey that hangs, dies and comes back empty.
+
+Each test owns its Valkey (it is stopped, frozen with SIGSTOP or replaced); the
+collector runs in the test's loop, workers publish through the real publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+
+from router.devstack.valkey import EmbeddedValkey
+from router.registry import HeartbeatCollector, SnapshotHolder
+from worker.publisher import HeartbeatPublisher
+from worker.redis_client import connect, connect_pubsub
+from worker.schema import Capacity, Heartbeat, HeartbeatKeys, LifecycleState, Load
+
+TTL_S = 1.0
+KEYS = HeartbeatKeys("gptest-collector")
+
+
+@pytest.fixture
+def valkey() -> Iterator[EmbeddedValkey]:
+    server = EmbeddedValkey.start()
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            server.process.send_signal(signal.SIGCONT)
+        server.stop()
+
+
+class Fleet:
+    """Workers publishing heartbeats, and a collector following them."""
+
+    def __init__(self, url: str, clock: Callable[[], float]) -> None:
+        self.url = url
+        self.clock = clock
+        self.holder = SnapshotHolder()
+        self.downs: list[str] = []
+        self.seq = 0
+        self.publisher = HeartbeatPublisher(connect(url), KEYS, signer=None)
+
+    def beat(self, worker_id: str, state: LifecycleState = LifecycleState.READY) -> Heartbeat:
+        self.seq += 1
+        return Heartbeat(worker_id=worker_id, region="us-east",
+                         endpoint=f"http://127.0.0.1:1/{worker_id}", models=("m",),
+                         state=state, capacity=Capacity(max_num_seqs=8),
+                         load=Load(running=0, waiting=0, kv_cache_usage=0.0),
+                         seq=self.seq, sent_at_s=time.time(), ttl_s=TTL_S)
+
+    async def publish(self, *worker_ids: str,
+                      state: LifecycleState = LifecycleState.READY) -> None:
+        for worker_id in worker_ids:
+            await self.publisher.publish(self.beat(worker_id, state))
+
+    async def keep_publishing(self, *worker_ids: str) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.publish(*worker_ids)
+            await asyncio.sleep(0.1)
+
+    def fresh(self) -> set[str]:
+        snapshot = self.holder.current
+        now_s = snapshot.freshness_now(self.clock())
+        return {w for w, view in snapshot.workers.items() if view.fresh(now_s)}
+
+    def connected(self) -> bool:
+        return self.holder.current.redis_connected
+
+
+@contextlib.asynccontextmanager
+async def following(url: str, clock: Callable[[], float] = time.monotonic,
+                    ) -> AsyncIterator[Fleet]:
+    fleet = Fleet(url, clock)
+    collector = HeartbeatCollector(
+        redis=connect(url), pubsub_redis=connect_pubsub(url), keys=KEYS, holder=fleet.holder,
+        full_read_interval_s=2.0, clock=clock,
+        on_down=lambda view: fleet.downs.append(view.worker_id),
+    )
+    task = asyncio.create_task(collector.run())
+    try:
+        await asyncio.wait_for(collector.synced.wait(), 5.0)
+        yield fleet
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await fleet.publisher.aclose()
+
+
+async def until(condition: object, timeout_s: float = 10.0) -> None:
+    assert callable(condition)
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+
+
+async def test_a_hung_redis_keeps_every_worker_fresh(valkey: EmbeddedValkey) -> None:
+    async with following(valkey.url) as fleet:
+        publishing = asyncio.create_task(fleet.keep_publishing("a", "b"))
+        try:
+            await until(lambda: fleet.fresh() == {"a", "b"})
+            valkey.process.send_signal(signal.SIGSTOP)  # accepts, never answers
+            await asyncio.sleep(3 * TTL_S)  # every heartbeat's TTL has run out meanwhile
+            assert fleet.fresh() == {"a", "b"}, "fail static, also before the hang is noticed"
+            await until(lambda: not fleet.connected(), timeout_s=10.0)
+            valkey.process.send_signal(signal.SIGCONT)
+            await until(fleet.connected)
+            assert fleet.fresh() == {"a", "b"}
+        finally:
+            publishing.cancel()
+            await asyncio.gather(publishing, return_exceptions=True)
+
+
+async def test_one_silent_worker_ages_out_while_the_others_publish(
+    valkey: EmbeddedValkey,
+) -> None:
+    async with following(valkey.url) as fleet:
+        await fleet.publish("quiet")
+        publishing = asyncio.create_task(fleet.keep_publishing("a"))
+        try:
+            await until(lambda: fleet.fresh() == {"a", "quiet"})
+            started = time.monotonic()
+            await until(lambda: fleet.fresh() == {"a"}, timeout_s=5.0)
+            assert time.monotonic() - started < TTL_S + 0.5
+        finally:
+            publishing.cancel()
+            await asyncio.gather(publishing, return_exceptions=True)
+
+
+async def test_workers_survive_redis_coming_back_empty(valkey: EmbeddedValkey) -> None:
+    async with following(valkey.url) as fleet:
+        await fleet.publish("a", "b")
+        await until(lambda: fleet.fresh() == {"a", "b"})
+        port = valkey.port
+        valkey.stop()
+        await until(lambda: not fleet.connected())
+        replacement = EmbeddedValkey.start(port=port)  # same address, no data
+        try:
+            await until(fleet.connected)
+            # The first full read found no key: neither worker has re-published yet.
+            assert fleet.fresh() == {"a", "b"}
+            publishing = asyncio.create_task(fleet.keep_publishing("a"))
+            try:
+                await until(lambda: fleet.fresh() == {"a"}, timeout_s=TTL_S + 3.0)
+            finally:
+                publishing.cancel()
+                await asyncio.gather(publishing, return_exceptions=True)
+        finally:
+            replacement.stop()
+
+
+async def test_a_worker_turning_degraded_is_reported_down_once(valkey: EmbeddedValkey) -> None:
+    async with following(valkey.url) as fleet:
+        await fleet.publish("a")
+        await until(lambda: "a" in fleet.holder.current.workers)
+        for _ in range(3):
+            await fleet.publish("a", state=LifecycleState.DEGRADED)
+        await until(lambda: fleet.holder.current.workers["a"].heartbeat.state
+                    is LifecycleState.DEGRADED)
+        await fleet.publish("a")
+        await until(lambda: fleet.holder.current.workers["a"].ready)
+        assert fleet.downs == ["a"]
+
+
+async def test_time_the_router_was_not_running_does_not_age_heartbeats(
+    valkey: EmbeddedValkey,
+) -> None:
+    # The whole host stalls (a VM descheduled): nobody published, nobody received. The
+    # collector's clock jumps; the workers are not thereby dead.
+    jumped = [0.0]
+    async with following(valkey.url, clock=lambda: time.monotonic() + jumped[0]) as fleet:
+        await fleet.publish("a", "b")
+        await until(lambda: fleet.fresh() == {"a", "b"})
+        jumped[0] = 5 * TTL_S
+        await asyncio.sleep(0.6)  # the collector notices on its next wake-up
+        assert fleet.fresh() == {"a", "b"}
+        await asyncio.sleep(TTL_S + 0.5)  # but silence after the stall still counts
+        await fleet.publish("a")
+        await until(lambda: fleet.fresh() == {"a"})

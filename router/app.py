@@ -56,6 +56,10 @@ PROXY = web.AppKey("proxy", Proxy)
 COLLECTOR = web.AppKey("collector", HeartbeatCollector)
 _INFLIGHT = web.AppKey("inflight", InFlight)
 _HEALTH = web.AppKey("health", Health)
+# Idle upstream connections are reused for at most this long: below the 5 s after which
+# vLLM's server (uvicorn's default keep-alive) closes them. A pooled connection that the
+# worker has closed breaks the next request sent on it (a reset before the first byte).
+UPSTREAM_KEEPALIVE_S = 4.0
 ADMISSION = web.AppKey("admission", Admission)
 # Auth, rate-limit, residency and heartbeat-verification counters (for /metrics).
 SECURITY_STATS = web.AppKey("security_stats", SecurityStats)
@@ -155,7 +159,8 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     config = settings.config
     timeouts = config.router.timeouts
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
+                                     keepalive_timeout=UPSTREAM_KEEPALIVE_S)
     session = aiohttp.ClientSession(
         connector=connector,
         timeout=aiohttp.ClientTimeout(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from router.health import Breaker, BreakerPolicy, BreakerState, Health, RetryBudget
@@ -162,3 +164,45 @@ def test_retry_budget_caps_retries_at_a_share_of_requests() -> None:
     spent = sum(floor.try_spend() for _ in range(10))
     clock.now += 1.0
     assert floor.try_spend() and spent == 2
+
+
+def streaming(worker_id: str, region: str, started_s: float) -> Attempt:
+    return Attempt(worker_id=worker_id, region=region, predicted_ttft_ms=50.0, reason="local",
+                   started_s=started_s, streamed=True)
+
+
+async def test_a_worker_that_answers_nobody_is_stalled_and_its_waits_abandoned() -> None:
+    clock = FakeClock(0.0)
+    health = Health(POLICY, clock=clock, stall_after_s=3.0, stall_factor=10.0)
+    stuck, other = streaming("a", "us-east", 0.0), streaming("b", "eu-west", 0.0)
+    health.dispatched(stuck)
+    health.dispatched(other)
+    other.first_byte_s = 0.5  # the other region answers
+    clock.now = 2.0
+    assert health.check_stalls() == []  # waiting, but not yet stall_after_s
+    clock.now = 3.5
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(30) as deadline:
+            stuck.first_byte_deadline = deadline  # as forward_stream sets it
+            assert health.check_stalls() == ["a"]
+            await asyncio.sleep(30)  # abandoned: the wait ends now, not in 30 s
+    assert stuck.abandoned == "worker a stalled"
+    assert health.state_of("a") is BreakerState.OPEN
+    assert "stalled" in health.events[-1].detail
+
+
+def test_no_stall_when_nobody_answers_or_the_worker_answered_since() -> None:
+    clock = FakeClock(0.0)
+    health = Health(POLICY, clock=clock, stall_after_s=3.0)
+    alone = streaming("a", "us-east", 0.0)
+    health.dispatched(alone)
+    clock.now = 10.0
+    assert health.check_stalls() == []  # no worker answered anything: not this one's fault
+    later = streaming("a", "us-east", 1.0)
+    health.dispatched(later)
+    later.first_byte_s = 1.2  # it answered a younger request: busy, not stalled
+    other = streaming("b", "eu-west", 0.0)
+    health.dispatched(other)
+    other.first_byte_s = 9.0
+    assert health.check_stalls() == []
+    assert health.state_of("a") is BreakerState.CLOSED

@@ -309,7 +309,14 @@ class RealPool:
 
     def async_client(self, region: str | None = None, url: str | None = None,
                      timeout_s: float = 120.0) -> openai.AsyncOpenAI:
-        headers = {"x-globalpool-client-region": region} if region else None
+        # A connection per request: this machine's host can stall it for tens of seconds
+        # (measured up to 48 s while two CPU engines run), and a keep-alive connection
+        # that the server's idle timer closes the moment the machine resumes would fail
+        # the next request with a read error (a client's keep-alive race, not the
+        # router's; max_retries=0 keeps every router failure visible).
+        headers = {"Connection": "close"}
+        if region:
+            headers["x-globalpool-client-region"] = region
         return openai.AsyncOpenAI(base_url=f"{url or self.router_url}/v1", api_key="unused",
                                   default_headers=headers, max_retries=0, timeout=timeout_s)
 

@@ -7,8 +7,9 @@
 A connection refused or reset ejects at once (the process is gone or going); other
 failures (5xx, timeouts, broken streams) eject after `failures_to_eject` in a row. Each
 ejection doubles the backoff, up to `max_backoff_s`. A readmission does not forget the
-ejections: only `stable_after_s` of staying admitted does, so a flapping worker (killed
-again soon after every comeback) stays out longer each time instead of 1 s every time.
+ejections: only `stable_after_s` of staying admitted does, and failing again within that
+time quadruples the backoff, so a flapping worker (killed again soon after every
+comeback) stays out 1, 4, 16 s... instead of 1 s every time.
 In half-open exactly one request (the probe) is let through; the rest wait for its result.
 """
 
@@ -79,17 +80,30 @@ class Breaker:
         return (self.state is BreakerState.CLOSED and self.consecutive_failures == 0
                 and self.ejections == 0)
 
-    def failed(self, now_s: float, *, severe: bool) -> bool:
-        """Count a failure; returns True if it ejected the worker."""
+    def failed(self, now_s: float, *, severe: bool, went_down: bool = False) -> bool:
+        """Count a failure; returns True if it ejected the worker.
+
+        `went_down`: the worker itself says it stopped (its heartbeat turned `degraded`).
+        That ejects even an ejected worker again, for longer: it is still failing while
+        out. Failures of requests sent before an ejection do not (one crash breaks
+        several at once).
+        """
         self.consecutive_failures += 1
         self.probe_in_flight = False
-        threshold = 1 if severe or self.state is BreakerState.HALF_OPEN else (
-            self._policy.failures_to_eject)
-        if self.state is BreakerState.OPEN or self.consecutive_failures < threshold:
-            return False
+        if self.state is BreakerState.OPEN:
+            if not went_down:
+                return False
+        else:
+            threshold = 1 if severe or self.state is BreakerState.HALF_OPEN else (
+                self._policy.failures_to_eject)
+            if self.consecutive_failures < threshold:
+                return False
+        # Failing again soon after a readmission is flapping: the backoff quadruples.
+        relapsed = (self.ejections > 0 and self.state is BreakerState.CLOSED
+                    and now_s - self.closed_at_s < self._policy.stable_after_s)
+        self.ejections += 2 if relapsed else 1
         backoff = min(self._policy.max_backoff_s,
-                      self._policy.base_backoff_s * (2 ** self.ejections))
-        self.ejections += 1
+                      self._policy.base_backoff_s * 2 ** (self.ejections - 1))
         self.state = BreakerState.OPEN
         self.open_until_s = now_s + backoff
         return True

@@ -194,7 +194,7 @@ class Health:
         breaker = self._breakers.get(worker_id)
         if breaker is None:
             breaker = self._breakers[worker_id] = Breaker(self._policy)
-        if breaker.failed(now_s, severe=True):
+        if breaker.failed(now_s, severe=True, went_down=True):
             self.ejections_total += 1
             backoff = breaker.open_until_s - now_s
             self._event(now_s, worker_id, region, "ejected",

@@ -34,7 +34,7 @@ def test_breaker_ejects_after_consecutive_failures_and_probes_half_open() -> Non
 
 
 def test_a_flapping_worker_stays_out_longer_after_every_comeback() -> None:
-    breaker = Breaker(POLICY)  # base 1 s, cap 4 s; forgets after 30 s admitted
+    breaker = Breaker(BreakerPolicy(base_backoff_s=1.0, max_backoff_s=30.0))
     now, backoffs = 0.0, []
     for _ in range(4):
         assert breaker.failed(now, severe=True)  # killed again soon after its comeback
@@ -44,12 +44,21 @@ def test_a_flapping_worker_stays_out_longer_after_every_comeback() -> None:
         breaker.dispatched()
         assert breaker.succeeded(now) is True  # readmitted by its probe...
         now += 2.0  # ...and killed 2 s later
-    assert backoffs == [1.0, 2.0, 4.0, 4.0]
+    assert backoffs == [1.0, 4.0, 16.0, 30.0]
     assert not breaker.forgettable
     assert breaker.succeeded(now + 31.0) is False  # a stretch of success: forgotten
     assert breaker.forgettable
     assert breaker.failed(now + 32.0, severe=True)
     assert breaker.open_until_s == now + 33.0
+
+
+def test_going_down_again_while_ejected_extends_the_ejection() -> None:
+    breaker = Breaker(POLICY)  # base 1 s, cap 4 s
+    assert breaker.failed(0.0, severe=True)
+    assert not breaker.failed(0.2, severe=True)  # another request of the same crash
+    assert breaker.open_until_s == 1.0
+    assert breaker.failed(0.5, severe=True, went_down=True)  # its heartbeat: down again
+    assert breaker.open_until_s == 2.5
 
 
 def test_failed_probe_doubles_the_backoff_up_to_the_cap() -> None:

@@ -42,6 +42,10 @@ class CountingGate:
         self.seen += 1
         return self.gate.check(heartbeat, via_pubsub=via_pubsub)
 
+    @property
+    def signing(self) -> bool:
+        return self.gate.signing
+
 
 async def collect(redis_url: str, prefix: str, seconds: float, keys: str) -> dict[str, Any]:
     config = ten_regions()

@@ -27,6 +27,7 @@ _COUNTED = frozenset({Failure.CONNECT, Failure.SERVER_ERROR, Failure.TIMEOUT, Fa
                       Failure.MID_STREAM, Failure.IDLE})
 _SEVERE = frozenset({Failure.CONNECT, Failure.RESET})
 BUSY_DEFAULT_S = 0.5
+BUSY_MAX_S = 10.0
 # A region's first bytes must miss their predictions by this much more than the other
 # regions' before it is penalised (ms): smaller misses are scheduling noise.
 PENALTY_FLOOR_MS = 25.0
@@ -34,7 +35,6 @@ PENALTY_FLOOR_MS = 25.0
 PENALTY_REFRESH_S = 0.05
 # How often waiting streams are checked for stalled workers (s).
 STALL_CHECK_S = 0.25
-BUSY_MAX_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,11 @@ class HeartbeatCheck(Protocol):
         """None to accept, else why it is dropped."""
         ...
 
+    @property
+    def signing(self) -> bool:
+        """Whether heartbeats must be signed (then unsigned `gone:` messages are ignored)."""
+        ...
+
 
 class HeartbeatCollector:
     """Owns the worker table; the only writer of `holder.current`."""
@@ -93,6 +98,7 @@ class HeartbeatCollector:
         self._connected = False
         self._last_ok_at_s: float | None = None
         self.rejected_heartbeats = 0
+        self.ignored_gone_messages = 0
         self.synced = asyncio.Event()
 
     async def run(self) -> None:
@@ -195,6 +201,12 @@ class HeartbeatCollector:
             return False
         raw = data.decode(errors="replace") if isinstance(data, bytes) else data
         if raw.startswith(HeartbeatKeys.GONE_PREFIX):
+            if self._gate is not None and self._gate.signing:
+                # `gone:` carries no signature: anyone allowed to PUBLISH could remove any
+                # worker with it. With signing on, a departed worker ages out by its TTL
+                # instead (its last, signed, heartbeat already said `draining`).
+                self.ignored_gone_messages += 1
+                return False
             return self._views.pop(raw[len(HeartbeatKeys.GONE_PREFIX) :], None) is not None
         view = self._parse(raw, self._clock(), via_pubsub=True)
         if view is None:

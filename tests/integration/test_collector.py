@@ -14,11 +14,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
+from router.admission.stats import SecurityStats
+from router.auth.heartbeats import HeartbeatGate, HeartbeatRules
 from router.devstack.valkey import EmbeddedValkey
 from router.registry import HeartbeatCollector, SnapshotHolder
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect, connect_pubsub
 from worker.schema import Capacity, Heartbeat, HeartbeatKeys, LifecycleState, Load
+from worker.signing import HeartbeatSigner
 
 TTL_S = 1.0
 KEYS = HeartbeatKeys("gptest-collector")
@@ -38,13 +41,14 @@ def valkey() -> Iterator[EmbeddedValkey]:
 class Fleet:
     """Workers publishing heartbeats, and a collector following them."""
 
-    def __init__(self, url: str, clock: Callable[[], float]) -> None:
+    def __init__(self, url: str, clock: Callable[[], float],
+                 signer: HeartbeatSigner | None = None) -> None:
         self.url = url
         self.clock = clock
         self.holder = SnapshotHolder()
         self.downs: list[str] = []
         self.seq = 0
-        self.publisher = HeartbeatPublisher(connect(url), KEYS, signer=None)
+        self.publisher = HeartbeatPublisher(connect(url), KEYS, signer=signer)
 
     def beat(self, worker_id: str, state: LifecycleState = LifecycleState.READY) -> Heartbeat:
         self.seq += 1
@@ -74,13 +78,18 @@ class Fleet:
         return self.holder.current.redis_connected
 
 
+SECRET = b"a-test-secret-of-at-least-32-bytes!!"
+
+
 @contextlib.asynccontextmanager
-async def following(url: str, clock: Callable[[], float] = time.monotonic,
-                    ) -> AsyncIterator[Fleet]:
-    fleet = Fleet(url, clock)
+async def following(url: str, clock: Callable[[], float] = time.monotonic, *,
+                    signed: bool = False) -> AsyncIterator[Fleet]:
+    fleet = Fleet(url, clock, HeartbeatSigner("k1", SECRET) if signed else None)
+    gate = HeartbeatGate(keys={"k1": SECRET}, rules=HeartbeatRules,
+                         stats=SecurityStats()) if signed else None
     collector = HeartbeatCollector(
         redis=connect(url), pubsub_redis=connect_pubsub(url), keys=KEYS, holder=fleet.holder,
-        full_read_interval_s=2.0, clock=clock,
+        full_read_interval_s=2.0, clock=clock, gate=gate,
         on_down=lambda view: fleet.downs.append(view.worker_id),
     )
     task = asyncio.create_task(collector.run())
@@ -183,3 +192,25 @@ async def test_time_the_router_was_not_running_does_not_age_heartbeats(
         await asyncio.sleep(TTL_S + 0.5)  # but silence after the stall still counts
         await fleet.publish("a")
         await until(lambda: fleet.fresh() == {"a"})
+
+
+async def test_gone_removes_at_once_unless_heartbeats_must_be_signed(
+    valkey: EmbeddedValkey,
+) -> None:
+    async with following(valkey.url) as fleet:
+        await fleet.publish("a")
+        await until(lambda: fleet.fresh() == {"a"})
+        await fleet.publisher.remove("a")  # DEL + PUBLISH gone:a, as a drained agent does
+        await until(lambda: "a" not in fleet.holder.current.workers, timeout_s=0.5)
+    async with following(valkey.url, signed=True) as fleet:
+        await fleet.publish("b")
+        await until(lambda: fleet.fresh() == {"b"})
+        # `gone:` is not signed: anyone who may PUBLISH could send it. Ignored; the worker
+        # ages out by its TTL instead.
+        redis = connect(valkey.url)
+        try:
+            await redis.publish(KEYS.channel, KEYS.gone_message("b"))
+        finally:
+            await redis.aclose()
+        await asyncio.sleep(0.3)
+        assert "b" in fleet.holder.current.workers

@@ -35,13 +35,13 @@ def effective_load(view: WorkerView, local_inflight_now: int) -> int:
     """Sequences running or waiting on the worker now, as best this router can tell.
 
     The heartbeat's running + waiting, adjusted by how this router's own open requests on
-    the worker changed since the heartbeat arrived, and never below those open requests:
-    a worker cannot be serving fewer of this router's requests than it has open there. The
-    floor matters when requests do not reach the worker (a partition): it keeps reporting
-    itself idle, and without the floor every heartbeat would reset the count.
+    the worker changed since the heartbeat arrived. Not floored at those open requests:
+    to a distant region, requests on their way there and answers on their way back count
+    as open here while they hold no batch slot there, and the floor cost the benchmark's
+    twin 3 points of SLO attainment. A worker that never gets the requests (a partition)
+    is found by stall detection instead (router.health.tracker, `check_stalls`).
     """
-    return max(local_inflight_now,
-               view.reported_load + local_inflight_now - view.inflight_at_receipt)
+    return max(0, view.reported_load + local_inflight_now - view.inflight_at_receipt)
 
 
 def estimate_ttft(
@@ -133,9 +133,8 @@ class PredictedTtft(Policy, name="predicted_ttft"):
                     # lately (a slow or congested path that heartbeats cannot see).
                     base += health.region_penalty_ms(region, now_s)
                 region_ms[region] = base
-            mine = inflight_of(view.worker_id)
-            load = view.reported_load + mine - view.inflight_at_receipt
-            queued = (load if load > mine else mine) + 1 - view.slots  # see effective_load
+            queued = (view.reported_load + inflight_of(view.worker_id)
+                      - view.inflight_at_receipt + 1 - view.slots)
             tokens = prompt_tokens
             if view.worker_id == affine_id:
                 tokens = max(0, tokens - request.prefix_tokens)

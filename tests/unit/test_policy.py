@@ -150,17 +150,6 @@ def test_own_inflight_counts_between_heartbeats() -> None:
     assert pick(counted, inflight=inflight) == ("us-1", "local")
 
 
-def test_a_worker_that_never_gets_my_requests_is_not_believed_idle() -> None:
-    # A partition: the 30 requests this router has open there never arrived, so each
-    # heartbeat reports the worker idle. It still has at least my 30: spill.
-    inflight = InFlight()
-    for _ in range(30):
-        inflight.started("us-1")
-    partitioned = snapshot(view("us-1", slots=8, running=0, inflight_at_receipt=30),
-                           view("eu-1", "eu-west"))
-    assert pick(partitioned, inflight=inflight) == ("eu-1", "spillover")
-
-
 def test_degraded_workers_are_tried_when_no_ready_one_is_left() -> None:
     degraded = view("us-1", state=LifecycleState.DEGRADED)
     assert pick(snapshot(degraded, view("eu-1", "eu-west"))) == ("eu-1", "spillover")

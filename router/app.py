@@ -115,7 +115,8 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         failures_to_eject=health_config.failures_to_eject,
         base_backoff_s=health_config.base_backoff_s,
         max_backoff_s=health_config.max_backoff_s,
-    ), stall_after_s=health_config.stall_after_s, stall_factor=health_config.stall_factor)
+    ), stall_after_s=health_config.stall_after_s, stall_factor=health_config.stall_factor,
+       views=lambda: app[HOLDER].current.workers)
     stalls = asyncio.create_task(health.watch_stalls(), name="stall-watch")
     redis = redis_client.connect(settings.redis_url)
     pubsub_redis = redis_client.connect_pubsub(settings.redis_url)

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from router.health.breaker import Breaker, BreakerPolicy, BreakerState
@@ -35,6 +35,10 @@ PENALTY_FLOOR_MS = 25.0
 PENALTY_REFRESH_S = 0.05
 # How often waiting streams are checked for stalled workers (s).
 STALL_CHECK_S = 0.25
+# The stall check sleeping this much longer than asked means this process was not running.
+STALL_TOLERANCE_S = 1.0
+# A heartbeat received this long after a request was sent should count it (s).
+HEARTBEAT_SLACK_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +62,7 @@ class Health:
         region_eject_fraction: float = 0.5,
         stall_after_s: float = 3.0,
         stall_factor: float = 10.0,
+        views: Callable[[], Mapping[str, WorkerView]] = dict,
     ) -> None:
         self._policy = policy or BreakerPolicy()
         self._clock = clock
@@ -70,7 +75,9 @@ class Health:
         self._region_fraction = region_eject_fraction
         self._stall_after_s = stall_after_s
         self._stall_factor = stall_factor
+        self._views = views  # the current snapshot's workers, for their own reports
         self._awaiting: dict[int, Attempt] = {}  # streams before their first byte
+        self._paused_s: dict[int, float] = {}  # waiting time the router was not running
         self._last_first_byte_s: dict[str, float] = {}
         self._last_any_first_byte_s = -1e18
         self.events: deque[HealthEvent] = deque(maxlen=100)
@@ -203,12 +210,17 @@ class Health:
     # --- stalls: a worker that answers nobody while the others answer -------------------
     def check_stalls(self) -> list[str]:
         """Find workers whose streams have all waited far past their predicted TTFT for a
-        first byte while other workers delivered theirs; eject them and abandon their
-        waiting attempts (retried elsewhere, nothing has reached the client yet).
+        first byte; eject them and abandon their waiting attempts (retried elsewhere,
+        nothing has reached the client yet).
 
-        A partition or a hung engine shows up here within `stall_after_s`, not after
-        `timeouts.first_byte_s` (which must stay long enough for the longest legitimate
-        queue). Returns the workers found stalled now.
+        A worker is stalled when its oldest waiting stream has waited `stall_after_s` and
+        `stall_factor` x its predicted TTFT, the worker has sent no first byte since, and
+        there is evidence that the fault is the worker's: other workers delivered first
+        bytes meanwhile, or the worker's own heartbeat, taken after those requests were
+        sent, counts fewer sequences than this router has waiting there (they never
+        arrived: a partition of the data path). A partition or a hung engine shows up
+        within `stall_after_s`, not after `timeouts.first_byte_s` (which must stay long
+        enough for the longest legitimate queue). Returns the workers found stalled now.
         """
         now_s = self._clock()
         waiting: dict[str, list[Attempt]] = {}
@@ -218,17 +230,30 @@ class Health:
                 self._saw_first_byte(attempt)
             else:
                 waiting.setdefault(attempt.worker_id, []).append(attempt)
+        views = self._views()
         stalled: list[str] = []
         for worker_id, attempts in waiting.items():
             answered_s = self._last_first_byte_s.get(worker_id, -1e18)
             oldest = min(attempts, key=lambda a: a.started_s)
+            waited_s = now_s - oldest.started_s - self._paused_s.get(id(oldest), 0.0)
             limit_s = max(self._stall_after_s, self._stall_factor * oldest.predicted_ttft_ms / 1000)
-            if (now_s - oldest.started_s < limit_s or answered_s >= oldest.started_s
-                    or self._last_any_first_byte_s <= oldest.started_s):
+            if waited_s < limit_s or answered_s >= oldest.started_s:
                 continue
+            if self._last_any_first_byte_s > oldest.started_s:
+                evidence = "while other workers answer"
+            else:
+                view = views.get(worker_id)
+                if view is None:
+                    continue
+                sent_before = sum(1 for a in attempts
+                                  if a.started_s + HEARTBEAT_SLACK_S < view.received_at_s)
+                if view.reported_load >= sent_before or sent_before == 0:
+                    continue
+                evidence = (f"while its heartbeat counts {view.reported_load} sequences of "
+                            f"the {sent_before} sent there before it")
             stalled.append(worker_id)
-            detail = (f"stalled: no first byte for {now_s - oldest.started_s:.1f} s "
-                      f"({len(attempts)} waiting) while other workers answer")
+            detail = (f"stalled: no first byte for {waited_s:.1f} s ({len(attempts)} "
+                      f"waiting) {evidence}")
             breaker = self._breakers.get(worker_id)
             if breaker is None:
                 breaker = self._breakers[worker_id] = Breaker(self._policy)
@@ -241,13 +266,22 @@ class Health:
         return stalled
 
     async def watch_stalls(self, interval_s: float = STALL_CHECK_S) -> None:
-        """Run `check_stalls` every `interval_s` until cancelled."""
+        """Run `check_stalls` every `interval_s` until cancelled. Time this process was not
+        running (its host stalled) does not count as waiting: nobody could answer."""
+        loop = asyncio.get_running_loop()
         while True:
+            before = loop.time()
             await asyncio.sleep(interval_s)
+            overslept_s = loop.time() - before - interval_s
+            if overslept_s > STALL_TOLERANCE_S:
+                paused = self._paused_s
+                self._paused_s = {key: paused.get(key, 0.0) + overslept_s
+                                  for key in self._awaiting}
             if self._awaiting:
                 self.check_stalls()
 
     def _saw_first_byte(self, attempt: Attempt) -> None:
+        self._paused_s.pop(id(attempt), None)
         first_byte_s = attempt.first_byte_s
         if first_byte_s is None:
             return

@@ -9,6 +9,7 @@ import pytest
 from router.health import Breaker, BreakerPolicy, BreakerState, Health, RetryBudget
 from router.health.tracker import PENALTY_FLOOR_MS
 from router.proxy.outcome import Attempt, Failure
+from router.registry.snapshot import WorkerView
 from tests.unit.test_policy import FakeClock, view
 
 FLOOR = PENALTY_FLOOR_MS
@@ -215,3 +216,24 @@ def test_no_stall_when_nobody_answers_or_the_worker_answered_since() -> None:
     other.first_byte_s = 9.0
     assert health.check_stalls() == []
     assert health.state_of("a") is BreakerState.CLOSED
+
+
+def test_a_worker_whose_own_heartbeat_misses_my_requests_is_stalled() -> None:
+    # All traffic goes to one partitioned region: no other worker answers, but the
+    # worker's heartbeat (its agent probes it directly) counts none of the requests sent
+    # there: they never arrived.
+    clock = FakeClock(0.0)
+    views: dict[str, WorkerView] = {}
+    health = Health(POLICY, clock=clock, stall_after_s=3.0, views=lambda: views)
+    sent = [streaming("a", "us-east", 0.1 * i) for i in range(3)]
+    for attempt in sent:
+        health.dispatched(attempt)
+    clock.now = 3.5
+    views["a"] = view("a", running=0, received_at_s=3.0)
+    assert health.check_stalls() == ["a"]
+    assert "heartbeat counts 0 sequences of the 3" in health.events[-1].detail
+    busy = Health(POLICY, clock=clock, stall_after_s=3.0,
+                  views=lambda: {"a": view("a", running=8, waiting=4, received_at_s=3.0)})
+    for attempt in [streaming("a", "us-east", 0.1 * i) for i in range(3)]:
+        busy.dispatched(attempt)
+    assert busy.check_stalls() == []  # a long queue there, not a partition

@@ -143,6 +143,10 @@ async def _send(
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamFailure(f"cannot connect to worker: {exc.os_error or exc}",
                               Failure.CONNECT) from None
+    except aiohttp.ConnectionTimeoutError:
+        # The connect itself timed out (`connect_s`): a path failure, like a refusal.
+        raise UpstreamFailure("cannot connect to worker: connect timed out",
+                              Failure.CONNECT) from None
     except aiohttp.ClientError as exc:
         raise UpstreamFailure(f"worker connection failed: {exc!r}", Failure.RESET) from None
 

@@ -251,9 +251,12 @@ class RealPool:
             "redis": {"url": self.redis_url, "key_prefix": self.key_prefix},
             "router": {"region": "us-east", "host": "127.0.0.1", "port": 0,
                        "max_attempts": 3,
-                       # a CPU vLLM under load may accept connections late
-                       "timeouts": {"connect_s": 5, "first_byte_s": 60, "idle_s": 30,
-                                    "total_s": 180}},
+                       # connect_s: on loopback a connect is accepted or refused at
+                       # once, unless this machine stalls the router (measured up to
+                       # 48 s while the engines run); uvloop then fires the expired
+                       # timer before it sees the completed connect.
+                       "timeouts": {"connect_s": 60, "first_byte_s": 90, "idle_s": 60,
+                                    "total_s": 240}},
             "heartbeat": {"interval_s": HEARTBEAT_INTERVAL_S, "ttl_s": HEARTBEAT_TTL_S},
             "regions": {
                 "us-east": {"rtt_ms": {"us-east": 1, "eu-west": 80}, "models": [MODEL]},

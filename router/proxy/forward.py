@@ -33,6 +33,11 @@ from router.proxy.outcome import Attempt, Failure
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
 
 
+# Sends retried at once when the connection breaks before any answer: each broken pooled
+# connection is dropped, so the last try is usually a new connection.
+STALE_CONNECTION_RETRIES = 2
+
+
 class UpstreamFailure(Exception):
     """An attempt failed before anything reached the client; safe to retry elsewhere."""
 
@@ -139,6 +144,14 @@ async def _send(
     session: aiohttp.ClientSession, url: str, body: bytes, headers: CIMultiDict[str]
 ) -> aiohttp.ClientResponse:
     try:
+        for _ in range(STALE_CONNECTION_RETRIES):
+            try:
+                return await session.post(url, data=body, headers=headers)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    raise
+                # Most likely a pooled connection the worker closed while it sat idle
+                # (nothing of the request was processed): the pool drops it, try again.
         return await session.post(url, data=body, headers=headers)
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamFailure(f"cannot connect to worker: {exc.os_error or exc}",

@@ -41,7 +41,9 @@ REGIONS = ("us-east", "eu-west")
 HEARTBEAT_INTERVAL_S = 0.2
 # A CPU vLLM busy with a burst answers /metrics late (its API server shares two cores
 # with everything else): probes may take up to PROBE_TIMEOUT_S, the TTL leaves room.
-HEARTBEAT_TTL_S = 6.0
+# The TTL also has to outlast this machine's stalls of single processes (an agent not
+# scheduled for several seconds while a router is): 15 s.
+HEARTBEAT_TTL_S = 15.0
 PROBE_TIMEOUT_S = 2.5
 START_TIMEOUT_S = 300.0
 # The agents launch vLLM with --engine-nice: on this machine the engines' compute threads

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from router.health.breaker import Breaker, BreakerPolicy, BreakerState
 from router.proxy.outcome import Attempt, Failure, RequestRecord
+from router.registry.collector import STALL_TOLERANCE_S  # one notion of "not running"
 from router.registry.snapshot import WorkerView
 
 log = logging.getLogger("globalpool.health")
@@ -35,8 +36,6 @@ PENALTY_FLOOR_MS = 25.0
 PENALTY_REFRESH_S = 0.05
 # How often waiting streams are checked for stalled workers (s).
 STALL_CHECK_S = 0.25
-# The stall check sleeping this much longer than asked means this process was not running.
-STALL_TOLERANCE_S = 1.0
 # A heartbeat received this long after a request was sent should count it (s).
 HEARTBEAT_SLACK_S = 0.5
 

@@ -197,6 +197,16 @@ async def keep_busy(engine: openai.AsyncOpenAI, stop: asyncio.Event, max_tokens:
             await asyncio.sleep(retry_s)
 
 
+async def stop_senders(stop: asyncio.Event, senders: list[asyncio.Task[None]],
+                       engine: openai.AsyncOpenAI) -> None:
+    """End `keep_busy` senders: each client going away stops its generation."""
+    stop.set()
+    for task in senders:
+        task.cancel()
+    await asyncio.gather(*senders, return_exceptions=True)
+    await engine.close()
+
+
 async def test_heartbeat_load_rises_under_a_burst_and_falls_after(
     pool: RealPool, measurements: dict[str, Any]
 ) -> None:
@@ -218,11 +228,7 @@ async def test_heartbeat_load_rises_under_a_burst_and_falls_after(
             measurements["vLLM memory under load, us-east (PSS MiB)"] = round(
                 pss_mib(pool.agents["us-east"].engine_tree()))
         finally:
-            stop.set()
-            for task in load:
-                task.cancel()  # a client going away stops its generation
-            await asyncio.gather(*load, return_exceptions=True)
-            await engine.close()
+            await stop_senders(stop, load, engine)
         after = await until_beat(pool, "us-east", idle, timeout_s=30)
     beats = seen()
 
@@ -300,11 +306,7 @@ async def test_a_full_vllm_queue_503_is_retried_in_the_other_region(pool: RealPo
             await asyncio.sleep(0.2)  # within the router's retry budget
         await client.close()
     finally:
-        stop.set()
-        for task in pressure:
-            task.cancel()  # a client going away stops its generation
-        await asyncio.gather(*pressure, return_exceptions=True)
-        await engine.close()
+        await stop_senders(stop, pressure, engine)
     refusals = [outcome for outcome in outcomes if outcome != "ok"]
     assert refusals and all("503" in outcome and "currently busy" in outcome
                             for outcome in refusals), refusals[:3]

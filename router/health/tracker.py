@@ -83,6 +83,11 @@ class Health:
         self.ejections_total = 0
 
     # --- the filter -------------------------------------------------------------------
+    @property
+    def quiet(self) -> bool:
+        """Nothing has failed or refused lately: `filter` passes every candidate."""
+        return not self._breakers and not self._busy_until_s
+
     def filter(self, candidates: list[WorkerView], now_s: float) -> list[WorkerView]:
         """Candidates whose breaker admits a request, minus ejected regions; never empty."""
         breakers = self._breakers

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router.policy.request import NoRoute, RouteRequest
-from router.registry.snapshot import Snapshot, WorkerView
+from router.registry.snapshot import RegionRanking, Snapshot, WorkerView
 from worker.schema import LifecycleState
 
 
@@ -91,7 +91,7 @@ SAMPLE_PER_REGION = 4
 
 
 def _best_of_each_region(
-    ranked: tuple[tuple[WorkerView, ...], ...], request: RouteRequest, freshness_now: float
+    ranked: tuple[RegionRanking, ...], request: RouteRequest, freshness_now: float
 ) -> list[WorkerView]:
     """The first SAMPLE_PER_REGION eligible workers of every region, in load order.
 
@@ -99,20 +99,35 @@ def _best_of_each_region(
     a region is almost always among its least loaded few (this router's own in-flight
     requests since the heartbeat reorder only the top of the list).
     """
-    allowed = request.allowed_regions
-    exclude = request.exclude
-    drained = request.drained
+    skip = skipped_workers(request)
     candidates: list[WorkerView] = []
-    for region_views in ranked:
-        region = region_views[0].region
-        if (allowed is not None and region not in allowed) or region in drained.regions:
-            continue
-        taken = 0
-        for view in region_views:
-            if (view.ready and view.fresh(freshness_now) and view.worker_id not in exclude
-                    and view.worker_id not in drained.workers):
-                candidates.append(view)
-                taken += 1
-                if taken == SAMPLE_PER_REGION:
-                    break
+    for ranking in ranked:
+        if region_open(ranking.region, request):
+            candidates += best_of_region(ranking, skip, freshness_now)
     return candidates
+
+
+def region_open(region: str, request: RouteRequest) -> bool:
+    """Whether the request may go to `region` at all (data residency, drains)."""
+    allowed = request.allowed_regions
+    return (allowed is None or region in allowed) and region not in request.drained.regions
+
+
+def skipped_workers(request: RouteRequest) -> frozenset[str]:
+    """Workers the request must not go to: already tried, or drained."""
+    drained = request.drained.workers
+    return request.exclude | drained if drained else request.exclude
+
+
+def best_of_region(
+    ranking: RegionRanking, skip: frozenset[str], freshness_now: float
+) -> list[WorkerView]:
+    """The first SAMPLE_PER_REGION workers of a region's ranking that can take a request."""
+    chosen: list[WorkerView] = []
+    for view in ranking.views:
+        if view.ready and view.expires_at_s > freshness_now and (
+                not skip or view.worker_id not in skip):
+            chosen.append(view)
+            if len(chosen) == SAMPLE_PER_REGION:
+                break
+    return chosen

@@ -11,11 +11,14 @@ heartbeat.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from operator import itemgetter
 
 from router.policy.base import Policy
+from router.policy.filters import best_of_region, region_open, skipped_workers
 from router.policy.request import Decision, RouteRequest
-from router.registry.snapshot import WorkerView
+from router.registry.snapshot import RegionRanking, Snapshot, WorkerView
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,7 @@ def estimate_ttft(
 # best (ms, or the share of the best's own prediction, whichever is larger).
 AFFINITY_SLACK_MS = 50.0
 AFFINITY_SLACK_SHARE = 0.25
+_first = itemgetter(0)
 # Batch traffic leaves this share of every worker's batch slots to interactive requests.
 BATCH_SLOT_RESERVE = 0.25
 
@@ -82,16 +86,71 @@ class PredictedTtft(Policy, name="predicted_ttft"):
     request's TTFT budget when one is given.
     """
 
-    def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
+    def pick(self, snapshot: Snapshot, request: RouteRequest) -> Decision:
+        """At scale, regions in order of the lowest TTFT they could offer, until the rest
+        cannot come near the best found: the same choice as scoring every region.
+
+        The general path (every region's candidates through the filters, then `choose`)
+        serves small pools, batch traffic, retries that avoid a region, and any moment
+        the health filter has something to filter.
+        """
+        ranked = snapshot.ranked.get(request.model)
+        health = self.context.health
+        if (ranked is None or request.traffic_class == "batch" or request.avoid_regions
+                or (health is not None and not health.quiet)):
+            return super().pick(snapshot, request)
         context = self.context
-        affine_id = (
-            context.affinity.worker_for(request.session_id, request.prefix_key)
-            if request.session_id is not None or request.prefix_key is not None
-            else None
-        )
-        scored = self._score(candidates, request, affine_id)
+        now_s = context.clock()
+        freshness_now = snapshot.freshness_now(now_s)
+        affine_id = self._affine_id(request)
+        tokens = request.prompt_tokens
+        if affine_id is not None:
+            tokens = max(0, tokens - request.prefix_tokens)  # the affine worker's discount
+        region_ms: dict[str, float] = {}
+        floors: list[tuple[float, RegionRanking]] = []
+        for ranking in ranked:
+            if region_open(ranking.region, request):
+                base = region_ms[ranking.region] = self._region_ms(ranking.region, request, now_s)
+                floors.append((base + ranking.min_kv_pressure_ms
+                               + tokens * ranking.min_prefill_ms_per_token, ranking))
+        floors.sort(key=_first)
+        skip = skipped_workers(request)
+        scored: list[tuple[float, WorkerView]] = []
+        best_ms = math.inf
+        for floor_ms, ranking in floors:
+            if floor_ms > best_ms + self._within_ms(best_ms, affine_id):
+                break  # neither the best, nor near-equal to it, nor the affine choice
+            region_scored = self._score(best_of_region(ranking, skip, freshness_now),
+                                        request, affine_id, region_ms)
+            if region_scored:
+                scored += region_scored
+                best_ms = min(best_ms, min(score for score, _ in region_scored))
+        if not scored:
+            return super().pick(snapshot, request)  # says why there is no route
+        return self._decide(scored, request, affine_id)
+
+    def _within_ms(self, best_ms: float, affine_id: str | None) -> float:
+        """How far above the best a candidate can still be chosen."""
+        near_ms = self.context.near_equal_ms
+        if affine_id is None:
+            return near_ms
+        return max(near_ms, AFFINITY_SLACK_MS, AFFINITY_SLACK_SHARE * best_ms)
+
+    def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
+        affine_id = self._affine_id(request)
+        scored = self._score(candidates, request, affine_id, {})
         if request.traffic_class == "batch":
             return self._choose_batch(scored, request)
+        return self._decide(scored, request, affine_id)
+
+    def _affine_id(self, request: RouteRequest) -> str | None:
+        if request.session_id is None and request.prefix_key is None:
+            return None
+        return self.context.affinity.worker_for(request.session_id, request.prefix_key)
+
+    def _decide(self, scored: list[tuple[float, WorkerView]], request: RouteRequest,
+                affine_id: str | None) -> Decision:
+        context = self.context
         best_ms = min(score for score, _ in scored)
         if affine_id is not None:
             for score, view in scored:
@@ -110,33 +169,37 @@ class PredictedTtft(Policy, name="predicted_ttft"):
         reason = "local" if origin is None or view.region == origin else "spillover"
         return self._decision(view, score, reason, request, len(scored))
 
-    def _score(
-        self, candidates: list[WorkerView], request: RouteRequest, affine_id: str | None
-    ) -> list[tuple[float, WorkerView]]:
-        # The same sum as estimate_ttft, inlined: this loop runs for every candidate of
-        # every request. Region terms are computed once per region.
+    def _region_ms(self, region: str, request: RouteRequest, now_s: float) -> float:
+        """The request's cost of going to `region` at all: RTT plus what this router
+        measured beyond its predictions there lately (a slow or congested path that
+        heartbeats cannot see)."""
         context = self.context
         origin = request.origin_region
-        health = context.health
-        now_s = context.clock()
-        inflight_of = context.inflight.of
+        base = context.rtt_ms(origin, region) if origin else 0.0
+        if context.health is not None:
+            base += context.health.region_penalty_ms(region, now_s)
+        return base
+
+    def _score(
+        self, candidates: list[WorkerView], request: RouteRequest, affine_id: str | None,
+        region_ms: dict[str, float],
+    ) -> list[tuple[float, WorkerView]]:
+        # The same sum as estimate_ttft, inlined: this loop runs for every candidate of
+        # every request. Region terms are computed once per region (kept in `region_ms`).
+        now_s = self.context.clock()
+        open_requests = self.context.inflight.counts
         prompt_tokens = request.prompt_tokens
-        region_ms: dict[str, float] = {}
         scored: list[tuple[float, WorkerView]] = []
         for view in candidates:
             region = view.region
             base = region_ms.get(region)
             if base is None:
-                base = context.rtt_ms(origin, region) if origin else 0.0
-                if health is not None:
-                    # What this router measured beyond its predictions for the region
-                    # lately (a slow or congested path that heartbeats cannot see).
-                    base += health.region_penalty_ms(region, now_s)
-                region_ms[region] = base
-            queued = (view.reported_load + inflight_of(view.worker_id)
+                base = region_ms[region] = self._region_ms(region, request, now_s)
+            worker_id = view.worker_id
+            queued = (view.reported_load + open_requests.get(worker_id, 0)
                       - view.inflight_at_receipt + 1 - view.slots)
             tokens = prompt_tokens
-            if view.worker_id == affine_id:
+            if affine_id is not None and worker_id == affine_id:
                 tokens = max(0, tokens - request.prefix_tokens)
             score = (base + view.kv_pressure_ms + tokens * view.prefill_ms_per_token
                      + (queued * view.queue_ms_per_request if queued > 0 else 0.0))

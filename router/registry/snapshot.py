@@ -28,9 +28,15 @@ class WorkerView:
     heartbeat: Heartbeat
     received_at_s: float
     inflight_at_receipt: int = 0
-    # Scoring terms that depend only on the heartbeat, computed once when it arrives so
-    # that a routing decision is a few multiplications per candidate (see
-    # router.policy.predicted_ttft, which documents what they mean).
+    # Read off the heartbeat once when it arrives, as plain attributes: a routing decision
+    # reads them for every candidate.
+    worker_id: str = field(init=False)
+    region: str = field(init=False)
+    endpoint: str = field(init=False)
+    ready: bool = field(init=False)
+    expires_at_s: float = field(init=False)  # fresh while the router's clock is below it
+    # Scoring terms, so that a routing decision is a few multiplications per candidate
+    # (see router.policy.predicted_ttft, which documents what they mean).
     reported_load: int = field(init=False)
     slots: int = field(init=False)
     queue_ms_per_request: float = field(init=False)
@@ -48,30 +54,19 @@ class WorkerView:
             pressure = (kv_usage - KV_PRESSURE_START) / (1.0 - KV_PRESSURE_START)
         rate = heartbeat.performance.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
         assign = object.__setattr__
+        assign(self, "worker_id", heartbeat.worker_id)
+        assign(self, "region", heartbeat.region)
+        assign(self, "endpoint", heartbeat.endpoint)
+        assign(self, "ready", heartbeat.state is LifecycleState.READY)
+        assign(self, "expires_at_s", self.received_at_s + heartbeat.ttl_s)
         assign(self, "reported_load", load.running + load.waiting)
         assign(self, "slots", slots)
         assign(self, "queue_ms_per_request", service_ms / slots)
         assign(self, "kv_pressure_ms", pressure * service_ms)
         assign(self, "prefill_ms_per_token", 1000.0 / rate)
 
-    @property
-    def worker_id(self) -> str:
-        return self.heartbeat.worker_id
-
-    @property
-    def region(self) -> str:
-        return self.heartbeat.region
-
-    @property
-    def endpoint(self) -> str:
-        return self.heartbeat.endpoint
-
-    @property
-    def ready(self) -> bool:
-        return self.heartbeat.state is LifecycleState.READY
-
     def fresh(self, now_s: float) -> bool:
-        return now_s < self.received_at_s + self.heartbeat.ttl_s
+        return now_s < self.expires_at_s
 
     def newer_than(self, other: WorkerView) -> bool:
         """Whether this report supersedes `other` (same worker): later send time, then seq."""
@@ -89,6 +84,25 @@ def _reported_utilisation(view: WorkerView) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class RegionRanking:
+    """One region's workers of one model, least loaded per batch slot first, with the
+    lowest scoring terms among them: a floor under any of their predicted TTFTs, so a
+    decision can skip a region that cannot win without looking at its workers."""
+
+    region: str
+    views: tuple[WorkerView, ...]
+    min_prefill_ms_per_token: float
+    min_kv_pressure_ms: float
+
+    @classmethod
+    def of(cls, views: list[WorkerView]) -> RegionRanking:
+        return cls(region=views[0].region,
+                   views=tuple(sorted(views, key=_reported_utilisation)),
+                   min_prefill_ms_per_token=min(v.prefill_ms_per_token for v in views),
+                   min_kv_pressure_ms=min(v.kv_pressure_ms for v in views))
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """Every known worker, indexed by model, plus how current the view is.
 
@@ -100,10 +114,10 @@ class Snapshot:
     by_model: Mapping[str, tuple[WorkerView, ...]] = field(
         default_factory=lambda: MappingProxyType({})
     )
-    # model -> one tuple per region, each ordered by reported load per batch slot
-    # (least loaded first): lets a decision over thousands of workers look at the few
-    # best of each region instead of all of them.
-    ranked: Mapping[str, tuple[tuple[WorkerView, ...], ...]] = field(
+    # model -> one ranking per region (models with RANK_ABOVE_WORKERS workers or more):
+    # lets a decision over thousands of workers look at the few least loaded of each
+    # region, and skip regions that cannot win, instead of scoring all of them.
+    ranked: Mapping[str, tuple[RegionRanking, ...]] = field(
         default_factory=lambda: MappingProxyType({})
     )
     built_at_s: float = 0.0
@@ -124,15 +138,14 @@ class Snapshot:
         for view in workers.values():
             for model in (*view.heartbeat.models, *view.heartbeat.lora_adapters):
                 index.setdefault(model, []).append(view)
-        ranked: dict[str, tuple[tuple[WorkerView, ...], ...]] = {}
+        ranked: dict[str, tuple[RegionRanking, ...]] = {}
         for model, model_views in index.items():
             if len(model_views) < RANK_ABOVE_WORKERS:
                 continue
             regions: dict[str, list[WorkerView]] = {}
             for view in model_views:
                 regions.setdefault(view.region, []).append(view)
-            ranked[model] = tuple(tuple(sorted(vs, key=_reported_utilisation))
-                                  for vs in regions.values())
+            ranked[model] = tuple(RegionRanking.of(vs) for vs in regions.values())
         return cls(
             workers=MappingProxyType(workers),
             by_model=MappingProxyType({m: tuple(vs) for m, vs in index.items()}),

@@ -279,3 +279,35 @@ def test_large_pools_consider_the_least_loaded_of_each_region() -> None:
     assert "us-0" not in {v.worker_id for v in chosen}
     decision = make_policy().pick(snap, request)
     assert decision.worker.region == "us-east" and decision.worker.heartbeat.load.running == 0
+
+
+def test_large_pools_skip_regions_that_cannot_win_and_choose_as_if_they_had_not() -> None:
+    from router.benchproxy.decision import MODEL, REGIONS, fleet, ten_regions
+    from router.health import Health
+
+    rng = random.Random(3)
+    views = fleet(2_000, rng, 100.0)
+    snap = Snapshot.build(views, built_at_s=100.0, redis_connected=True,
+                          last_redis_ok_at_s=100.0)
+    inflight = InFlight()
+    for chosen in rng.sample(views, 50):
+        inflight.started(chosen.worker_id)
+    affinity = AffinityTable()
+    for session in range(20):
+        affinity.remember(f"s-{session}", None, rng.choice(views).worker_id)
+    # near_equal_ms=0: the best candidate wins outright, so both paths must agree exactly.
+    policy = create_policy("predicted_ttft", RoutingContext(
+        rtt_ms=ten_regions().rtt_ms, inflight=inflight, clock=FakeClock(), near_equal_ms=0.0,
+        health=Health(clock=FakeClock()), affinity=affinity))
+    pruned, full = [], []
+    for i in range(400):
+        request = RouteRequest(
+            model=MODEL, origin_region=rng.choice(REGIONS), prompt_tokens=rng.randint(10, 2000),
+            session_id=f"s-{i % 40}" if i % 3 == 0 else None, prefix_tokens=rng.randint(0, 500))
+        fast = policy.pick(snap, request)
+        slow = Policy.pick(policy, snap, request)  # every region's candidates, then choose
+        assert (fast.worker.worker_id, fast.reason) == (slow.worker.worker_id, slow.reason)
+        assert fast.predicted_ttft_ms == pytest.approx(slow.predicted_ttft_ms)
+        pruned.append(fast.candidates)
+        full.append(slow.candidates)
+    assert sum(pruned) < 0.6 * sum(full), (sum(pruned), sum(full))

@@ -21,6 +21,7 @@ from typing import Any
 
 from router.admission.setup import heartbeat_gate
 from router.admission.stats import SecurityStats
+from router.app import tune_gc
 from router.auth.heartbeats import HeartbeatGate
 from router.benchproxy.cpu import tree_cpu_s
 from router.benchproxy.decision import ten_regions
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--keys", default="", help="signing keys (key_id:secret) to verify")
     args = parser.parse_args()
+    tune_gc()  # as `globalpool router` does
     loop = new_event_loop()
     try:
         result = loop.run_until_complete(collect(args.redis_url, args.prefix, args.seconds,

@@ -23,33 +23,39 @@ host) does not count towards heartbeat ages either.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView
+from router.registry.subscriber import Subscription
 from worker.redis_client import raise_if_cancelling
 from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
 
 log = logging.getLogger("globalpool.registry")
 
 # A new snapshot at most this often: rebuilding per message would cost O(workers) per
-# heartbeat at scale; 20 ms is well below a heartbeat interval.
+# heartbeat at scale; 20 ms is well below a heartbeat interval. A build costs O(workers)
+# (~30 ms for 10,000), so the interval also grows to REBUILD_COST_FACTOR times the last
+# build's duration, up to MAX_REBUILD_INTERVAL_S: building then takes at most ~1/factor
+# of a core, and a large fleet's view lags its heartbeats by a fraction of a second.
 MIN_REBUILD_INTERVAL_S = 0.02
+MAX_REBUILD_INTERVAL_S = 0.5
+REBUILD_COST_FACTOR = 10.0
 # How often workers past their TTL are looked for.
 EXPIRY_CHECK_S = 0.25
 # Waiting for pub/sub this much longer than asked means this process was not scheduled.
 STALL_TOLERANCE_S = 1.0
 # A full read of N workers happens at most every N / this many seconds.
 FULL_READ_WORKERS_PER_S = 1000.0
+
+GONE_PREFIX = HeartbeatKeys.GONE_PREFIX.encode()
 
 Clock = Callable[[], float]
 
@@ -93,6 +99,7 @@ class HeartbeatCollector:
         self._clock = clock
         self._local_inflight = local_inflight
         self._full_read_interval_s = full_read_interval_s
+        self._rebuild_every_s = MIN_REBUILD_INTERVAL_S  # see REBUILD_COST_FACTOR
         self._max_backoff_s = max_backoff_s
         self._views: dict[str, WorkerView] = {}
         self._connected = False
@@ -120,9 +127,7 @@ class HeartbeatCollector:
                 backoff_s = 0.05
 
     async def _follow(self) -> None:
-        pubsub: PubSub = self._pubsub_redis.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(self._keys.channel)
+        async with Subscription(self._pubsub_redis, self._keys.channel) as subscription:
             await self._full_read(reconnected=not self._connected)
             if not self._connected:
                 log.info("redis connected; %d workers known", len(self._views))
@@ -137,15 +142,14 @@ class HeartbeatCollector:
             while True:
                 raise_if_cancelling()  # redis-py may have swallowed a cancellation
                 wait_s = 0.25 if not dirty else max(
-                    0.0, published_at + MIN_REBUILD_INTERVAL_S - self._clock())
+                    0.0, published_at + self._rebuild_every_s - self._clock())
                 waited_from = self._clock()
-                message = await pubsub.get_message(timeout=wait_s)
+                payloads = await subscription.get(wait_s)
                 overslept_s = self._clock() - waited_from - wait_s
                 if overslept_s > STALL_TOLERANCE_S:
                     dirty |= self._forgive(overslept_s)
-                while message is not None:
-                    dirty |= self._apply_message(message)
-                    message = await pubsub.get_message(timeout=0.0)
+                for payload in payloads:
+                    dirty |= self._apply_message(payload)
                 now = self._clock()
                 if now >= next_full_read:
                     await self._full_read()
@@ -155,13 +159,10 @@ class HeartbeatCollector:
                 if now >= next_expiry_check:
                     dirty |= self._expired_any()
                     next_expiry_check = now + EXPIRY_CHECK_S
-                if dirty and now - published_at >= MIN_REBUILD_INTERVAL_S:
+                if dirty and now - published_at >= self._rebuild_every_s:
                     self._publish()
                     published_at = now
                     dirty = False
-        finally:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await asyncio.wait_for(pubsub.aclose(), timeout=1.0)  # type: ignore[no-untyped-call]
 
     def _full_read_every_s(self) -> float:
         """Large fleets are read in full less often: pub/sub carries the updates anyway."""
@@ -195,20 +196,17 @@ class HeartbeatCollector:
                                                              received_at_s=now)
         self._last_ok_at_s = self._clock()
 
-    def _apply_message(self, message: dict[str, Any]) -> bool:
-        data = message.get("data")
-        if not isinstance(data, bytes | str):
-            return False
-        raw = data.decode(errors="replace") if isinstance(data, bytes) else data
-        if raw.startswith(HeartbeatKeys.GONE_PREFIX):
+    def _apply_message(self, payload: bytes) -> bool:
+        if payload.startswith(GONE_PREFIX):
             if self._gate is not None and self._gate.signing:
                 # `gone:` carries no signature: anyone allowed to PUBLISH could remove any
                 # worker with it. With signing on, a departed worker ages out by its TTL
                 # instead (its last, signed, heartbeat already said `draining`).
                 self.ignored_gone_messages += 1
                 return False
-            return self._views.pop(raw[len(HeartbeatKeys.GONE_PREFIX) :], None) is not None
-        view = self._parse(raw, self._clock(), via_pubsub=True)
+            worker_id = payload[len(GONE_PREFIX):].decode(errors="replace")
+            return self._views.pop(worker_id, None) is not None
+        view = self._parse(payload, self._clock(), via_pubsub=True)
         if view is None:
             return False
         self._last_ok_at_s = view.received_at_s
@@ -268,9 +266,12 @@ class HeartbeatCollector:
         return bool(expired)
 
     def _publish(self) -> None:
+        started = time.perf_counter()
         self._holder.current = Snapshot.build(
             self._views.values(),
             built_at_s=self._clock(),
             redis_connected=self._connected,
             last_redis_ok_at_s=self._last_ok_at_s,
         )
+        self._rebuild_every_s = min(MAX_REBUILD_INTERVAL_S, max(
+            MIN_REBUILD_INTERVAL_S, REBUILD_COST_FACTOR * (time.perf_counter() - started)))

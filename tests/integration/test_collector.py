@@ -214,3 +214,23 @@ async def test_gone_removes_at_once_unless_heartbeats_must_be_signed(
             await redis.aclose()
         await asyncio.sleep(0.3)
         assert "b" in fleet.holder.current.workers
+
+
+async def test_a_subscription_redis_cuts_is_reopened_and_garbage_on_it_is_dropped(
+    valkey: EmbeddedValkey,
+) -> None:
+    admin = connect(valkey.url)
+    async with following(valkey.url) as fleet:
+        await fleet.publish("a")
+        await until(lambda: fleet.fresh() == {"a"})
+        for garbage in (b"not json", b"\xff\xfe", b'{"worker_id": "x"}', b"[]"):
+            await admin.publish(KEYS.channel, garbage)
+        # What Valkey does to a subscriber that falls behind (output buffer limit).
+        assert await admin.client_kill_filter(_type="pubsub") == 1
+        await fleet.publish("b")  # may be lost with the subscription: the full read has it
+        await until(lambda: fleet.fresh() == {"a", "b"}, timeout_s=5.0)
+        await fleet.publish("a", state=LifecycleState.DRAINING)  # the new subscription
+        await until(lambda: fleet.holder.current.workers["a"].heartbeat.state
+                    is LifecycleState.DRAINING, timeout_s=1.0)  # before a full read
+        assert fleet.connected()
+    await admin.aclose()

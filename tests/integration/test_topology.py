@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import openai
@@ -15,7 +16,7 @@ from tests.integration.stack import RunningUp, pid_alive, small_config, start_up
 
 pytestmark = pytest.mark.integration
 
-CHAT = [{"role": "user", "content": "Hello from the tests, how are you?"}]
+CHAT: Any = [{"role": "user", "content": "Hello from the tests, how are you?"}]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_models_are_the_union_over_regions(up: RunningUp) -> None:
 
 def test_chat_non_streaming(up: RunningUp) -> None:
     raw = client(up).chat.completions.with_raw_response.create(
-        model="tiny-llama", messages=CHAT, max_tokens=8)  # type: ignore[arg-type]
+        model="tiny-llama", messages=CHAT, max_tokens=8)
     completion = raw.parse()
     assert completion.choices[0].message.content
     assert completion.usage is not None and completion.usage.completion_tokens == 8
@@ -56,7 +57,7 @@ def test_chat_non_streaming(up: RunningUp) -> None:
 
 def test_chat_streaming_with_usage(up: RunningUp) -> None:
     with client(up).chat.completions.with_streaming_response.create(
-        model="tiny-llama", messages=CHAT, max_tokens=12, stream=True,  # type: ignore[arg-type]
+        model="tiny-llama", messages=CHAT, max_tokens=12, stream=True,
         stream_options={"include_usage": True},
     ) as response:
         assert response.headers["x-globalpool-region"] == "us-east"
@@ -83,7 +84,7 @@ def test_requests_stay_in_the_clients_region_when_it_has_room(up: RunningUp, reg
     api = client(up, region)
     served = Counter(
         api.chat.completions.with_raw_response.create(
-            model="tiny-llama", messages=CHAT, max_tokens=2  # type: ignore[arg-type]
+            model="tiny-llama", messages=CHAT, max_tokens=2
         ).headers["x-globalpool-region"]
         for _ in range(10)
     )
@@ -92,7 +93,7 @@ def test_requests_stay_in_the_clients_region_when_it_has_room(up: RunningUp, reg
 
 def test_model_served_elsewhere_goes_there(up: RunningUp) -> None:
     raw = client(up, "us-east").chat.completions.with_raw_response.create(
-        model="tiny-coder", messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+        model="tiny-coder", messages=CHAT, max_tokens=2)
     assert raw.headers["x-globalpool-region"] == "eu-west"
 
 
@@ -155,7 +156,7 @@ async def test_loaded_region_spills_to_the_next_best(up: RunningUp) -> None:
                 for sim in sims for _ in range(12)]
         try:
             await asyncio.sleep(0.8)  # a few heartbeats carry the queue to the router
-            regions = Counter()
+            regions: Counter[str] = Counter()
             for _ in range(6):
                 async with session.post(
                     up.url + "/v1/chat/completions",

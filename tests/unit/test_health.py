@@ -27,7 +27,7 @@ def test_breaker_ejects_after_consecutive_failures_and_probes_half_open() -> Non
     assert breaker.state is BreakerState.OPEN
     assert not breaker.admits(1.5)
     assert breaker.admits(2.0)  # backoff over: half-open, one probe allowed
-    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.state is BreakerState.HALF_OPEN  # type: ignore[comparison-overlap]
     breaker.dispatched()
     assert not breaker.admits(2.0)  # the probe is out; everyone else waits
     assert breaker.succeeded(2.0) is True

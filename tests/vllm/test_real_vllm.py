@@ -284,17 +284,21 @@ async def test_traffic_spills_to_the_other_region_when_one_is_saturated(
         settled = await until_served_in(pool, region, region, times=3)
         measurements[f"light load from {region}: requests until 3 in a row local"] = len(settled)
 
-    # Not streamed: vLLM refuses a request past --max-num-queued-reqs with a 503 that the
-    # router retries elsewhere; a stream that loses the race between vLLM's two admission
-    # checks gets that refusal as an error event after `200 OK`, too late to retry.
-    # Long enough that the 40 overlap in vLLM even when the router is starved of CPU
+    # vLLM refuses a request past --max-num-queued-reqs with a 503 that the router retries
+    # elsewhere (a stream that loses the race between vLLM's two admission checks gets
+    # `200 OK` and an error event, which the router retries as well). Long enough that the 40 overlap in vLLM even when the router is starved of CPU
     # for seconds while the engines keep computing (measured here: the control plane can
     # stall for 10+ s on this machine), so us-east really is saturated.
     client = pool.async_client("us-east")
-    results = await asyncio.gather(*(chat(client, 600) for _ in range(40)))
+    for _ in range(2):
+        results = await asyncio.gather(*(chat(client, 600) for _ in range(40)))
+        assert [tokens for _, _, tokens in results] == [600] * 40
+        regions = Counter(served for served, _, _ in results)
+        if regions["us-east"] < 40:
+            break
+        # vLLM admitted all 40, so at no moment were more than it queues unfinished there:
+        # the burst did not saturate us-east (a stall spread it out). Once more.
     await client.close()
-    assert [tokens for _, _, tokens in results] == [600] * 40
-    regions = Counter(served for served, _, _ in results)
     assert regions["us-east"] >= MAX_NUM_SEQS and regions["eu-west"] >= 4, regions
     measurements["40 requests from us-east at once: served where, and why"] = (
         dict(regions), dict(Counter(route for _, route, _ in results)))

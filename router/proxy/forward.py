@@ -9,13 +9,15 @@ Timeouts are split by phase (see `router.config.Timeouts`):
 - total: the whole attempt.
 
 Nothing reaches the client before the upstream's first body chunk, so any failure up to
-then raises `UpstreamFailure` and the caller may retry elsewhere. After it, the stream
-belongs to the client: a failure ends it with an SSE error event.
+then raises `UpstreamFailure` and the caller may retry elsewhere; that includes a first
+chunk that is a 5xx/429 error event. After it, the stream belongs to the client: a
+failure ends it with an SSE error event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Mapping
@@ -255,6 +257,16 @@ async def forward_stream(
     if not first:
         upstream.release()
         raise UpstreamFailure("worker closed the stream before its first byte", Failure.RESET)
+    refusal = _error_event(first)
+    if refusal is not None and (refusal[0] >= 500 or refusal[0] == 429):
+        # Nothing has reached the client yet, so this is still a refusal to retry: vLLM
+        # answers `200` and then an error event when the engine refuses a request that
+        # passed the API server's own admission check (a full queue: 503).
+        upstream.close()
+        status, message = refusal
+        raise UpstreamFailure(
+            f"worker answered 200, then an error event {status}: {message}",
+            Failure.BUSY if status in (429, 503) else Failure.SERVER_ERROR, status=status)
     attempt.first_byte_s = time.monotonic()
     attempt.status = 200
 
@@ -296,6 +308,28 @@ async def forward_stream(
         watchdog.cancel()
         upstream.release()
     return client
+
+
+def _error_event(first: bytes) -> tuple[int, str] | None:
+    """(status, message) when a stream's first bytes are an error event, as vLLM writes
+    one (`data: {"error": {"message": ..., "code": 503, ...}}`); None for anything else.
+    Costs a prefix test per stream: only an event that starts like an error is decoded."""
+    if not first.startswith(_ERROR_EVENT_PREFIXES):
+        return None
+    line = first[5:].split(b"\n", 1)[0]
+    try:
+        document = json.loads(line)
+    except ValueError:
+        return None  # not one whole JSON event: passed through as it is
+    error = document.get("error") if isinstance(document, dict) else None
+    if not isinstance(error, dict):
+        return None
+    code = error.get("code")
+    status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+    return status, str(error.get("message", ""))[:200]
+
+
+_ERROR_EVENT_PREFIXES = (b'data: {"error"', b'data:{"error"')
 
 
 def _ended_early(watchdog: _IdleWatchdog, exc: BaseException) -> str:

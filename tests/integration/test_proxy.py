@@ -268,6 +268,32 @@ async def test_engine_busy_503_is_retried_on_another_worker(fleet_factory: Fleet
                 response.close()
 
 
+async def test_engine_busy_as_an_error_event_after_200_is_retried_too(
+    fleet_factory: FleetFactory,
+) -> None:
+    # vLLM 0.32 can admit a request, send `200 OK`, and then refuse it as an SSE error
+    # event; the router has sent the client nothing yet, so it still retries elsewhere.
+    fleet = await fleet_factory({"a": "us-east", "b": "eu-west"}, max_num_seqs=1,
+                                max_num_queued_reqs=1)
+    await fleet.faults("a", busy_in_stream=True)
+    long = {**CHAT, "stream": True, "max_tokens": 2000}
+    async with aiohttp.ClientSession() as session:
+        busy = [await session.post(f"{fleet.sims['a'].url}/v1/chat/completions", json=long)
+                for _ in range(2)]  # a's queue is full
+        try:
+            async with session.post(f"{fleet.sims['a'].url}/v1/chat/completions",
+                                    json=long) as direct:
+                assert direct.status == 200
+                assert (await direct.read()).startswith(b'data: {"error": {"message": ')
+            status, worker, body = await _chat(fleet.router_url,
+                                               {**CHAT, "stream": True, "max_tokens": 4})
+            assert (status, worker) == (200, "b")
+            assert b'"error"' not in body and body.endswith(b"data: [DONE]\n\n")
+        finally:
+            for response in busy:
+                response.close()
+
+
 async def test_redis_outage_fails_static_and_recovers(fleet_factory: FleetFactory) -> None:
     server = EmbeddedValkey.start()
     try:

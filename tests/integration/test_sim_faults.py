@@ -47,6 +47,7 @@ async def test_knobs_read_and_partial_update(
             "mid_stream_error_rate": 0.0,
             "hang": False,
             "slow_factor": 2.0,
+            "busy_in_stream": False,
             "unhealthy": False,
             "crash": False,
         }

@@ -137,7 +137,10 @@ class SimHandlers:
                 request_id, generation.prompt, generation.max_tokens, generation.ignore_eos
             )
         except QueueFullError as exc:
-            return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)).response()
+            refusal = ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
+            if generation.stream and self._faults.knobs.busy_in_stream:
+                return await self._stream_refusal(request, refusal)
+            return refusal.response()
         cut_after = self._faults.draw_mid_stream_cut()
         try:
             if generation.stream:
@@ -147,6 +150,14 @@ class SimHandlers:
             # A no-op for finished sequences; otherwise the client went away (the handler
             # was cancelled) and its slot and KV blocks go back to the pool.
             self._engine.abort(seq)
+
+    async def _stream_refusal(self, request: web.Request, refusal: ApiError) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": _SSE_CONTENT_TYPE})
+        await response.prepare(request)
+        await response.write(refusal.event())
+        await response.write(DONE)
+        await response.write_eof()
+        return response
 
     async def _park(self) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -40,8 +40,8 @@ class ApiError(Exception):
         self.message = message
         self.param = param
 
-    def response(self) -> web.Response:
-        body = {
+    def body(self) -> dict[str, Any]:
+        return {
             "error": {
                 "message": self.message,
                 "type": _TYPES.get(self.status, self.status.phrase.replace(" ", "")),
@@ -49,4 +49,11 @@ class ApiError(Exception):
                 "code": int(self.status),
             }
         }
-        return json_response(body, status=int(self.status))
+
+    def response(self) -> web.Response:
+        return json_response(self.body(), status=int(self.status))
+
+    def event(self) -> bytes:
+        """The error as vLLM streams it after `200 OK`: one SSE event (`json.dumps`
+        spacing, as vLLM's `create_streaming_error_response` writes it)."""
+        return f"data: {json.dumps(self.body())}\n\n".encode()

@@ -35,6 +35,11 @@ class FaultKnobs(BaseModel):
     slow_factor: float = Field(
         default=1.0, gt=0.0, description="multiplies prefill and decode time"
     )
+    busy_in_stream: bool = Field(
+        default=False,
+        description="a stream refused by a full queue gets 200 and then an error event (503), "
+        "as vLLM 0.32 answers a request its engine refuses after the API server admitted it",
+    )
     unhealthy: bool = Field(default=False, description="/health answers 503")
     crash: bool = Field(default=False, description="setting it exits the process with status 1")
 

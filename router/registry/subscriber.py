@@ -24,7 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 READ_CHUNK = 1 << 18
-CONFIRM_TIMEOUT_S = 2.0
+SUBSCRIBE_TIMEOUT_S = 2.0
 
 
 class Subscription:
@@ -42,29 +42,41 @@ class Subscription:
         # connect timeout) but never returned to the pool: it only ever subscribes.
         connection = self._redis.connection_pool.make_connection()  # type: ignore[no-untyped-call]
         self._connection = connection
-        await connection.connect()
-        await connection.send_command("SUBSCRIBE", self._channel)
-        # redis-py has read nothing past its handshake: from here the bytes are ours.
-        stream = connection._reader
-        if stream is None:
-            raise RedisConnectionError("redis closed the connection while subscribing")
-        self._stream = stream
-        # Subscribed once Redis confirms (callers read their snapshot after this, so no
-        # update falls between the two); messages after the confirmation stay queued.
         try:
-            async with asyncio.timeout(CONFIRM_TIMEOUT_S):
-                reply = self._parser.gets()
-                while reply is False:
-                    data = await stream.read(READ_CHUNK)
-                    if not data:
-                        raise RedisConnectionError("redis closed the connection while subscribing")
-                    self._parser.feed(data)
-                    reply = self._parser.gets()
+            # Bounded as a whole: a server that accepts but never answers (SIGSTOP, a
+            # partition) fails this in SUBSCRIBE_TIMEOUT_S instead of hanging it.
+            async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
+                await connection.connect()
+                await connection.send_command("SUBSCRIBE", self._channel)
+                # redis-py has read nothing past its handshake: from here the bytes are ours.
+                stream = connection._reader
+                if stream is None:
+                    raise RedisConnectionError("redis closed the connection while subscribing")
+                self._stream = stream
+                reply = await self._first_reply(stream)
+            if not isinstance(reply, list) or reply[:1] != [b"subscribe"]:
+                raise RedisConnectionError(f"redis refused the subscription: {reply!r}"[:200])
         except TimeoutError:
-            raise RedisConnectionError("redis did not confirm the subscription") from None
-        if not isinstance(reply, list) or reply[:1] != [b"subscribe"]:
-            raise RedisConnectionError(f"redis refused the subscription: {reply!r}"[:200])
+            await self.__aexit__()
+            raise RedisConnectionError(
+                f"redis did not confirm the subscription within {SUBSCRIBE_TIMEOUT_S:g} s"
+            ) from None
+        except BaseException:
+            await self.__aexit__()
+            raise
         return self
+
+    async def _first_reply(self, stream: asyncio.StreamReader) -> Any:
+        """Subscribed once Redis confirms (callers read their snapshot after this, so no
+        update falls between the two); messages after the confirmation stay queued."""
+        reply = self._parser.gets()
+        while reply is False:
+            data = await stream.read(READ_CHUNK)
+            if not data:
+                raise RedisConnectionError("redis closed the connection while subscribing")
+            self._parser.feed(data)
+            reply = self._parser.gets()
+        return reply
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._connection is not None:

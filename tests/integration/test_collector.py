@@ -234,3 +234,24 @@ async def test_a_subscription_redis_cuts_is_reopened_and_garbage_on_it_is_droppe
                     is LifecycleState.DRAINING, timeout_s=1.0)  # before a full read
         assert fleet.connected()
     await admin.aclose()
+
+
+async def test_subscribing_to_a_hung_redis_fails_in_seconds(valkey: EmbeddedValkey) -> None:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from router.registry.subscriber import SUBSCRIBE_TIMEOUT_S, Subscription
+
+    client = connect_pubsub(valkey.url)
+    valkey.process.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+    started = time.monotonic()
+    with pytest.raises(RedisConnectionError, match="did not confirm"):
+        async with Subscription(client, KEYS.channel):
+            pass
+    assert time.monotonic() - started < SUBSCRIBE_TIMEOUT_S + 1.0
+    valkey.process.send_signal(signal.SIGCONT)
+    publisher = connect(valkey.url)
+    async with Subscription(client, KEYS.channel) as subscription:
+        await publisher.publish(KEYS.channel, b"hello")
+        assert await subscription.get(2.0) == [b"hello"]
+    await publisher.aclose()
+    await client.aclose()

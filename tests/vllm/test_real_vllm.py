@@ -286,9 +286,10 @@ async def test_traffic_spills_to_the_other_region_when_one_is_saturated(
 
     # vLLM refuses a request past --max-num-queued-reqs with a 503 that the router retries
     # elsewhere (a stream that loses the race between vLLM's two admission checks gets
-    # `200 OK` and an error event, which the router retries as well). Long enough that the 40 overlap in vLLM even when the router is starved of CPU
-    # for seconds while the engines keep computing (measured here: the control plane can
-    # stall for 10+ s on this machine), so us-east really is saturated.
+    # `200 OK` and an error event, which the router retries as well). Long enough that
+    # the 40 overlap in vLLM even when the router is starved of CPU for seconds while the
+    # engines keep computing (measured here: the control plane can stall for 10+ s on
+    # this machine), so us-east really is saturated.
     client = pool.async_client("us-east")
     for _ in range(2):
         results = await asyncio.gather(*(chat(client, 600) for _ in range(40)))

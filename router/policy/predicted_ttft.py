@@ -121,7 +121,7 @@ class PredictedTtft(Policy, name="predicted_ttft"):
             if floor_ms > best_ms + self._within_ms(best_ms, affine_id):
                 break  # neither the best, nor near-equal to it, nor the affine choice
             region_scored = self._score(best_of_region(ranking, skip, freshness_now),
-                                        request, affine_id, region_ms)
+                                        request, affine_id, region_ms, now_s)
             if region_scored:
                 scored += region_scored
                 best_ms = min(best_ms, min(score for score, _ in region_scored))
@@ -138,7 +138,7 @@ class PredictedTtft(Policy, name="predicted_ttft"):
 
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
         affine_id = self._affine_id(request)
-        scored = self._score(candidates, request, affine_id, {})
+        scored = self._score(candidates, request, affine_id, {}, self.context.clock())
         if request.traffic_class == "batch":
             return self._choose_batch(scored, request)
         return self._decide(scored, request, affine_id)
@@ -182,11 +182,10 @@ class PredictedTtft(Policy, name="predicted_ttft"):
 
     def _score(
         self, candidates: list[WorkerView], request: RouteRequest, affine_id: str | None,
-        region_ms: dict[str, float],
+        region_ms: dict[str, float], now_s: float,
     ) -> list[tuple[float, WorkerView]]:
         # The same sum as estimate_ttft, inlined: this loop runs for every candidate of
         # every request. Region terms are computed once per region (kept in `region_ms`).
-        now_s = self.context.clock()
         open_requests = self.context.inflight.counts
         prompt_tokens = request.prompt_tokens
         scored: list[tuple[float, WorkerView]] = []

@@ -166,17 +166,25 @@ async def _send(
         raise UpstreamFailure(f"worker connection failed: {exc!r}", Failure.RESET) from None
 
 
+def _retryable(status: int) -> Failure | None:
+    """What a worker's refusal with `status` counts as, if it is worth a retry elsewhere:
+    429/503 "engine busy" (BUSY, not a failure of the worker), other 5xx SERVER_ERROR."""
+    if status in (429, 503):
+        return Failure.BUSY
+    return Failure.SERVER_ERROR if status >= 500 else None
+
+
 async def _refuse_if_failed(response: aiohttp.ClientResponse) -> bytes | None:
     """Read a non-200 answer: raise UpstreamFailure if it is worth a retry, else return it."""
     if response.status == 200:
         return None
     body = await response.read()
     response.release()
-    if response.status >= 500 or response.status == 429:
-        busy = response.status in (429, 503)
+    kind = _retryable(response.status)
+    if kind is not None:
         raise UpstreamFailure(
             f"worker answered {response.status}: {body[:200].decode(errors='replace')}",
-            Failure.BUSY if busy else Failure.SERVER_ERROR,
+            kind,
             status=response.status,
             retry_after_s=_retry_after(response.headers),
         )
@@ -258,15 +266,16 @@ async def forward_stream(
         upstream.release()
         raise UpstreamFailure("worker closed the stream before its first byte", Failure.RESET)
     refusal = _error_event(first)
-    if refusal is not None and (refusal[0] >= 500 or refusal[0] == 429):
+    kind = _retryable(refusal[0]) if refusal is not None else None
+    if refusal is not None and kind is not None:
         # Nothing has reached the client yet, so this is still a refusal to retry: vLLM
         # answers `200` and then an error event when the engine refuses a request that
         # passed the API server's own admission check (a full queue: 503).
         upstream.close()
         status, message = refusal
         raise UpstreamFailure(
-            f"worker answered 200, then an error event {status}: {message}",
-            Failure.BUSY if status in (429, 503) else Failure.SERVER_ERROR, status=status)
+            f"worker answered 200, then an error event {status}: {message}", kind,
+            status=status)
     attempt.first_byte_s = time.monotonic()
     attempt.status = 200
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import random
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ from router.policy.inflight import InFlight
 from router.proxy.errors import openai_errors
 from router.proxy.handlers import Proxy
 from router.registry import HeartbeatCollector, SnapshotHolder
+from router.registry.peers import PeerExchange
 from worker import redis_client
 from worker.schema import HeartbeatKeys
+from worker.signing import keys_from_environ
 
 log = logging.getLogger("globalpool.router")
 
@@ -55,6 +58,7 @@ OPERATIONS = web.AppKey("operations", Operations)
 HOLDER = web.AppKey("holder", SnapshotHolder)
 PROXY = web.AppKey("proxy", Proxy)
 COLLECTOR = web.AppKey("collector", HeartbeatCollector)
+PEERS = web.AppKey("peers", PeerExchange)
 _INFLIGHT = web.AppKey("inflight", InFlight)
 _HEALTH = web.AppKey("health", Health)
 # Idle upstream connections are reused for at most this long: below the 5 s after which
@@ -121,6 +125,8 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
     stalls = asyncio.create_task(health.watch_stalls(), name="stall-watch")
     redis = redis_client.connect(settings.redis_url)
     pubsub_redis = redis_client.connect_pubsub(settings.redis_url)
+    keys = (keys_from_environ(os.environ) if settings.heartbeat_keys is None
+            else settings.heartbeat_keys)
     collector = HeartbeatCollector(
         redis=redis,
         pubsub_redis=pubsub_redis,
@@ -128,20 +134,26 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         holder=app[HOLDER],
         local_inflight=inflight.of,
         gate=heartbeat_gate(lambda: app[OPERATIONS].configs.current,  # follows reloads
-                            settings.heartbeat_keys, app[SECURITY_STATS]),
+                            keys, app[SECURITY_STATS]),
         # A worker whose heartbeat turns `degraded` is ejected like a refused connection.
         on_down=lambda view: health.reported_down(view.worker_id, view.region,
                                                   view.heartbeat.state.value),
     )
     app[COLLECTOR] = collector
     task = asyncio.create_task(collector.run(), name="heartbeat-collector")
+    peers = app[PEERS] = PeerExchange(
+        redis=redis, pubsub_redis=pubsub_redis,
+        channel=f"{settings.config.redis.key_prefix}:routers:inflight", inflight=inflight,
+        interval_s=lambda: app[OPERATIONS].configs.current.router.peer_interval_ms / 1000.0,
+        keys=keys)
+    peer_task = asyncio.create_task(peers.run(), name="peer-exchange")
     with contextlib.suppress(TimeoutError):
         # Serve sooner with an empty view rather than never if Redis is down at start.
         await asyncio.wait_for(collector.synced.wait(), timeout=3.0)
     yield
-    task.cancel()
-    stalls.cancel()
-    await asyncio.gather(task, stalls, return_exceptions=True)
+    for running in (task, stalls, peer_task):
+        running.cancel()
+    await asyncio.gather(task, stalls, peer_task, return_exceptions=True)
     await redis.aclose()
     await pubsub_redis.aclose()
 

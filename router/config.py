@@ -97,6 +97,11 @@ class RouterConfig(_Strict):
     near_equal_ms: float = Field(
         default=5.0, ge=0, description="scores this close to the best count as equally good"
     )
+    peer_interval_ms: float = Field(
+        default=50.0, ge=0, le=5000,
+        description="how often this replica tells the other replicas sharing its Redis what "
+        "it has open on each worker, so that they count it between heartbeats (0: never)",
+    )
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_attempts: int = Field(
         default=3, ge=1, le=5, description="attempts per request; retries only before first byte"

@@ -101,7 +101,7 @@ def _worker(context: AdminContext, view: WorkerView, freshness_now: float, now_s
                      "kv_blocks": heartbeat.capacity.kv_blocks_total},
         "load": {"running": heartbeat.load.running, "waiting": heartbeat.load.waiting,
                  "kv_cache_usage": heartbeat.load.kv_cache_usage,
-                 "router_inflight": context.inflight.of(view.worker_id)},
+                 "router_inflight": context.inflight.own_of(view.worker_id)},
         "performance": {"ttft_ms": performance.ttft_ms, "itl_ms": performance.itl_ms,
                         "e2e_ms": performance.e2e_ms},
         "engine": {"kind": heartbeat.engine.kind, "version": heartbeat.engine.version},

@@ -43,6 +43,7 @@ from worker.sim.sequence import Sequence as EngineSequence
 from worker.sim.tokens import prompt_from_text
 
 ORACLE = "oracle"
+PEER_INTERVAL_S = 0.05  # router.peer_interval_ms's default
 
 
 @dataclass
@@ -56,13 +57,17 @@ class Twin:
 
     def __init__(self, scenario: Scenario, trace: Trace, policy: str, *, seed: int = 0,
                  service_s: float | None = None, one_router: bool = False,
-                 true_prefill_rate: bool = False, near_equal_ms: float = 5.0) -> None:
+                 true_prefill_rate: bool = False, near_equal_ms: float = 5.0,
+                 peer_interval_s: float | None = PEER_INTERVAL_S) -> None:
         """`one_router`: one router replica for every origin (no other replica's traffic
         is invisible to it); `true_prefill_rate`: heartbeats carry the engine's configured
         prefill rate instead of the agent's measured one. Both are diagnostics: they
-        remove one source of prediction error at a time."""
+        remove one source of prediction error at a time. `peer_interval_s`: how often
+        the replicas report their open requests to each other (router.registry.peers;
+        None: they do not)."""
         self.scenario = scenario
         self.one_router = one_router
+        self.peer_interval_s = peer_interval_s
         self.true_prefill_rate = true_prefill_rate
         self.near_equal_ms = near_equal_ms  # router.near_equal_ms (regions.yaml default: 5)
         self.trace = trace
@@ -104,6 +109,19 @@ class Twin:
         if self.one_router:
             only = next(iter(self._routers.values()))
             self._routers = {region: only for region in self.scenario.regions}
+        elif self.peer_interval_s is not None:
+            self._at(self.peer_interval_s, self._exchange)
+
+    def _exchange(self) -> None:
+        """Every replica's open requests reach the others (router.registry.peers)."""
+        now_s = self.clock.now_s
+        for region, (_, inflight, _) in self._routers.items():
+            counts = inflight.own_counts()
+            for other, (_, peer_inflight, _) in self._routers.items():
+                if other != region:
+                    peer_inflight.apply_peer(region, counts, now_s)
+        if self._open and self.peer_interval_s is not None:
+            self._at(now_s + self.peer_interval_s, self._exchange)
 
     def _heartbeat(self, worker: TwinWorker, next_in_s: float | None = None) -> None:
         """Publish `worker`'s heartbeat to every router, then again one interval later

@@ -1,42 +1,93 @@
-"""This router's own in-flight requests per worker, to see load between heartbeats.
+"""Requests open against each worker, as this router knows them: its own, and the ones its
+peer replicas reported, to see load between heartbeats.
 
-Several router replicas read the same heartbeats; without their own counts they would all
+Several router replicas read the same heartbeats; without these counts they would all
 send to the momentarily best worker until its next heartbeat (herding). A heartbeat says
-how loaded a worker was when it was taken; what this router dispatched or finished since
-then is the change in its own in-flight count, recorded when the heartbeat arrived.
+how loaded a worker was when it was taken; what was dispatched or finished since then is
+the change in these counts, recorded when the heartbeat arrived. A router's own requests
+count at once; its peers' count when their next report arrives (router.registry.peers,
+every few tens of milliseconds), and a peer that stops reporting stops counting.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+_NONE: dict[str, int] = {}
+
 
 class InFlight:
-    """Counts of requests this router has open against each worker."""
+    """Open requests per worker: this router's own, plus its peers' latest reports."""
 
-    __slots__ = ("_open",)
+    __slots__ = ("_open", "_own", "_peers")
 
     def __init__(self) -> None:
-        self._open: dict[str, int] = {}
+        self._open: dict[str, int] = {}  # own + peers': what routing reads
+        self._own: dict[str, int] = {}
+        self._peers: dict[str, tuple[float, dict[str, int]]] = {}  # id: (received, counts)
 
     def started(self, worker_id: str) -> None:
+        self._own[worker_id] = self._own.get(worker_id, 0) + 1
         self._open[worker_id] = self._open.get(worker_id, 0) + 1
 
     def finished(self, worker_id: str) -> None:
-        remaining = self._open.get(worker_id, 0) - 1
-        if remaining > 0:
-            self._open[worker_id] = remaining
-        else:
-            self._open.pop(worker_id, None)
+        if self._own.get(worker_id, 0) > 0:
+            _add(self._own, worker_id, -1)
+            _add(self._open, worker_id, -1)
 
     def of(self, worker_id: str) -> int:
+        """Open requests on the worker: this router's and its peers'."""
         return self._open.get(worker_id, 0)
 
     @property
     def counts(self) -> Mapping[str, int]:
-        """Open requests per worker (absent: none), read-only: `counts.get(id, 0)` is the
+        """`of` for every worker (absent: none), read-only: `counts.get(id, 0)` is the
         cheapest way to read many in a routing decision."""
         return self._open
 
-    def total(self) -> int:
-        return sum(self._open.values())
+    def own_of(self, worker_id: str) -> int:
+        return self._own.get(worker_id, 0)
+
+    def own_counts(self) -> dict[str, int]:
+        """A copy of this router's own counts (what it reports to its peers)."""
+        return dict(self._own)
+
+    def own_total(self) -> int:
+        return sum(self._own.values())
+
+    # --- peers ------------------------------------------------------------------------
+    def apply_peer(self, peer_id: str, counts: Mapping[str, int], now_s: float) -> None:
+        """`peer_id`'s latest report (its open requests per worker) replaces its last."""
+        _, previous = self._peers.get(peer_id, (0.0, _NONE))
+        open_ = self._open
+        for worker_id, count in previous.items():
+            _add(open_, worker_id, -count)
+        kept = {worker_id: count for worker_id, count in counts.items() if count > 0}
+        for worker_id, count in kept.items():
+            _add(open_, worker_id, count)
+        self._peers[peer_id] = (now_s, kept)
+
+    def forget_peer(self, peer_id: str) -> None:
+        """A peer that left (or went silent) stops counting."""
+        _, previous = self._peers.pop(peer_id, (0.0, _NONE))
+        for worker_id, count in previous.items():
+            _add(self._open, worker_id, -count)
+
+    def expire_peers(self, older_than_s: float) -> list[str]:
+        """Forget peers whose last report arrived before `older_than_s`; their ids."""
+        expired = [peer for peer, (at_s, _) in self._peers.items() if at_s < older_than_s]
+        for peer_id in expired:
+            self.forget_peer(peer_id)
+        return expired
+
+    def peers(self) -> dict[str, int]:
+        """Each peer's total open requests, as it last reported them."""
+        return {peer: sum(counts.values()) for peer, (_, counts) in self._peers.items()}
+
+
+def _add(counts: dict[str, int], worker_id: str, delta: int) -> None:
+    value = counts.get(worker_id, 0) + delta
+    if value > 0:
+        counts[worker_id] = value
+    else:
+        counts.pop(worker_id, None)

@@ -150,7 +150,14 @@ class FleetCollector:
                      "Seconds since Redis last answered the router (fleet view age).",
                      age if age is not None else float("nan"))
         yield _gauge("globalpool_inflight_requests", "Requests this router has open upstream.",
-                     float(self.inflight.total()))
+                     float(self.inflight.own_total()))
+        peers = self.inflight.peers()
+        yield _gauge("globalpool_peer_routers",
+                     "Other router replicas whose open requests this one counts.",
+                     float(len(peers)))
+        yield _gauge("globalpool_peer_inflight_requests",
+                     "Requests the other router replicas reported open upstream.",
+                     float(sum(peers.values())))
         yield from self._workers(now_s)
         yield from self._config()
         drained = GaugeMetricFamily("globalpool_drained", "1 for each drained region or worker.",

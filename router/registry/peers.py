@@ -1,0 +1,212 @@
+"""Router replicas tell each other what they have open on each worker.
+
+A heartbeat shows a worker's load as it was up to a heartbeat interval ago. A replica
+counts its own requests since then (router.policy.inflight), but not the other
+replicas': all of them would see the same worker as momentarily best and send to it
+together until its next heartbeat. So every replica publishes its open requests per
+worker on a Redis channel every `router.peer_interval_ms` (50 ms by default; only when
+they changed, and at least every KEEPALIVE_S), and adds its peers' latest reports to
+its own counts. On the benchmark's twin (router.bench.twin) this took `predicted_ttft`
+on skewed-3region from 92.5 % to 96.5 % interactive SLO attainment.
+
+A report replaces the same peer's previous one, so a lost message costs nothing but
+freshness. A peer that falls silent for PEER_TTL_S (it died, or Redis is unreachable)
+stops counting; one that stops cleanly says so with an empty report.
+
+Wire format, one PUBLISH per report: `v1 <key_id> <hex HMAC-SHA256 of the body> <body>`
+(`v1 - - <body>` unsigned), the body `{"router": "<id>", "open": {"<worker_id>": n}}`.
+When heartbeat signing keys are configured (worker.signing), reports are signed with
+the first key and unsigned or unverifiable reports are dropped: otherwise anyone who can
+PUBLISH could steer traffic away from any worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from router.policy.inflight import InFlight
+from router.registry.subscriber import Subscription
+from worker.redis_client import raise_if_cancelling
+
+log = logging.getLogger("globalpool.peers")
+
+KEEPALIVE_S = 0.5
+PEER_TTL_S = 2.0
+MAX_REPORT_BYTES = 1 << 20
+MAX_OPEN_PER_WORKER = 100_000
+_VERSION = b"v1"
+_UNSIGNED = b"-"
+
+
+def router_id() -> str:
+    """Unique per process: host, pid and a random part (a restarted replica is a new peer)."""
+    return f"{socket.gethostname()[:64]}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def encode_report(router: str, open_: Mapping[str, int],
+                  key: tuple[str, bytes] | None = None) -> bytes:
+    body = json.dumps({"router": router, "open": open_}, separators=(",", ":")).encode()
+    if key is None:
+        return b"v1 - - " + body
+    key_id, secret = key
+    signature = hmac.new(secret, body, hashlib.sha256).hexdigest()
+    return b" ".join((_VERSION, key_id.encode(), signature.encode(), body))
+
+
+class ReportError(ValueError):
+    """A peer report that is not believed; the message says why."""
+
+
+def decode_report(payload: bytes, keys: Mapping[str, bytes]) -> tuple[str, dict[str, int]]:
+    """(router id, open requests per worker). Raises ReportError. With `keys`, the report
+    must be signed by one of them."""
+    if len(payload) > MAX_REPORT_BYTES:
+        raise ReportError(f"larger than {MAX_REPORT_BYTES} bytes")
+    parts = payload.split(b" ", 3)
+    if len(parts) != 4 or parts[0] != _VERSION:
+        raise ReportError("not a v1 report")
+    _, key_id, signature, body = parts
+    if keys:
+        secret = keys.get(key_id.decode(errors="replace"))
+        if secret is None:
+            raise ReportError("unsigned" if key_id == _UNSIGNED else "unknown key id")
+        expected = hmac.new(secret, body, hashlib.sha256).hexdigest().encode()
+        if not hmac.compare_digest(expected, signature):
+            raise ReportError("bad signature")
+    try:
+        document = json.loads(body)
+    except ValueError:
+        raise ReportError("body is not JSON") from None
+    if not isinstance(document, dict):
+        raise ReportError("body is not an object")
+    router, open_ = document.get("router"), document.get("open")
+    if not isinstance(router, str) or not 0 < len(router) <= 200:
+        raise ReportError("no router id")
+    if not isinstance(open_, dict) or not all(
+            isinstance(worker, str) and type(count) is int and 0 <= count <= MAX_OPEN_PER_WORKER
+            for worker, count in open_.items()):
+        raise ReportError("`open` is not {worker id: count}")
+    return router, open_
+
+
+class PeerExchange:
+    """Publishes this replica's open requests and applies its peers' to `inflight`."""
+
+    def __init__(
+        self,
+        *,
+        redis: Redis,
+        pubsub_redis: Redis,
+        channel: str,
+        inflight: InFlight,
+        interval_s: Callable[[], float],
+        keys: Mapping[str, bytes] | None = None,
+        router: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self._redis = redis
+        self._pubsub_redis = pubsub_redis
+        self._channel = channel
+        self._inflight = inflight
+        self._interval_s = interval_s  # follows config reloads; 0 turns the exchange off
+        self._keys = dict(keys or {})
+        self._signing_key = next(iter(self._keys.items()), None)
+        self.router = router or router_id()
+        self._clock = clock
+        self._max_backoff_s = max_backoff_s
+        self._sent: dict[str, int] | None = None
+        self._sent_at_s = -float("inf")
+        self.rejected_reports = 0
+        self.connected = False
+
+    async def run(self) -> None:
+        """Run until cancelled; never raises for Redis trouble. On cancellation, tells
+        the peers this replica has nothing open any more."""
+        backoff_s = 0.05
+        try:
+            while True:
+                if self._interval_s() <= 0:
+                    self._forget_all()
+                    await asyncio.sleep(1.0)
+                    continue
+                try:
+                    await self._exchange()
+                except (RedisError, OSError) as exc:
+                    raise_if_cancelling()
+                    if self.connected:
+                        log.warning("peer exchange interrupted (redis: %s); peers' requests "
+                                    "stop counting after %g s", exc, PEER_TTL_S)
+                    self.connected = False
+                    self._expire()
+                    await asyncio.sleep(backoff_s)
+                    backoff_s = min(self._max_backoff_s, backoff_s * 2)
+                else:
+                    backoff_s = 0.05
+        finally:
+            if self._sent:
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    await asyncio.wait_for(self._publish({}), timeout=0.5)
+
+    async def _exchange(self) -> None:
+        async with Subscription(self._pubsub_redis, self._channel) as subscription:
+            self.connected = True
+            next_report_s = self._clock()
+            while (interval_s := self._interval_s()) > 0:
+                now_s = self._clock()
+                if now_s >= next_report_s:
+                    await self._report(now_s)
+                    raise_if_cancelling()  # redis-py can swallow a cancellation
+                    next_report_s = now_s + interval_s
+                for payload in await subscription.get(max(0.0, next_report_s - now_s)):
+                    self._apply(payload)
+                self._expire()
+
+    async def _report(self, now_s: float) -> None:
+        """Publish this replica's counts if they changed, or as a keepalive."""
+        counts = self._inflight.own_counts()
+        if counts == self._sent and now_s - self._sent_at_s < KEEPALIVE_S:
+            return
+        await self._publish(counts)
+        self._sent, self._sent_at_s = counts, now_s
+
+    async def _publish(self, counts: Mapping[str, int]) -> None:
+        await self._redis.publish(self._channel,
+                                  encode_report(self.router, counts, self._signing_key))
+
+    def _apply(self, payload: bytes) -> None:
+        try:
+            peer, open_ = decode_report(payload, self._keys)
+        except ReportError as exc:
+            self.rejected_reports += 1
+            count = self.rejected_reports
+            if count & (count - 1) == 0:  # 1st, 2nd, 4th, 8th...: garbage cannot flood logs
+                log.warning("dropped peer report (%d so far): %s", count, exc)
+            return
+        if peer == self.router:
+            return
+        if open_:
+            self._inflight.apply_peer(peer, open_, self._clock())
+        else:
+            self._inflight.forget_peer(peer)  # it left, or has nothing open
+
+    def _expire(self) -> None:
+        for peer in self._inflight.expire_peers(self._clock() - PEER_TTL_S):
+            log.info("peer router %s went silent; its requests no longer count", peer)
+
+    def _forget_all(self) -> None:
+        for peer in list(self._inflight.peers()):
+            self._inflight.forget_peer(peer)

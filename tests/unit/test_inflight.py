@@ -1,0 +1,95 @@
+"""Open requests per worker: a router's own and its peers' reports (router.policy.inflight),
+and the peer reports' wire format (router.registry.peers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.policy.inflight import InFlight
+from router.registry.peers import (
+    MAX_OPEN_PER_WORKER,
+    MAX_REPORT_BYTES,
+    ReportError,
+    decode_report,
+    encode_report,
+)
+
+KEYS = {"k1": b"0123456789abcdef0123", "k2": b"fedcba9876543210fedc"}
+
+
+def test_own_requests_and_peers_reports_add_up() -> None:
+    inflight = InFlight()
+    inflight.started("w1")
+    inflight.started("w1")
+    inflight.apply_peer("r2", {"w1": 3, "w2": 1}, now_s=1.0)
+    assert (inflight.of("w1"), inflight.of("w2")) == (5, 1)
+    assert (inflight.own_of("w1"), inflight.own_of("w2"), inflight.own_total()) == (2, 0, 2)
+    assert inflight.own_counts() == {"w1": 2}
+    # A peer's next report replaces its last one, it does not add to it.
+    inflight.apply_peer("r2", {"w2": 4}, now_s=1.1)
+    assert dict(inflight.counts) == {"w1": 2, "w2": 4}
+    assert inflight.peers() == {"r2": 4}
+
+
+def test_finishing_never_goes_below_zero_nor_eats_peers_counts() -> None:
+    inflight = InFlight()
+    inflight.apply_peer("r2", {"w1": 2}, now_s=0.0)
+    inflight.finished("w1")  # not ours: a stray finish changes nothing
+    assert inflight.of("w1") == 2
+    inflight.started("w1")
+    inflight.finished("w1")
+    inflight.finished("w1")
+    assert (inflight.of("w1"), inflight.own_of("w1")) == (2, 0)
+
+
+def test_silent_and_departed_peers_stop_counting() -> None:
+    inflight = InFlight()
+    inflight.started("w1")
+    inflight.apply_peer("old", {"w1": 5}, now_s=1.0)
+    inflight.apply_peer("new", {"w1": 1}, now_s=3.0)
+    assert inflight.expire_peers(older_than_s=2.0) == ["old"]
+    assert inflight.of("w1") == 2
+    inflight.forget_peer("new")
+    inflight.forget_peer("never-seen")
+    assert dict(inflight.counts) == {"w1": 1}
+    assert inflight.peers() == {}
+
+
+def test_reports_round_trip_signed_and_unsigned() -> None:
+    counts = {"us-east-1": 3, "eu:w@2": 1}
+    assert decode_report(encode_report("r1", counts), {}) == ("r1", counts)
+    signed = encode_report("r1", counts, ("k2", KEYS["k2"]))
+    assert decode_report(signed, KEYS) == ("r1", counts)
+    assert decode_report(signed, {}) == ("r1", counts)  # no keys here: signatures unchecked
+
+
+@pytest.mark.parametrize(("payload", "reason"), [
+    (encode_report("r1", {"w": 1}), "unsigned"),
+    (encode_report("r1", {"w": 1}, ("k9", b"0123456789abcdef0123")), "unknown key id"),
+    (encode_report("r1", {"w": 1}, ("k1", b"not-the-real-secret!")), "bad signature"),
+    (encode_report("r1", {"w": 1}, ("k1", KEYS["k1"])).replace(b'"w":1', b'"w":9'),
+     "bad signature"),
+])
+def test_with_keys_only_verified_reports_are_believed(payload: bytes, reason: str) -> None:
+    with pytest.raises(ReportError, match=reason):
+        decode_report(payload, KEYS)
+
+
+@pytest.mark.parametrize(("payload", "reason"), [
+    (b"", "not a v1 report"),
+    (b"v2 - - {}", "not a v1 report"),
+    (b"v1 - - {nope", "not JSON"),
+    (b"v1 - - [1, 2]", "not an object"),
+    (b'v1 - - {"open": {}}', "no router id"),
+    (b'v1 - - {"router": "", "open": {}}', "no router id"),
+    (b'v1 - - {"router": "r", "open": []}', "not {worker id: count}"),
+    (b'v1 - - {"router": "r", "open": {"w": -1}}', "not {worker id: count}"),
+    (b'v1 - - {"router": "r", "open": {"w": 1.5}}', "not {worker id: count}"),
+    (b'v1 - - {"router": "r", "open": {"w": true}}', "not {worker id: count}"),
+    (b'v1 - - {"router": "r", "open": {"w": %d}}' % (MAX_OPEN_PER_WORKER + 1),
+     "not {worker id: count}"),
+    (b"v1 - - " + b" " * MAX_REPORT_BYTES, "larger than"),
+])
+def test_malformed_reports_are_refused_with_a_reason(payload: bytes, reason: str) -> None:
+    with pytest.raises(ReportError, match=reason):
+        decode_report(payload, {})

@@ -184,7 +184,9 @@ def fleet_status(context: AdminContext) -> dict[str, Any]:
     return {
         "router": {"region": context.region,
                    "uptime_s": round(now_unix_s - context.started_unix_s, 1),
-                   "now_unix_s": round(now_unix_s, 3)},
+                   "now_unix_s": round(now_unix_s, 3),
+                   # the other replicas whose open requests this one counts: {id: open}
+                   "peers": context.inflight.peers()},
         "config": {
             "path": str(configs.path) if configs.path else None,
             "version": configs.version,

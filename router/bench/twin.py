@@ -32,6 +32,7 @@ from router.bench.replay import Outcome
 from router.bench.scenario import Scenario
 from router.bench.trace import PromptBuilder, Trace, TraceRequest
 from router.bench.twin_parts import EngineEvents, SharedClock, TwinWorker
+from router.config import RouterConfig
 from router.policy import RouteRequest, RoutingContext, create_policy
 from router.policy.affinity import AffinityTable
 from router.policy.inflight import InFlight
@@ -43,7 +44,8 @@ from worker.sim.sequence import Sequence as EngineSequence
 from worker.sim.tokens import prompt_from_text
 
 ORACLE = "oracle"
-PEER_INTERVAL_S = 0.05  # router.peer_interval_ms's default
+# How often router replicas report their open requests to each other, as deployed.
+PEER_INTERVAL_S = RouterConfig.model_fields["peer_interval_ms"].default / 1000.0
 
 
 @dataclass

@@ -239,3 +239,28 @@ async def test_reload_refuses_an_unknown_policy_and_takes_a_known_one(
                 f"{fleet.url}/v1/chat/completions", json=CHAT) as response:
             workers.append(response.headers["x-globalpool-worker"])
     assert workers in (["a", "b", "a", "b"], ["b", "a", "b", "a"])
+
+
+async def test_replicas_show_each_others_open_requests(fleet: OpsFleet) -> None:
+    await fleet.start({"a": "us-east"}, replicas=2, decode_step_ms=50.0)
+    first, second = fleet.urls
+    streams = [asyncio.create_task(chat(first, {**CHAT, "stream": True, "max_tokens": 40}))
+               for _ in range(3)]
+
+    async def second_counts_them() -> bool:
+        _, body = await admin(second, "GET", "/admin/status")
+        return bool(list(body["router"]["peers"].values()) == [3])
+
+    # Reported every 50 ms: seen well before the 2 s streams end.
+    assert await wait_for(second_counts_them, timeout_s=1.5) < 1.5
+    async with aiohttp.ClientSession() as session, session.get(f"{second}/metrics") as response:
+        metrics = await response.text()
+    assert "globalpool_peer_routers 1.0" in metrics
+    assert "globalpool_peer_inflight_requests 3.0" in metrics
+    assert all(status == 200 for status, _, _ in await asyncio.gather(*streams))
+
+    async def second_sees_none_open() -> bool:
+        _, body = await admin(second, "GET", "/admin/status")
+        return bool(sum(body["router"]["peers"].values()) == 0)
+
+    await wait_for(second_sees_none_open, timeout_s=2.0)

@@ -7,8 +7,10 @@ import pytest
 
 from router.policy.inflight import InFlight
 from router.registry.peers import (
+    KEEPALIVE_S,
     MAX_OPEN_PER_WORKER,
     MAX_REPORT_BYTES,
+    PeerExchange,
     ReportError,
     decode_report,
     encode_report,
@@ -93,3 +95,19 @@ def test_with_keys_only_verified_reports_are_believed(payload: bytes, reason: st
 def test_malformed_reports_are_refused_with_a_reason(payload: bytes, reason: str) -> None:
     with pytest.raises(ReportError, match=reason):
         decode_report(payload, {})
+
+
+def test_reports_of_large_fleets_are_spaced_to_bound_the_receivers_cpu() -> None:
+    inflight = InFlight()
+    exchange = PeerExchange(redis=None, pubsub_redis=None, channel="c",  # type: ignore[arg-type]
+                            inflight=inflight, interval_s=lambda: 0.05)
+    exchange._sent = {"w1": 1, "w2": 3}
+    assert exchange._spacing_s(0.05) == 0.05  # small: as configured
+    exchange._sent = {f"w{i}": 1 for i in range(1000)}
+    for peer in range(9):
+        inflight.apply_peer(f"r{peer}", {"w1": 1}, now_s=0.0)
+    # 10 replicas x 1,000 entries x 1 us each, at most 5 % of a core: every 0.2 s.
+    assert exchange._spacing_s(0.05) == pytest.approx(0.2)
+    for peer in range(9, 200):
+        inflight.apply_peer(f"r{peer}", {"w1": 1}, now_s=0.0)
+    assert exchange._spacing_s(0.05) == KEEPALIVE_S  # never so rare that peers expire it

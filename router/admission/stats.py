@@ -14,6 +14,9 @@ no locks: one event loop). Readers take `as_dict()` or read the fields. Label me
 - `heartbeats_dropped[reason]`: "unsigned", "unknown_key", "bad_signature", "future",
   "expired", "replayed", "endpoint_not_allowed", "unknown_region";
   `heartbeats_verified`: heartbeats whose signature checked out.
+- `peer_reports_dropped[reason]`: other router replicas' reports of open requests that
+  were not believed: "too_large", "malformed", "unsigned", "unknown_key", "bad_signature"
+  (router.registry.peers).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class SecurityStats:
     residency_violations: int = 0
     heartbeats_dropped: Counter[str] = field(default_factory=Counter)
     heartbeats_verified: int = 0
+    peer_reports_dropped: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, object]:
         """A JSON-ready copy (tuple labels joined with '/')."""
@@ -44,4 +48,5 @@ class SecurityStats:
             "residency_violations": self.residency_violations,
             "heartbeats_dropped": dict(self.heartbeats_dropped),
             "heartbeats_verified": self.heartbeats_verified,
+            "peer_reports_dropped": dict(self.peer_reports_dropped),
         }

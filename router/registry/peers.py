@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from router.admission.stats import SecurityStats
 from router.policy.inflight import InFlight
 from router.registry.subscriber import Subscription
 from worker.redis_client import raise_if_cancelling
@@ -75,38 +76,45 @@ def encode_report(router: str, open_: Mapping[str, int],
 
 
 class ReportError(ValueError):
-    """A peer report that is not believed; the message says why."""
+    """A peer report that is not believed: `reason` is a metrics label ("too_large",
+    "malformed", "unsigned", "unknown_key", "bad_signature"), the message says more."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def decode_report(payload: bytes, keys: Mapping[str, bytes]) -> tuple[str, dict[str, int]]:
     """(router id, open requests per worker). Raises ReportError. With `keys`, the report
     must be signed by one of them."""
     if len(payload) > MAX_REPORT_BYTES:
-        raise ReportError(f"larger than {MAX_REPORT_BYTES} bytes")
+        raise ReportError("too_large", f"larger than {MAX_REPORT_BYTES} bytes")
     parts = payload.split(b" ", 3)
     if len(parts) != 4 or parts[0] != _VERSION:
-        raise ReportError("not a v1 report")
+        raise ReportError("malformed", "not a v1 report")
     _, key_id, signature, body = parts
     if keys:
         secret = keys.get(key_id.decode(errors="replace"))
         if secret is None:
-            raise ReportError("unsigned" if key_id == _UNSIGNED else "unknown key id")
+            if key_id == _UNSIGNED:
+                raise ReportError("unsigned", "unsigned")
+            raise ReportError("unknown_key", "unknown key id")
         expected = hmac.new(secret, body, hashlib.sha256).hexdigest().encode()
         if not hmac.compare_digest(expected, signature):
-            raise ReportError("bad signature")
+            raise ReportError("bad_signature", "bad signature")
     try:
         document = json.loads(body)
     except ValueError:
-        raise ReportError("body is not JSON") from None
+        raise ReportError("malformed", "body is not JSON") from None
     if not isinstance(document, dict):
-        raise ReportError("body is not an object")
+        raise ReportError("malformed", "body is not an object")
     router, open_ = document.get("router"), document.get("open")
     if not isinstance(router, str) or not 0 < len(router) <= 200:
-        raise ReportError("no router id")
+        raise ReportError("malformed", "no router id")
     if not isinstance(open_, dict) or not all(
             isinstance(worker, str) and type(count) is int and 0 <= count <= MAX_OPEN_PER_WORKER
             for worker, count in open_.items()):
-        raise ReportError("`open` is not {worker id: count}")
+        raise ReportError("malformed", "`open` is not {worker id: count}")
     return router, open_
 
 
@@ -122,6 +130,7 @@ class PeerExchange:
         inflight: InFlight,
         interval_s: Callable[[], float],
         keys: Mapping[str, bytes] | None = None,
+        stats: SecurityStats | None = None,
         router: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_backoff_s: float = 2.0,
@@ -132,6 +141,7 @@ class PeerExchange:
         self._inflight = inflight
         self._interval_s = interval_s  # follows config reloads; 0 turns the exchange off
         self._keys = dict(keys or {})
+        self._stats = stats
         self._signing_key = next(iter(self._keys.items()), None)
         self.router = router or router_id()
         self._clock = clock
@@ -209,6 +219,8 @@ class PeerExchange:
             peer, open_ = decode_report(payload, self._keys)
         except ReportError as exc:
             self.rejected_reports += 1
+            if self._stats is not None:
+                self._stats.peer_reports_dropped[exc.reason] += 1
             count = self.rejected_reports
             if count & (count - 1) == 0:  # 1st, 2nd, 4th, 8th...: garbage cannot flood logs
                 log.warning("dropped peer report (%d so far): %s", count, exc)

@@ -47,3 +47,6 @@ class SecurityCollector:
         yield CounterMetricFamily("globalpool_heartbeats_verified",
                                   "Heartbeats whose signature checked out.",
                                   value=float(stats.heartbeats_verified))
+        yield _family("globalpool_peer_reports_dropped",
+                      "Other router replicas' reports of open requests refused, by reason.",
+                      ["reason"], stats.peer_reports_dropped)

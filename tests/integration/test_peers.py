@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import pytest
 
+from router.admission.stats import SecurityStats
 from router.devstack.valkey import EmbeddedValkey
 from router.policy import RouteRequest, RoutingContext, create_policy
 from router.policy.inflight import InFlight
@@ -29,9 +30,10 @@ class Replica:
 
     def __init__(self, url: str, channel: str, keys: Mapping[str, bytes] | None = None) -> None:
         self.inflight = InFlight()
+        self.stats = SecurityStats()
         self.exchange = PeerExchange(redis=connect(url), pubsub_redis=connect_pubsub(url),
                                      channel=channel, inflight=self.inflight,
-                                     interval_s=lambda: INTERVAL_S, keys=keys)
+                                     interval_s=lambda: INTERVAL_S, keys=keys, stats=self.stats)
         self.task = asyncio.create_task(self.exchange.run())
 
     async def stop(self) -> None:
@@ -114,6 +116,8 @@ async def test_with_signing_keys_forged_reports_are_dropped(
         a.inflight.started("w1")
         await until(lambda: b.exchange.rejected_reports >= 3 and b.inflight.of("w1") == 1)
         assert "forger" not in b.inflight.peers()
+        assert b.stats.peer_reports_dropped == {"unsigned": 1, "bad_signature": 1,
+                                                "malformed": 1}
     finally:
         await redis.aclose()
 

@@ -73,8 +73,9 @@ def test_reports_round_trip_signed_and_unsigned() -> None:
      "bad signature"),
 ])
 def test_with_keys_only_verified_reports_are_believed(payload: bytes, reason: str) -> None:
-    with pytest.raises(ReportError, match=reason):
+    with pytest.raises(ReportError, match=reason) as caught:
         decode_report(payload, KEYS)
+    assert caught.value.reason == reason.replace(" id", "").replace(" ", "_")
 
 
 @pytest.mark.parametrize(("payload", "reason"), [

@@ -18,6 +18,7 @@ from opentelemetry.trace import TracerProvider
 
 from router.admin.setup import Operations
 from router.admission.gate import Admission, add_rate_limit_headers
+from router.admission.queue import RouterQueue
 from router.admission.setup import build_admission, heartbeat_gate
 from router.admission.stats import SecurityStats
 from router.config import GlobalConfig
@@ -194,6 +195,10 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         region_cost=lambda region: app[OPERATIONS].configs.current.cost_per_gpu_hour(region),
     )
     operations = app[OPERATIONS]
+    queue_config = config.router.queue
+    queue = (RouterQueue(app[_INFLIGHT], max_requests=queue_config.max_requests,
+                         max_wait_s=queue_config.max_wait_ms / 1000.0)
+             if queue_config.enabled else None)
     app[PROXY] = Proxy(
         configs=operations.configs,
         region=settings.region,
@@ -208,8 +213,11 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         observers=operations.observers,
         drains=operations.drains,
         propagate_trace=operations.tracer_provider is not None,
+        queue=queue,
     )
     yield
+    if queue is not None:
+        await queue.close()
     await session.close()
 
 

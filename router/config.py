@@ -89,6 +89,22 @@ class ClientTimeouts(_Strict):
     )
 
 
+class QueueConfig(_Strict):
+    """Requests wait at the router, interactive first, while every candidate worker is
+    busy (router.admission.queue)."""
+
+    enabled: bool = True
+    max_requests: int = Field(
+        default=1000, ge=1, le=1_000_000,
+        description="requests waiting at once; past that a request is refused (503)",
+    )
+    max_wait_ms: float = Field(
+        default=5000.0, ge=0, le=600_000,
+        description="the longest a request waits (less when its TTFT budget says so); "
+        "then it goes to the best worker, whose engine queues it",
+    )
+
+
 class RouterConfig(_Strict):
     region: str | None = Field(default=None, description="the region this replica runs in")
     host: str = "127.0.0.1"
@@ -107,6 +123,7 @@ class RouterConfig(_Strict):
         default=3, ge=1, le=5, description="attempts per request; retries only before first byte"
     )
     timeouts: Timeouts = Timeouts()
+    queue: QueueConfig = QueueConfig()
     health: HealthConfig = HealthConfig()
     max_json_depth: int = Field(
         default=64, ge=2, le=512, description="deepest nesting of arrays/objects in a body"

@@ -40,6 +40,9 @@ RESTART_ONLY = (
     "router.health.max_backoff_s",
     "router.health.retry_budget_ratio",
     "router.health.retry_budget_min_per_s",
+    "router.queue.enabled",
+    "router.queue.max_requests",
+    "router.queue.max_wait_ms",
     "auth.rate_limits.redis_timeout_ms",
     "auth.rate_limits.redis_retry_s",
 )

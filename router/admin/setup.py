@@ -114,14 +114,16 @@ class Operations:
         self.configs.on_refused(self._refused)
         self.registry.register(FleetCollector(
             snapshots=snapshots, configs=self.configs, drains=self.drains, inflight=inflight,
-            health=proxy.health, retry_budget=proxy.retry_budget))
+            health=proxy.health, retry_budget=proxy.retry_budget,
+            queue=proxy.queue.backlog if proxy.queue is not None else None))
         if security is not None:
             self.registry.register(SecurityCollector(security))
         app[ADMIN] = AdminContext(
             region=self.region, configs=self.configs, snapshots=snapshots,
             drain_holder=self.drains, inflight=inflight, window=self.window,
             events=self.events, drains=store, health=proxy.health,
-            reload=watcher.reload if watcher is not None else None)
+            reload=watcher.reload if watcher is not None else None,
+            queue=proxy.queue.backlog if proxy.queue is not None else None)
 
     async def stop(self) -> None:
         for task in self._tasks:

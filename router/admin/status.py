@@ -8,7 +8,7 @@ and says so (`redis.connected`, `redis.snapshot_age_s`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,6 +61,7 @@ class AdminContext:
     drains: DrainStore | None = None
     health: HealthStatusView | None = None
     reload: Callable[[], bool] | None = None
+    queue: Sized | None = None  # requests waiting at this router (router.admission.queue)
     started_unix_s: float = field(default_factory=time.time)
     clock: Callable[[], float] = time.monotonic
 
@@ -186,7 +187,8 @@ def fleet_status(context: AdminContext) -> dict[str, Any]:
                    "uptime_s": round(now_unix_s - context.started_unix_s, 1),
                    "now_unix_s": round(now_unix_s, 3),
                    # the other replicas whose open requests this one counts: {id: open}
-                   "peers": context.inflight.peers()},
+                   "peers": context.inflight.peers(),
+                   "queued": len(context.queue) if context.queue is not None else 0},
         "config": {
             "path": str(configs.path) if configs.path else None,
             "version": configs.version,

@@ -4,8 +4,9 @@ removed at a time (no test bed, ~1 s of CPU per line).
     python -m router.bench.diagnose [--scenario skewed-3region] [--quick] [--seed N]
 
 Lines: predicted_ttft as deployed (a router replica per region, heartbeats every interval
-with the agent's measured performance, replicas exchanging their open requests); without
-that exchange; with one router replica for every origin (no
+with the agent's measured performance, replicas exchanging their open requests, requests
+waiting at the router while every worker is busy); without that queue; without that
+exchange; with one router replica for every origin (no
 dispatches by other replicas go unseen); with the engines' true prefill rate in the
 heartbeats; both; heartbeats every 0.1 s; least_load and power_of_two likewise with one
 replica; and the oracle (exact engine state at every decision).
@@ -26,6 +27,7 @@ from router.bench.workload import generate
 
 VARIANTS: tuple[tuple[str, str, dict[str, Any], float | None], ...] = (
     ("predicted_ttft", "as deployed: 3 replicas, measured performance", {}, None),
+    ("predicted_ttft", "no queue at the router", {"queue": False}, None),
     ("predicted_ttft", "replicas do not exchange open requests", {"peer_interval_s": None}, None),
     ("predicted_ttft", "one router replica", {"one_router": True}, None),
     ("predicted_ttft", "true prefill rate in heartbeats", {"true_prefill_rate": True}, None),

@@ -27,13 +27,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from router.admission.queue import POLL_S as QUEUE_POLL_S
+from router.admission.queue import Backlog
 from router.bench.capacity import sim_config
 from router.bench.replay import Outcome
 from router.bench.scenario import Scenario
 from router.bench.trace import PromptBuilder, Trace, TraceRequest
 from router.bench.twin_parts import EngineEvents, SharedClock, TwinWorker
-from router.config import RouterConfig
-from router.policy import RouteRequest, RoutingContext, create_policy
+from router.config import QueueConfig, RouterConfig
+from router.policy import Decision, Policy, RouteRequest, RoutingContext, create_policy
 from router.policy.affinity import AffinityTable
 from router.policy.inflight import InFlight
 from router.proxy.parse import PREFIX_TOKENS, parse_body
@@ -44,8 +46,10 @@ from worker.sim.sequence import Sequence as EngineSequence
 from worker.sim.tokens import prompt_from_text
 
 ORACLE = "oracle"
-# How often router replicas report their open requests to each other, as deployed.
+# How often router replicas report their open requests to each other, and their queue
+# for requests that find every worker busy, as deployed by default.
 PEER_INTERVAL_S = RouterConfig.model_fields["peer_interval_ms"].default / 1000.0
+QUEUE = QueueConfig()
 
 
 @dataclass
@@ -60,13 +64,15 @@ class Twin:
     def __init__(self, scenario: Scenario, trace: Trace, policy: str, *, seed: int = 0,
                  service_s: float | None = None, one_router: bool = False,
                  true_prefill_rate: bool = False, near_equal_ms: float = 5.0,
-                 peer_interval_s: float | None = PEER_INTERVAL_S) -> None:
+                 peer_interval_s: float | None = PEER_INTERVAL_S,
+                 queue: bool = QUEUE.enabled) -> None:
         """`one_router`: one router replica for every origin (no other replica's traffic
         is invisible to it); `true_prefill_rate`: heartbeats carry the engine's configured
         prefill rate instead of the agent's measured one. Both are diagnostics: they
         remove one source of prediction error at a time. `peer_interval_s`: how often
         the replicas report their open requests to each other (router.registry.peers;
-        None: they do not)."""
+        None: they do not). `queue`: requests wait at their router while every candidate
+        is busy (router.admission.queue), with regions.yaml's default settings."""
         self.scenario = scenario
         self.one_router = one_router
         self.peer_interval_s = peer_interval_s
@@ -82,8 +88,12 @@ class Twin:
         self.workers: list[TwinWorker] = []
         self.outcomes: dict[int, Outcome] = {}
         self._pending: dict[str, tuple[TraceRequest, TwinWorker, Any]] = {}
-        self._routers: dict[str, tuple[Any, InFlight, dict[str, WorkerView]]] = {}
+        self._routers: dict[str, tuple[Policy | None, InFlight, dict[str, WorkerView]]] = {}
         self._open = len(trace.requests)  # requests whose client has not seen the end yet
+        self.queue = queue
+        self.queue_max_wait_s = QUEUE.max_wait_ms / 1000.0
+        self._backlogs: dict[str, Backlog[tuple[TraceRequest, bytes, int | None]]] = {}
+        self._polling = False
 
     def _at(self, when_s: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (when_s, next(self._order), action))
@@ -113,6 +123,11 @@ class Twin:
             self._routers = {region: only for region in self.scenario.regions}
         elif self.peer_interval_s is not None:
             self._at(self.peer_interval_s, self._exchange)
+        if self.queue and self.policy_name != ORACLE:
+            backlogs: dict[int, Backlog[tuple[TraceRequest, bytes, int | None]]] = {}
+            for region, (_, inflight, _) in self._routers.items():
+                self._backlogs[region] = backlogs.setdefault(id(inflight), Backlog(
+                    inflight, max_requests=QUEUE.max_requests, clock=self.clock.now))
 
     def _exchange(self) -> None:
         """Every replica's open requests reach the others (router.registry.peers)."""
@@ -158,20 +173,62 @@ class Twin:
         policy, inflight, views = self._routers[request.origin]
         parsed = parse_body(body, "chat")
         if policy is None:
-            worker, reason = self._oracle(request, parsed.prompt_tokens), "oracle"
-        else:
-            route = RouteRequest(
-                model=self.scenario.model, origin_region=request.origin,
-                prompt_tokens=parsed.prompt_tokens, stream=True,
-                session_id=request.session_id, prefix_key=parsed.prefix_key,
-                prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,
-                traffic_class=request.traffic_class, ttft_budget_ms=request.ttft_budget_ms)
+            worker = self._oracle(request, parsed.prompt_tokens)
+            inflight.started(worker.name)
+            self._dispatch(request, body, parsed.prefix_key, worker, "oracle")
+            return
+        route = RouteRequest(
+            model=self.scenario.model, origin_region=request.origin,
+            prompt_tokens=parsed.prompt_tokens, stream=True,
+            session_id=request.session_id, prefix_key=parsed.prefix_key,
+            prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,
+            traffic_class=request.traffic_class, ttft_budget_ms=request.ttft_budget_ms)
+
+        def pick(policy: Policy = policy) -> Decision:
             snapshot = Snapshot.build(views.values(), built_at_s=self.clock.now_s,
                                       redis_connected=True, last_redis_ok_at_s=self.clock.now_s)
-            decision = policy.pick(snapshot, route)
-            worker = next(w for w in self.workers if w.name == decision.worker.worker_id)
-            reason = decision.reason
-        inflight.started(worker.name)
+            return policy.pick(snapshot, route)
+
+        decision = pick()
+        backlog = self._backlogs.get(request.origin)
+        if backlog is not None and backlog.must_wait(route.model, decision):
+            # As router.admission.queue.RouterQueue.turn: wait at the router.
+            budget_s = (request.ttft_budget_ms - decision.predicted_ttft_ms) / 1000.0 \
+                if request.ttft_budget_ms is not None else self.queue_max_wait_s
+            deadline_s = request.at_s + max(0.0, min(self.queue_max_wait_s, budget_s))
+            if deadline_s > self.clock.now_s:
+                backlog.push(route.model, request.traffic_class, deadline_s, pick,
+                             (request, body, parsed.prefix_key))
+                self._poll_backlogs()
+                return
+        inflight.started(decision.worker.worker_id)
+        self._dispatch(request, body, parsed.prefix_key, self._worker(decision), decision.reason)
+
+    def _worker(self, decision: Decision) -> TwinWorker:
+        return next(w for w in self.workers if w.name == decision.worker.worker_id)
+
+    def _poll_backlogs(self) -> None:
+        """Every queue's heads that may go now (router.admission.queue); again in POLL_S
+        while anything waits."""
+        waiting = False
+        for backlog in {id(b): b for b in self._backlogs.values()}.values():
+            for item, outcome in backlog.due():
+                request, body, prefix_key = item.payload
+                if isinstance(outcome, BaseException):
+                    raise outcome  # the twin's fleet never loses its last worker
+                self._dispatch(request, body, prefix_key, self._worker(outcome), outcome.reason)
+            waiting |= bool(len(backlog))
+        if waiting and not self._polling:
+            self._polling = True
+            self._at(self.clock.now_s + QUEUE_POLL_S, self._next_poll)
+
+    def _next_poll(self) -> None:
+        self._polling = False
+        self._poll_backlogs()
+
+    def _dispatch(self, request: TraceRequest, body: bytes, prefix_key: int | None,
+                  worker: TwinWorker, reason: str) -> None:
+        """Send to `worker` (already counted in its router's open requests)."""
         worker.in_transit += 1
         outcome = Outcome(index=request.index, origin=request.origin,
                           traffic_class=request.traffic_class, scheduled_s=request.at_s,
@@ -179,8 +236,8 @@ class Twin:
                           worker=worker.name, route=reason)
         self.outcomes[request.index] = outcome
         half_rtt_s = self.scenario.rtt_ms(request.origin, worker.region) / 2000.0
-        self._at(request.at_s + half_rtt_s,
-                 lambda: self._arrive(request, body, worker, parsed.prefix_key))
+        self._at(self.clock.now_s + half_rtt_s,
+                 lambda: self._arrive(request, body, worker, prefix_key))
 
     def _oracle(self, request: TraceRequest, prompt_tokens: int) -> TwinWorker:
         engine_spec = self.scenario.engine
@@ -220,6 +277,8 @@ class Twin:
         def client_end() -> None:
             self._open -= 1
             inflight.finished(worker.name)
+            if self._backlogs:
+                self._poll_backlogs()  # as RouterQueue.capacity_freed
             if policy is not None and (request.session_id or prefix_key is not None):
                 policy.context.affinity.remember(request.session_id, prefix_key, worker.name)
 

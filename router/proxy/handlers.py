@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,10 +13,11 @@ from aiohttp import web
 
 from router.admin.drains import DrainHolder
 from router.admission.gate import Admission, allowed_regions
+from router.admission.queue import QueueFull, RouterQueue
 from router.config import GlobalConfig
 from router.config_reload import ConfigHolder
 from router.health import Health, RetryBudget
-from router.policy import NoRoute, Policy, RouteRequest
+from router.policy import Decision, NoRoute, Policy, RouteRequest
 from router.policy.inflight import InFlight
 from router.proxy.errors import ApiError, error_response
 from router.proxy.forward import (
@@ -65,6 +67,7 @@ class Proxy:
     observers: tuple[Observer, ...] = ()
     drains: DrainHolder = field(default_factory=DrainHolder)
     admission: Admission | None = None  # API keys and rate limits; None: neither
+    queue: RouterQueue | None = None  # waiting for a worker with room; None: never waits
     propagate_trace: bool = False  # tracing on: workers continue the router's span
 
     @property
@@ -147,14 +150,26 @@ class Proxy:
                 traffic_class=traffic_class,
                 ttft_budget_ms=budget_ms,
             )
+            counted = False  # in the open-request counts already (the queue did it)
             try:
-                decision = self.policy.pick(self.holder.current, route)
+                if attempt_number == 0 and self.queue is not None:
+                    decision, record.queued_s = await self.queue.turn(
+                        functools.partial(self._pick, route),
+                        model=parsed.model, traffic_class=traffic_class,
+                        arrived_s=record.received_s, budget_ms=budget_ms)
+                    counted = True
+                else:
+                    decision = self.policy.pick(self.holder.current, route)
             except NoRoute as exc:
                 if failure is not None:
                     log.warning("no retry for %s: %s", parsed.model, exc.reason)
                     break  # report the upstream failure, not "nothing left to try"
                 record.error = exc.reason
                 return _no_route(exc, configured=parsed.model in self.config.models)
+            except QueueFull as exc:
+                record.error = str(exc)
+                return error_response(503, f"no capacity: every worker is busy and {exc}",
+                                      code="queue_full", headers={"Retry-After": "1"})
             worker = decision.worker
             tried.add(worker.worker_id)
             now = time.monotonic()
@@ -175,7 +190,8 @@ class Proxy:
                 reply_headers[BUDGET_HEADER] = "met" if decision.budget_met else "missed"
             url = worker.endpoint.rstrip("/") + request.path
             set_upstream_key(headers, upstream_key(self.config, worker.region))
-            self.inflight.started(worker.worker_id)
+            if not counted:
+                self.inflight.started(worker.worker_id)
             self.health.dispatched(attempt)
             try:
                 if parsed.stream:
@@ -208,6 +224,8 @@ class Proxy:
                 failure = exc
             finally:
                 self.inflight.finished(worker.worker_id)
+                if self.queue is not None:
+                    self.queue.capacity_freed()
                 attempt.finished_s = time.monotonic()
                 self.health.attempt_finished(attempt)
                 for observer in self.observers:
@@ -221,6 +239,10 @@ class Proxy:
             code="upstream_failed",
             headers={"Retry-After": "1"},
         )
+
+    def _pick(self, route: RouteRequest) -> Decision:
+        """Route on the fleet view of this moment (a waiting request is routed again)."""
+        return self.policy.pick(self.holder.current, route)
 
     def _origin_region(self, request: web.Request) -> str | None:
         named = request.headers.get(CLIENT_REGION_HEADER)
@@ -272,12 +294,15 @@ def _no_route(exc: NoRoute, *, configured: bool) -> web.Response:
 def _server_timing(record: RequestRecord, attempt: Attempt) -> str:
     """`server-timing` before the answer starts: router time so far, by phase, in ms.
 
-    `route` is arrival -> first routing decision (body read, validation, policy);
+    `route` is arrival -> first routing decision (body read, validation, policy), less
+    `queue`, the time it waited at the router for a worker with room;
     `retry` is time spent on earlier failed attempts. The upstream's own time shows in
     the client's TTFB minus these.
     """
     routed = record.routed_s if record.routed_s is not None else attempt.started_s
-    parts = [f"route;dur={(routed - record.received_s) * 1000:.3f}"]
+    parts = [f"route;dur={(routed - record.received_s - record.queued_s) * 1000:.3f}"]
+    if record.queued_s:
+        parts.append(f"queue;dur={record.queued_s * 1000:.3f}")
     if len(record.attempts) > 1:
         parts.append(f"retry;dur={(attempt.started_s - routed) * 1000:.3f}")
     return ", ".join(parts)

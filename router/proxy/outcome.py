@@ -73,6 +73,7 @@ class RequestRecord:
     attempts: list[Attempt] = field(default_factory=list)
     status: int = 0
     routed_s: float | None = None
+    queued_s: float = 0.0  # waited at the router for a worker with room
     finished_s: float | None = None
     error: str | None = None
 

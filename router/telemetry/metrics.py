@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from router.admin.drains import DrainHolder
+from router.admission.queue import Backlog
 from router.config_reload import ConfigHolder
 from router.policy.inflight import InFlight
 from router.proxy.outcome import Attempt, RequestRecord
@@ -138,6 +139,7 @@ class FleetCollector:
     inflight: InFlight
     health: HealthView | None = None
     retry_budget: RetryBudgetView | None = None
+    queue: Backlog[Any] | None = None
     clock: Callable[[], float] = time.monotonic
 
     def collect(self) -> Iterator[Metric]:
@@ -151,6 +153,18 @@ class FleetCollector:
                      age if age is not None else float("nan"))
         yield _gauge("globalpool_inflight_requests", "Requests this router has open upstream.",
                      float(self.inflight.own_total()))
+        if self.queue is not None:
+            yield _gauge("globalpool_queued_requests",
+                         "Requests waiting at this router for a worker with room.",
+                         float(len(self.queue)))
+            left = CounterMetricFamily(
+                "globalpool_queue_exits", "Requests that waited at this router, by how the "
+                "wait ended (room: a worker had room; deadline: sent anyway; full: refused).",
+                labels=["outcome"])
+            left.add_metric(["room"], float(self.queue.dispatched))
+            left.add_metric(["deadline"], float(self.queue.expired))
+            left.add_metric(["full"], float(self.queue.refused))
+            yield left
         peers = self.inflight.peers()
         yield _gauge("globalpool_peer_routers",
                      "Other router replicas whose open requests this one counts.",

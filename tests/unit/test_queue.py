@@ -1,0 +1,95 @@
+"""The router's queue for requests that find every worker busy (router.admission.queue),
+on literal worker views and an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.admission.queue import ENGINE_QUEUE, Backlog, QueueFull
+from router.policy import Decision, NoRoute
+from router.policy.inflight import InFlight
+from router.registry.snapshot import WorkerView
+from worker.schema import Capacity, Heartbeat, LifecycleState, Load
+
+SLOTS = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def view(worker_id: str, running: int = 0) -> WorkerView:
+    heartbeat = Heartbeat(
+        worker_id=worker_id, region="us-east", endpoint=f"http://127.0.0.1:1/{worker_id}",
+        models=("m",), state=LifecycleState.READY, capacity=Capacity(max_num_seqs=SLOTS),
+        load=Load(running=running, waiting=0, kv_cache_usage=0.1), seq=1, sent_at_s=0.0, ttl_s=60.0)
+    return WorkerView(heartbeat, received_at_s=100.0)
+
+
+def to(worker: WorkerView) -> Decision:
+    return Decision(worker=worker, predicted_ttft_ms=100.0, reason="local", candidates=1)
+
+
+def setup(running: int = SLOTS + ENGINE_QUEUE) -> tuple[Backlog[str], InFlight, Clock, Decision]:
+    inflight, clock = InFlight(), Clock()
+    return Backlog(inflight, max_requests=3, clock=clock), inflight, clock, to(view("w", running))
+
+
+def test_a_worker_has_room_up_to_its_slots_plus_one_waiting() -> None:
+    backlog, inflight, _, _ = setup()
+    worker = view("w", running=SLOTS)
+    assert backlog.has_room(to(worker))  # one may wait in the engine's own queue
+    inflight.started("w")
+    assert not backlog.has_room(to(worker))
+    assert not backlog.must_wait("m", to(view("idle")))
+
+
+def test_interactive_goes_first_then_arrival_order_and_nothing_overtakes() -> None:
+    backlog, inflight, _, full = setup()
+    for name, traffic_class in (("b1", "batch"), ("i1", "interactive"), ("b2", "batch"),):
+        backlog.push("m", traffic_class, 200.0, lambda: full, name)
+    assert backlog.due() == [] and len(backlog) == 3
+    # A request that would find room must still queue behind those waiting (no overtaking).
+    assert backlog.must_wait("m", to(view("idle")))
+    assert not backlog.must_wait("other-model", to(view("idle")))
+    # Room for two: the interactive one first, then the batch one that came first.
+    room = to(view("w", running=SLOTS + ENGINE_QUEUE - 2))
+    for item in backlog._queues["m"]:
+        item.pick = lambda: room  # every waiting request now routes there
+    assert [item.payload for item, _ in backlog.due()] == ["i1", "b1"]
+    assert inflight.own_of("w") == 2  # counted when dispatched: the next head saw them
+    assert len(backlog) == 1
+
+
+def test_a_wait_ends_at_its_deadline_and_a_full_queue_refuses() -> None:
+    backlog, inflight, clock, full = setup()
+    backlog.push("m", "interactive", 101.0, lambda: full, "a")
+    backlog.push("m", "interactive", 105.0, lambda: full, "b")
+    backlog.push("m", "interactive", 105.0, lambda: full, "c")
+    with pytest.raises(QueueFull):
+        backlog.push("m", "batch", 105.0, lambda: full, "d")
+    assert backlog.refused == 1
+    clock.now_s = 101.0
+    # `a` goes to its (busy) worker at its deadline; `b` waits on (FIFO: its own deadline).
+    assert [(item.payload, d) for item, d in backlog.due()] == [("a", full)]
+    assert (backlog.expired, backlog.dispatched, inflight.own_of("w")) == (1, 0, 1)
+
+
+def test_a_departed_client_is_skipped_and_a_routing_error_is_handed_over() -> None:
+    backlog, _, _, full = setup()
+    gone = backlog.push("m", "interactive", 200.0, lambda: full, "gone")
+
+    def no_route() -> Decision:
+        raise NoRoute("the last worker left")
+
+    backlog.push("m", "interactive", 200.0, no_route, "orphan")
+    backlog.leave(gone)
+    backlog.leave(gone)  # twice is once
+    assert len(backlog) == 1
+    ((item, outcome),) = backlog.due()
+    assert item.payload == "orphan" and isinstance(outcome, NoRoute)
+    assert len(backlog) == 0 and backlog.due() == []

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -13,6 +14,9 @@ from worker.sim.server import SimServer
 # Fast engine timings: tests measure behaviour, not speed.
 FAST = {"decode_step_ms": 1.0, "decode_step_ms_per_seq": 0.0, "prefill_tokens_per_s": 1e6}
 StartSim = Callable[..., Awaitable[SimServer]]
+
+if TYPE_CHECKING:
+    from tests.integration.operators_fleet import OpsFleet
 
 
 @pytest.fixture
@@ -29,3 +33,16 @@ async def start_sim() -> AsyncIterator[StartSim]:
     yield start
     for server in servers:
         await server.stop()
+
+
+@pytest.fixture
+async def fleet(redis_url: str, key_prefix: str, tmp_path: Path, start_sim: StartSim,
+                monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[OpsFleet]:
+    """Router apps in front of simulators (tests.integration.operators_fleet), with the
+    admin token set; `await fleet.start(...)` starts them, they stop afterwards."""
+    from tests.integration.operators_fleet import TOKEN, OpsFleet  # it imports this module
+
+    monkeypatch.setenv("GLOBALPOOL_ADMIN_TOKEN", TOKEN)
+    fleet = OpsFleet(redis_url, key_prefix, tmp_path, start_sim)
+    yield fleet
+    await fleet.close()

@@ -5,13 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import (
     CHAT,
     TOKEN,
@@ -24,14 +21,6 @@ from tests.integration.operators_fleet import (
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture
-async def fleet(redis_url: str, key_prefix: str, tmp_path: Path, start_sim: StartSim,
-                monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[OpsFleet]:
-    monkeypatch.setenv("GLOBALPOOL_ADMIN_TOKEN", TOKEN)
-    fleet = OpsFleet(redis_url, key_prefix, tmp_path, start_sim)
-    yield fleet
-    await fleet.close()
 
 
 async def test_admin_api_needs_the_token(fleet: OpsFleet,

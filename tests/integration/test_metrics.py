@@ -5,18 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT
-from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import (
     CHAT,
-    TOKEN,
     OpsFleet,
     admin,
     chat,
@@ -28,14 +24,6 @@ pytestmark = pytest.mark.integration
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
-
-@pytest.fixture
-async def fleet(redis_url: str, key_prefix: str, tmp_path: Path, start_sim: StartSim,
-                monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[OpsFleet]:
-    monkeypatch.setenv("GLOBALPOOL_ADMIN_TOKEN", TOKEN)
-    fleet = OpsFleet(redis_url, key_prefix, tmp_path, start_sim)
-    yield fleet
-    await fleet.close()
 
 
 async def scrape(url: str) -> Samples:

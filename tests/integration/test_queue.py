@@ -5,28 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 import pytest
 
 from router.app import PROXY
-from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import CHAT, OpsFleet, fleet_config
 
 pytestmark = pytest.mark.integration
 
 SLOTS = 8  # the heartbeats' max_num_seqs: room for SLOTS + 1 (ENGINE_QUEUE) at once
 
-
-@pytest.fixture
-async def fleet(redis_url: str, key_prefix: str, tmp_path: Path,
-                start_sim: StartSim) -> AsyncIterator[OpsFleet]:
-    fleet = OpsFleet(redis_url, key_prefix, tmp_path, start_sim)
-    yield fleet
-    await fleet.close()
 
 
 async def stream(url: str, max_tokens: int, *, traffic_class: str = "interactive"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -17,7 +15,6 @@ from opentelemetry.trace import SpanKind
 from router.app import HOLDER, RouterSettings, build_app
 from router.devstack.valkey import free_port
 from router.telemetry.tracing import tracer_provider_from_env
-from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import CHAT, OpsFleet, chat, wait_for
 
 pytestmark = pytest.mark.integration
@@ -57,13 +54,6 @@ class HeaderRecorder:
         if self.runner is not None:
             await self.runner.cleanup()
 
-
-@pytest.fixture
-async def fleet(redis_url: str, key_prefix: str, tmp_path: Path,
-                start_sim: StartSim) -> AsyncIterator[OpsFleet]:
-    fleet = OpsFleet(redis_url, key_prefix, tmp_path, start_sim)
-    yield fleet
-    await fleet.close()
 
 
 async def test_a_span_per_request_and_its_context_reaches_the_worker(fleet: OpsFleet) -> None:

@@ -63,7 +63,7 @@ class Waiting(Generic[T]):
     deadline_s: float = field(compare=False)
     pick: Callable[[], Decision] = field(compare=False)  # routes it again (may raise NoRoute)
     payload: T = field(compare=False)
-    gone: bool = field(default=False, compare=False)  # its client left
+    gone: bool = field(default=False, compare=False)  # left the queue (or its client did)
 
 
 class Backlog(Generic[T]):
@@ -107,7 +107,8 @@ class Backlog(Generic[T]):
         return item
 
     def leave(self, item: Waiting[T]) -> None:
-        """The request's client went away: it is skipped (and dropped) when reached."""
+        """The request's client went away: it is skipped (and dropped) when reached.
+        Nothing happens for a request that already left the queue."""
         if not item.gone:
             item.gone = True
             self._count -= 1
@@ -144,6 +145,7 @@ class Backlog(Generic[T]):
 
     def _pop(self, queue: list[Waiting[T]]) -> Waiting[T]:
         item = heapq.heappop(queue)
+        item.gone = True  # out of the queue: a later `leave` changes nothing
         self._count -= 1
         return item
 

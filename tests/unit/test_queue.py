@@ -93,3 +93,13 @@ def test_a_departed_client_is_skipped_and_a_routing_error_is_handed_over() -> No
     ((item, outcome),) = backlog.due()
     assert item.payload == "orphan" and isinstance(outcome, NoRoute)
     assert len(backlog) == 0 and backlog.due() == []
+
+
+def test_a_client_leaving_after_its_request_left_the_queue_changes_no_count() -> None:
+    backlog, _, clock, full = setup()
+    item = backlog.push("m", "interactive", 101.0, lambda: full, "late")
+    backlog.push("m", "interactive", 200.0, lambda: full, "next")
+    clock.now_s = 101.0
+    assert [i.payload for i, _ in backlog.due()] == ["late"]
+    backlog.leave(item)  # its client went away just as it was sent
+    assert len(backlog) == 1

@@ -51,6 +51,16 @@ _CLASS_ORDER = {"interactive": 0}  # every other class after interactive
 T = TypeVar("T")
 
 
+def wait_deadline_s(arrived_s: float, max_wait_s: float, first: Decision,
+                    budget_ms: float | None) -> float:
+    """When a request stops waiting: `max_wait_s` after it arrived, or sooner if its TTFT
+    budget, less the TTFT predicted when it arrived (`first`), leaves less."""
+    wait_s = max_wait_s
+    if budget_ms is not None:
+        wait_s = min(wait_s, max(0.0, (budget_ms - first.predicted_ttft_ms) / 1000.0))
+    return arrived_s + wait_s
+
+
 class QueueFull(Exception):
     """More requests are waiting than the queue holds."""
 
@@ -167,14 +177,6 @@ class RouterQueue:
         self._pump: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
-    def deadline_s(self, arrived_s: float, first: Decision, budget_ms: float | None) -> float:
-        """When a request stops waiting: `max_wait_s` after it arrived, or sooner if its
-        TTFT budget, less the predicted TTFT, leaves less."""
-        wait_s = self.max_wait_s
-        if budget_ms is not None:
-            wait_s = min(wait_s, max(0.0, (budget_ms - first.predicted_ttft_ms) / 1000.0))
-        return arrived_s + wait_s
-
     async def turn(self, pick: Callable[[], Decision], *, model: str, traffic_class: str,
                    arrived_s: float, budget_ms: float | None) -> tuple[Decision, float]:
         """(decision, seconds waited). Raises NoRoute (from `pick`) and QueueFull."""
@@ -183,7 +185,7 @@ class RouterQueue:
         if not backlog.must_wait(model, first):
             self._inflight.started(first.worker.worker_id)
             return first, 0.0
-        deadline_s = self.deadline_s(arrived_s, first, budget_ms)
+        deadline_s = wait_deadline_s(arrived_s, self.max_wait_s, first, budget_ms)
         if deadline_s <= self._clock():
             self._inflight.started(first.worker.worker_id)
             return first, 0.0

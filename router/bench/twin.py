@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.admission.queue import POLL_S as QUEUE_POLL_S
-from router.admission.queue import Backlog
+from router.admission.queue import Backlog, wait_deadline_s
 from router.bench.capacity import sim_config
 from router.bench.replay import Outcome
 from router.bench.scenario import Scenario
@@ -193,9 +193,8 @@ class Twin:
         backlog = self._backlogs.get(request.origin)
         if backlog is not None and backlog.must_wait(route.model, decision):
             # As router.admission.queue.RouterQueue.turn: wait at the router.
-            budget_s = (request.ttft_budget_ms - decision.predicted_ttft_ms) / 1000.0 \
-                if request.ttft_budget_ms is not None else self.queue_max_wait_s
-            deadline_s = request.at_s + max(0.0, min(self.queue_max_wait_s, budget_s))
+            deadline_s = wait_deadline_s(request.at_s, self.queue_max_wait_s, decision,
+                                         request.ttft_budget_ms)
             if deadline_s > self.clock.now_s:
                 backlog.push(route.model, request.traffic_class, deadline_s, pick,
                              (request, body, parsed.prefix_key))

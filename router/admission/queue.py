@@ -104,6 +104,19 @@ class Backlog(Generic[T]):
         room, or others of its model already wait (no overtaking)."""
         return bool(self._queues.get(model)) or not self.has_room(decision)
 
+    def admit(self, model: str, traffic_class: str, first: Decision,
+              pick: Callable[[], Decision], payload: Callable[[], T], *, arrived_s: float,
+              max_wait_s: float, budget_ms: float | None) -> Waiting[T] | None:
+        """For a request that routing just sent to `first`: None when it goes there now
+        (then it is counted in the open requests), else its place in the queue, holding
+        `payload()`. Raises QueueFull."""
+        if self.must_wait(model, first):
+            deadline_s = wait_deadline_s(arrived_s, max_wait_s, first, budget_ms)
+            if deadline_s > self._clock():
+                return self.push(model, traffic_class, deadline_s, pick, payload())
+        self._inflight.started(first.worker.worker_id)
+        return None
+
     def push(self, model: str, traffic_class: str, deadline_s: float,
              pick: Callable[[], Decision], payload: T) -> Waiting[T]:
         """Raises QueueFull."""
@@ -182,15 +195,12 @@ class RouterQueue:
         """(decision, seconds waited). Raises NoRoute (from `pick`) and QueueFull."""
         first = pick()
         backlog = self.backlog
-        if not backlog.must_wait(model, first):
-            self._inflight.started(first.worker.worker_id)
+        item = backlog.admit(model, traffic_class, first, pick,
+                             asyncio.get_running_loop().create_future, arrived_s=arrived_s,
+                             max_wait_s=self.max_wait_s, budget_ms=budget_ms)
+        if item is None:
             return first, 0.0
-        deadline_s = wait_deadline_s(arrived_s, self.max_wait_s, first, budget_ms)
-        if deadline_s <= self._clock():
-            self._inflight.started(first.worker.worker_id)
-            return first, 0.0
-        waiter: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        item = backlog.push(model, traffic_class, deadline_s, pick, waiter)
+        waiter = item.payload
         queued_s = self._clock()
         self._start_pump()
         try:

@@ -14,7 +14,7 @@ from router.auth.endpoints import EndpointAllowList
 from router.auth.heartbeats import HeartbeatGate, HeartbeatRules
 from router.config import GlobalConfig
 from worker import redis_client
-from worker.signing import KEYS_ENV, KEYS_FILE_ENV, keys_from_environ
+from worker.signing import KEYS_ENV, KEYS_FILE_ENV
 
 log = logging.getLogger("globalpool.router")
 
@@ -72,14 +72,11 @@ def following(current: Callable[[], GlobalConfig]) -> Callable[[], HeartbeatRule
 
 
 def heartbeat_gate(
-    config: Callable[[], GlobalConfig], keys: Mapping[str, bytes] | None,
-    stats: SecurityStats,
+    config: Callable[[], GlobalConfig], keys: Mapping[str, bytes], stats: SecurityStats,
 ) -> HeartbeatGate:
-    """The gate for this router's collector; `config` returns the config in force.
-    `keys` None: read them from the environment (worker.signing), so that secrets never
-    sit in regions.yaml. Raises SigningKeyError."""
-    if keys is None:
-        keys = keys_from_environ(os.environ)
+    """The gate for this router's collector; `config` returns the config in force. `keys`
+    come from the environment (worker.signing, read by router.app), so that secrets never
+    sit in regions.yaml; none: unsigned heartbeats are believed."""
     if keys:
         log.info("heartbeat signatures are required (keys: %s)", ", ".join(keys))
     else:

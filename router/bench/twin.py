@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.admission.queue import POLL_S as QUEUE_POLL_S
-from router.admission.queue import Backlog, wait_deadline_s
+from router.admission.queue import Backlog
 from router.bench.capacity import sim_config
 from router.bench.replay import Outcome
 from router.bench.scenario import Scenario
@@ -191,16 +191,14 @@ class Twin:
 
         decision = pick()
         backlog = self._backlogs.get(request.origin)
-        if backlog is not None and backlog.must_wait(route.model, decision):
-            # As router.admission.queue.RouterQueue.turn: wait at the router.
-            deadline_s = wait_deadline_s(request.at_s, self.queue_max_wait_s, decision,
-                                         request.ttft_budget_ms)
-            if deadline_s > self.clock.now_s:
-                backlog.push(route.model, request.traffic_class, deadline_s, pick,
-                             (request, body, parsed.prefix_key))
-                self._poll_backlogs()
-                return
-        inflight.started(decision.worker.worker_id)
+        if backlog is None:
+            inflight.started(decision.worker.worker_id)
+        elif backlog.admit(route.model, request.traffic_class, decision, pick,
+                           lambda: (request, body, parsed.prefix_key), arrived_s=request.at_s,
+                           max_wait_s=self.queue_max_wait_s,
+                           budget_ms=request.ttft_budget_ms) is not None:
+            self._poll_backlogs()  # it waits at the router, as RouterQueue.turn does
+            return
         self._dispatch(request, body, parsed.prefix_key, self._worker(decision), decision.reason)
 
     def _worker(self, decision: Decision) -> TwinWorker:

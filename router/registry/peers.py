@@ -198,7 +198,7 @@ class PeerExchange:
         every peer at most RECEIVER_CPU_SHARE of a core (see the module doc), but never
         beyond KEEPALIVE_S: peers must hear from this replica well within PEER_TTL_S."""
         entries = len(self._sent or ())
-        replicas = 1 + len(self._inflight.peers())
+        replicas = 1 + len(self._inflight.peer_ids())
         spacing_s = APPLY_S_PER_ENTRY * entries * replicas / RECEIVER_CPU_SHARE
         return max(interval_s, min(KEEPALIVE_S, spacing_s))
 
@@ -237,5 +237,5 @@ class PeerExchange:
             log.info("peer router %s went silent; its requests no longer count", peer)
 
     def _forget_all(self) -> None:
-        for peer in list(self._inflight.peers()):
+        for peer in self._inflight.peer_ids():
             self._inflight.forget_peer(peer)

@@ -30,7 +30,7 @@ def test_own_requests_and_peers_reports_add_up() -> None:
     # A peer's next report replaces its last one, it does not add to it.
     inflight.apply_peer("r2", {"w2": 4}, now_s=1.1)
     assert dict(inflight.counts) == {"w1": 2, "w2": 4}
-    assert inflight.peers() == {"r2": 4}
+    assert inflight.peers() == {"r2": 4} and inflight.peer_ids() == ["r2"]
 
 
 def test_finishing_never_goes_below_zero_nor_eats_peers_counts() -> None:

@@ -220,13 +220,20 @@ class RealPool:
         self.agents[region] = agent
         return agent
 
-    def start_router(self, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
+    def start_router(self, *extra: str, queue: bool = True
+                     ) -> tuple[str, subprocess.Popen[bytes]]:
+        """A router replica; `queue=False`: without its queue for busy workers (every
+        request is sent at once, as before router.admission.queue existed)."""
         port = free_port()
         log_path = self.work / f"router-{port}.log"
+        config_path = self.config_path
+        if not queue:
+            config_path = self.work / "regions-no-queue.yaml"
+            self._write_config(config_path, queue={"enabled": False})
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "router.cli", "router", "--config",
-                 str(self.config_path), "--redis-url", self.redis_url, "--host", "127.0.0.1",
+                 str(config_path), "--redis-url", self.redis_url, "--host", "127.0.0.1",
                  "--port", str(port), "--seed", "7", *extra],
                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=die_with_parent,
@@ -247,7 +254,7 @@ class RealPool:
         seen |= {agent.process.pid for agent in self.agents.values()}
         return sorted(pid for pid in seen if alive(pid))
 
-    def _write_config(self) -> None:
+    def _write_config(self, path: Path | None = None, **router: Any) -> None:
         document = {
             "apiVersion": "globalpool/v1",
             "redis": {"url": self.redis_url, "key_prefix": self.key_prefix},
@@ -258,14 +265,14 @@ class RealPool:
                        # 48 s while the engines run); uvloop then fires the expired
                        # timer before it sees the completed connect.
                        "timeouts": {"connect_s": 60, "first_byte_s": 90, "idle_s": 60,
-                                    "total_s": 240}},
+                                    "total_s": 240}, **router},
             "heartbeat": {"interval_s": HEARTBEAT_INTERVAL_S, "ttl_s": HEARTBEAT_TTL_S},
             "regions": {
                 "us-east": {"rtt_ms": {"us-east": 1, "eu-west": 80}, "models": [MODEL]},
                 "eu-west": {"rtt_ms": {"eu-west": 1}, "models": [MODEL]},
             },
         }
-        self.config_path.write_text(yaml.safe_dump(document))
+        (path or self.config_path).write_text(yaml.safe_dump(document))
 
     # -- observing -----------------------------------------------------------------------
 

@@ -307,8 +307,10 @@ async def test_traffic_spills_to_the_other_region_when_one_is_saturated(
 
 async def test_a_full_vllm_queue_503_is_retried_in_the_other_region(pool: RealPool) -> None:
     # round_robin sends every other request to the full engine, as a policy that reads
-    # load (predicted_ttft) would not.
-    rr_url, rr = pool.start_router("--policy", "round_robin")
+    # load (predicted_ttft) would not. Without the router's queue: with it, a request
+    # for an engine whose heartbeat shows it full waits at the router and goes to
+    # eu-west when routed again, so vLLM's refusal (the path under test) is not reached.
+    rr_url, rr = pool.start_router("--policy", "round_robin", queue=False)
     pool.routers.append(rr)
     await until_beat(pool, "us-east", idle)
     engine = pool.async_client(url=pool.agents["us-east"].engine_url)

@@ -77,6 +77,14 @@ class DevTools:
             raise AssertionError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
+    async def navigate(self, url: str, timeout_s: float = 30.0) -> None:
+        """Open `url` and return once its document has loaded: `Page.navigate` answers
+        before the new document exists, and an expression evaluated then runs in the old
+        one (about:blank), where the page's elements are missing."""
+        await self.send("Page.navigate", url=url)
+        await self.wait_for(f"location.href === {json.dumps(url)} && "
+                            "document.readyState === 'complete'", timeout_s)
+
     async def wait_for(self, expression: str, timeout_s: float = 30.0) -> Any:
         """Evaluate until truthy (the page polls every second; a loaded CI box is slow)."""
         deadline = time.monotonic() + timeout_s
@@ -169,7 +177,7 @@ CARDS = ("JSON.stringify(Object.fromEntries([...document.querySelectorAll('.card
 async def test_status_page_shows_the_regions_and_follows_a_drain(
         up: RunningUp, browser: DevTools, tmp_path: Path) -> None:
     await _traffic(up.url)
-    await browser.send("Page.navigate", url=f"{up.url}/status")
+    await browser.navigate(f"{up.url}/status")
     # No token yet: the page asks for one.
     await browser.wait_for("!document.getElementById('login').hidden")
     await browser.evaluate("document.getElementById('token').focus()")

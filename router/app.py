@@ -8,16 +8,16 @@ import gc
 import logging
 import os
 import random
+import signal
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 from opentelemetry.trace import TracerProvider
 
 from router.admin.setup import Operations
-from router.admission.gate import Admission, add_rate_limit_headers
+from router.admission.gate import Admission
 from router.admission.queue import RouterQueue
 from router.admission.setup import build_admission, heartbeat_gate
 from router.admission.stats import SecurityStats
@@ -26,7 +26,10 @@ from router.health import BreakerPolicy, Health, RetryBudget
 from router.policy import RoutingContext, create_policy
 from router.policy.inflight import InFlight
 from router.proxy.errors import openai_errors
+from router.proxy.exchange import AiohttpExchange, InferenceHandler
+from router.proxy.front import FrontSite
 from router.proxy.handlers import Proxy
+from router.proxy.upstream import UpstreamPool
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry.peers import PeerExchange
 from worker import redis_client
@@ -58,6 +61,8 @@ SETTINGS = web.AppKey("settings", RouterSettings)
 OPERATIONS = web.AppKey("operations", Operations)
 HOLDER = web.AppKey("holder", SnapshotHolder)
 PROXY = web.AppKey("proxy", Proxy)
+# The proxy's inference handler as both servers call it (in a span each, when tracing).
+INFERENCE: web.AppKey[InferenceHandler] = web.AppKey("inference")
 COLLECTOR = web.AppKey("collector", HeartbeatCollector)
 PEERS = web.AppKey("peers", PeerExchange)
 _INFLIGHT = web.AppKey("inflight", InFlight)
@@ -78,13 +83,12 @@ def build_app(settings: RouterSettings) -> web.Application:
         policy_override=settings.policy, tracer_provider=settings.tracer_provider,
     )
     app = web.Application(
-        middlewares=[*operations.middlewares, openai_errors],
+        middlewares=[openai_errors],
         client_max_size=config.router.max_body_bytes,
     )
     app[SETTINGS] = settings
     app[HOLDER] = SnapshotHolder()
     app[SECURITY_STATS] = SecurityStats()
-    app.on_response_prepare.append(add_rate_limit_headers)
     app.cleanup_ctx.append(_fleet_view)
     app.cleanup_ctx.append(_admission)
     app.cleanup_ctx.append(_proxy)
@@ -100,7 +104,9 @@ def build_app(settings: RouterSettings) -> web.Application:
 
 
 async def _inference(request: web.Request) -> web.StreamResponse:
-    return await request.app[PROXY].inference(request)
+    """Inference on a connection aiohttp serves (`router.proxy.front` serves the rest)."""
+    exchange = AiohttpExchange(request)
+    return exchange.answer(await request.app[INFERENCE](exchange))
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -170,20 +176,11 @@ async def _admission(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _proxy(app: web.Application) -> AsyncIterator[None]:
-    """One client session for all upstream workers: pooled keep-alive connections."""
+    """The request path, with one pool of keep-alive connections to all the workers."""
     settings = app[SETTINGS]
     config = settings.config
-    timeouts = config.router.timeouts
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
-                                     keepalive_timeout=UPSTREAM_KEEPALIVE_S)
-    session = aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(
-            total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s
-        ),
-        auto_decompress=False,
-        skip_auto_headers=("Accept-Encoding", "User-Agent"),
-    )
+    upstreams = UpstreamPool(connect_timeout_s=config.router.timeouts.connect_s,
+                             keepalive_s=UPSTREAM_KEEPALIVE_S)
     health_config = config.router.health
     health = app[_HEALTH]
     context = RoutingContext(
@@ -205,7 +202,7 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         holder=app[HOLDER],
         policy=create_policy(settings.policy or config.router.policy, context),
         inflight=app[_INFLIGHT],
-        session=session,
+        upstreams=upstreams,
         health=health,
         retry_budget=RetryBudget(health_config.retry_budget_ratio,
                                  min_per_s=health_config.retry_budget_min_per_s),
@@ -215,10 +212,11 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         propagate_trace=operations.tracer_provider is not None,
         queue=queue,
     )
+    app[INFERENCE] = operations.inference(app[PROXY])
     yield
     if queue is not None:
         await queue.close()
-    await session.close()
+    await upstreams.close()
 
 
 async def _operations(app: web.Application) -> AsyncIterator[None]:
@@ -247,22 +245,50 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def router_site(runner: web.AppRunner, host: str, port: int, *,
+                shutdown_timeout_s: float = 60.0) -> FrontSite:
+    """The listening site for a set-up router app: inference on the router's own front
+    (`router.proxy.front`), everything else on aiohttp."""
+    app = runner.app
+    header_s = app[OPERATIONS].configs.current.router.client_timeouts.header_s
+    return FrontSite(runner, host, port, handler=app[INFERENCE], header_timeout_s=header_s,
+                     shutdown_timeout_s=shutdown_timeout_s)
+
+
 def run(settings: RouterSettings, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM. Client disconnects cancel their handler (and upstream)."""
     log.info("router region=%s listening on http://%s:%d", settings.region, host, port)
     app = build_app(settings)
     tune_gc()
-    web.run_app(
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(_serve(app, host, port))
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+async def _serve(app: web.Application, host: str, port: int) -> None:
+    runner = web.AppRunner(
         app,
-        host=host,
-        port=port,
         handler_cancellation=True,
         # Also closes a connection whose request headers have not all arrived by then.
-        keepalive_timeout=settings.config.router.client_timeouts.header_s,
+        keepalive_timeout=app[SETTINGS].config.router.client_timeouts.header_s,
         access_log=None,
-        print=lambda _msg: print(f"router listening on http://{host}:{port}", flush=True),
-        loop=new_event_loop(),
     )
+    await runner.setup()
+    try:
+        await router_site(runner, host, port).start()
+        print(f"router listening on http://{host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

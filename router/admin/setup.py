@@ -1,8 +1,8 @@
 """Wiring of the operators' surface into one router app: reload, drains, admin, telemetry.
 
 `router.app` creates one `Operations` per app (no globals: its own metrics registry, its
-own tracer provider), takes its middlewares, observers and holders when it builds the
-proxy, and runs `start()`/`stop()` in its cleanup context.
+own tracer provider), takes its observers and holders when it builds the proxy, and its
+inference handler (traced or not), and runs `start()`/`stop()` in its cleanup context.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import TracerProvider as ApiTracerProvider
 from prometheus_client import CollectorRegistry
@@ -31,12 +30,13 @@ from router.config import GlobalConfig
 from router.config_reload import ConfigHolder, ConfigWatcher, ReloadError, initial_holder
 from router.policy import Policy, create_policy
 from router.policy.inflight import InFlight
+from router.proxy.exchange import InferenceHandler
 from router.proxy.handlers import Proxy
 from router.proxy.outcome import Observer
 from router.registry.snapshot import SnapshotHolder
 from router.telemetry.metrics import FleetCollector, RequestMetrics, metrics_handler
 from router.telemetry.security import SecurityCollector
-from router.telemetry.tracing import SpanAnnotator, tracer_provider_from_env, tracing_middleware
+from router.telemetry.tracing import SpanAnnotator, traced, tracer_provider_from_env
 from router.telemetry.window import TrafficWindow
 from worker import redis_client
 
@@ -74,12 +74,11 @@ class Operations:
                    policy_override=policy_override, tracer_provider=provider,
                    owns_tracer_provider=owns and provider is not None)
 
-    @property
-    def middlewares(self) -> list[Middleware]:
-        """Outermost first: the request span wraps everything, errors included."""
+    def inference(self, proxy: Proxy) -> InferenceHandler:
+        """The proxy's inference handler, each request in its own span when tracing."""
         if self.tracer_provider is None:
-            return []
-        return [tracing_middleware(self.tracer_provider)]
+            return proxy.inference
+        return traced(self.tracer_provider, proxy.inference)
 
     @property
     def observers(self) -> tuple[Observer, ...]:

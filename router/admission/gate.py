@@ -10,9 +10,7 @@ both let everything through: authentication is off.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-
-from aiohttp import web
+from collections.abc import Mapping, Sequence
 
 from router.admission.gcra import Bucket, BucketState, RateDecision
 from router.admission.limiter import RateLimiter
@@ -22,11 +20,6 @@ from router.auth.keys import AuthError, Keyring, Principal
 from router.proxy.errors import ApiError
 from router.proxy.outcome import RequestRecord
 from router.proxy.parse import ParsedRequest
-
-# Set on admitted requests; `add_rate_limit_headers` copies it onto the answer.
-RATE_LIMIT_HEADERS = web.RequestKey("globalpool_rate_limit_headers", dict[str, str])
-# The authenticated caller of a request (absent while authentication is off).
-PRINCIPAL = web.RequestKey("globalpool_principal", Principal)
 
 
 class Admission:
@@ -51,19 +44,19 @@ class Admission:
             self._auth = auth
         return self._keyring
 
-    def authenticate(self, request: web.Request, auth: AuthConfig) -> Principal | None:
-        """The caller, or None when authentication is off. Raises ApiError(401)."""
+    def authenticate(self, headers: Mapping[str, str], auth: AuthConfig) -> Principal | None:
+        """The caller (from `headers`, looked up by lower-case name), or None when
+        authentication is off. Raises ApiError(401)."""
         keyring = self.keyring(auth)
         if not keyring.enabled:
             return None
         try:
-            principal = keyring.authenticate(request.headers.get("Authorization"))
+            principal = keyring.authenticate(headers.get("authorization"))
         except AuthError as exc:
             self.stats.auth[exc.code] += 1
             raise ApiError(401, exc.message, code=exc.code,
                            headers={"WWW-Authenticate": 'Bearer realm="globalpool"'}) from None
         self.stats.auth["ok"] += 1
-        request[PRINCIPAL] = principal
         return principal
 
     def may_use_model(self, principal: Principal | None, model: str) -> bool:
@@ -71,12 +64,12 @@ class Admission:
                 or model in principal.allowed_models)
 
     async def admit(
-        self, request: web.Request, principal: Principal | None, parsed: ParsedRequest,
-        auth: AuthConfig,
-    ) -> None:
-        """Check the model and charge the limits. Raises ApiError(403 / 429)."""
+        self, principal: Principal | None, parsed: ParsedRequest, auth: AuthConfig,
+    ) -> dict[str, str] | None:
+        """Check the model and charge the limits; the x-ratelimit-* headers for the
+        answer (None when no limit applies). Raises ApiError(403 / 429)."""
         if principal is None:
-            return
+            return None
         if not self.may_use_model(principal, parsed.model):
             self.stats.auth["model_not_allowed"] += 1
             raise ApiError(403, f"The model {parsed.model!r} is not available to this API key.",
@@ -86,7 +79,7 @@ class Admission:
                                          else auth.rate_limits.default_max_tokens)
         buckets = buckets_for(principal, tokens)
         if not buckets:
-            return
+            return None
         oversized = [b for b in buckets if not b.fits_at_all]
         if oversized:
             bucket = oversized[0]
@@ -109,7 +102,7 @@ class Admission:
                 headers={**headers, "Retry-After": str(max(1, math.ceil(retry_s))),
                          "retry-after-ms": str(max(1, math.ceil(retry_s * 1000)))},
             )
-        request[RATE_LIMIT_HEADERS] = headers
+        return headers
 
     def record_residency(self, principal: Principal | None, record: RequestRecord) -> None:
         """Count where a region-restricted tenant's request went (see SecurityStats)."""
@@ -126,12 +119,6 @@ class Admission:
             self.stats.residency[(principal.tenant, "-", "refused")] += 1
         else:
             self.stats.residency[(principal.tenant, "-", "failed")] += 1
-
-
-def allowed_regions(request: web.Request) -> frozenset[str] | None:
-    """The regions the caller's tenant may be served in; None when unrestricted."""
-    principal = request.get(PRINCIPAL)
-    return None if principal is None else principal.allowed_regions
 
 
 def buckets_for(principal: Principal, tokens: int) -> list[Bucket]:
@@ -181,10 +168,3 @@ def duration(seconds: float) -> str:
     minutes, rest = divmod(seconds, 60)
     rest_text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
     return f"{int(minutes)}m{rest_text}" if minutes else rest_text
-
-
-async def add_rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """`on_response_prepare` hook: the admitted request's x-ratelimit-* on its answer."""
-    headers = request.get(RATE_LIMIT_HEADERS)
-    if headers:
-        response.headers.update(headers)

@@ -1,7 +1,7 @@
 """One upstream attempt: send the client's bytes to a worker, pass the answer back.
 
 Timeouts are split by phase (see `router.config.Timeouts`):
-- connect: TCP connect to the worker (aiohttp's `sock_connect`);
+- connect: TCP connect to the worker (and TLS, for https endpoints);
 - first byte: request sent -> response headers and, for streams, the first body chunk.
   For non-streaming requests the engine answers only when generation is done, so that
   phase is bounded by `total_s` instead;
@@ -17,26 +17,34 @@ failure ends it with an SSE error event.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
+import ssl
 import time
 from collections.abc import Mapping
-
-import aiohttp
-from aiohttp import web
-from multidict import CIMultiDict
+from urllib.parse import urlsplit
 
 from router.config import GlobalConfig, Timeouts
 from router.proxy.errors import sse_error_event
+from router.proxy.exchange import Exchange, Reply
 from router.proxy.outcome import Attempt, Failure
+from router.proxy.upstream import (
+    ConnectFailed,
+    ConnectionBroken,
+    UpstreamConnection,
+    UpstreamError,
+    UpstreamPool,
+    encode_request,
+)
 
 # Request headers passed to workers. Everything else (Authorization, cookies, hop-by-hop
 # headers, Host, Content-Length) stays at the router.
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
 
 
-# Sends retried at once when the connection breaks before any answer: each broken pooled
-# connection is dropped, so the last try is usually a new connection.
+# Sends retried at once when a pooled connection turns out closed before any answer: the
+# worker closed it while it sat idle, so nothing of the request was processed.
 STALE_CONNECTION_RETRIES = 2
 
 
@@ -61,30 +69,28 @@ class UpstreamFailure(Exception):
 class _IdleWatchdog:
     """Closes an upstream stream that stalls for `idle_s` or runs past `total_s`.
 
-    Per chunk the proxy only stores the loop time; a timer that wakes every fraction of
-    `idle_s` compares. That keeps the per-chunk cost to one clock read instead of
-    re-arming a timeout for every chunk.
+    The upstream connection notes the loop time of its latest bytes; a timer that wakes
+    every fraction of `idle_s` compares. Nothing is re-armed per chunk.
     """
 
-    __slots__ = ("_deadline", "_handle", "_idle_s", "_loop", "_response", "fired", "last_s")
+    __slots__ = ("_deadline", "_handle", "_idle_s", "_loop", "_upstream", "fired")
 
-    def __init__(self, response: aiohttp.ClientResponse, idle_s: float, total_s: float) -> None:
+    def __init__(self, upstream: UpstreamConnection, idle_s: float, total_s: float) -> None:
         self._loop = asyncio.get_running_loop()
-        self._response = response
+        self._upstream = upstream
         self._idle_s = idle_s
-        self.last_s = self._loop.time()
-        self._deadline = self.last_s + total_s
+        self._deadline = self._loop.time() + total_s
         self.fired: str | None = None
         self._handle = self._loop.call_later(min(idle_s, total_s) / 4, self._check)
 
     def _check(self) -> None:
         now = self._loop.time()
-        if now - self.last_s >= self._idle_s:
+        if now - self._upstream.last_data_s >= self._idle_s:
             self.fired = f"no data from the worker for {self._idle_s:g} s"
         elif now >= self._deadline:
             self.fired = "the request ran past its total timeout"
         if self.fired is not None:
-            self._response.close()
+            self._upstream.close()
             return
         self._handle = self._loop.call_later(self._idle_s / 4, self._check)
 
@@ -99,17 +105,17 @@ def upstream_key(config: GlobalConfig, region: str) -> str | None:
     return os.environ.get(name) or None if name else None
 
 
-def set_upstream_key(headers: CIMultiDict[str], key: str | None) -> None:
+def set_upstream_key(headers: dict[str, str], key: str | None) -> None:
     """`Authorization: Bearer <key>` for one attempt (the client's own never goes upstream)."""
     if key is None:
-        headers.popall("Authorization", None)
+        headers.pop("authorization", None)
     else:
-        headers["Authorization"] = f"Bearer {key}"
+        headers["authorization"] = f"Bearer {key}"
 
 
-def upstream_headers(request: web.Request) -> CIMultiDict[str]:
-    headers: CIMultiDict[str] = CIMultiDict()
-    incoming = request.headers
+def upstream_headers(incoming: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers that workers see (lower-case names)."""
+    headers: dict[str, str] = {}
     for name in FORWARDED_REQUEST_HEADERS:
         value = incoming.get(name)
         if value is not None:
@@ -117,53 +123,73 @@ def upstream_headers(request: web.Request) -> CIMultiDict[str]:
     return headers
 
 
+class Target:
+    """Where one worker's requests go: address, path prefix and the request's head."""
+
+    __slots__ = ("base_path", "host", "host_header", "port", "ssl")
+
+    def __init__(self, endpoint: str) -> None:
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) endpoint: {endpoint!r}")
+        secure = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if secure else 80)
+        self.host_header = parts.netloc.rpartition("@")[2]
+        self.base_path = parts.path.rstrip("/")
+        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if secure else None
+
+    def request(self, path: str, headers: Mapping[str, str], body: bytes) -> bytes:
+        return encode_request("POST", self.base_path + path, self.host_header,
+                              headers.items(), body)
+
+
+@functools.lru_cache(maxsize=65536)
+def target_of(endpoint: str) -> Target:
+    """One `Target` per worker endpoint (parsed once, not per request)."""
+    return Target(endpoint)
+
+
 def _answer_headers(
-    base: Mapping[str, str], response: aiohttp.ClientResponse, attempt: Attempt
+    base: Mapping[str, str], upstream: UpstreamConnection, attempt: Attempt
 ) -> dict[str, str]:
     """Headers for the client: ours, the upstream's content type, upstream TTFB in timing."""
-    headers = {**base, "Content-Type": _content_type(response)}
+    headers = {**base, "Content-Type": upstream.headers.get("content-type", "application/json")}
     ttfb_s = attempt.ttfb_s
     if ttfb_s is not None:
         timing = base.get("server-timing")
-        upstream = f"upstream;dur={ttfb_s * 1000:.3f}"
-        headers["server-timing"] = f"{timing}, {upstream}" if timing else upstream
+        upstream_timing = f"upstream;dur={ttfb_s * 1000:.3f}"
+        headers["server-timing"] = f"{timing}, {upstream_timing}" if timing else upstream_timing
     return headers
 
 
-def _content_type(response: aiohttp.ClientResponse) -> str:
-    return response.headers.get("Content-Type", "application/json")
-
-
 def _retry_after(headers: Mapping[str, str]) -> float | None:
-    value = headers.get("Retry-After")
+    value = headers.get("retry-after")
     try:
         return float(value) if value is not None else None
     except ValueError:
         return None
 
 
-async def _send(
-    session: aiohttp.ClientSession, url: str, body: bytes, headers: CIMultiDict[str]
-) -> aiohttp.ClientResponse:
-    try:
-        for _ in range(STALE_CONNECTION_RETRIES):
-            try:
-                return await session.post(url, data=body, headers=headers)
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if isinstance(exc, aiohttp.ClientConnectorError):
-                    raise
-                # Most likely a pooled connection the worker closed while it sat idle
-                # (nothing of the request was processed): the pool drops it, try again.
-        return await session.post(url, data=body, headers=headers)
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamFailure(f"cannot connect to worker: {exc.os_error or exc}",
-                              Failure.CONNECT) from None
-    except aiohttp.ConnectionTimeoutError:
-        # The connect itself timed out (`connect_s`): a path failure, like a refusal.
-        raise UpstreamFailure("cannot connect to worker: connect timed out",
-                              Failure.CONNECT) from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamFailure(f"worker connection failed: {exc!r}", Failure.RESET) from None
+async def _send(pool: UpstreamPool, target: Target, payload: bytes) -> UpstreamConnection:
+    """Send the request and wait for the answer's head (status and headers)."""
+    for tries_left in range(STALE_CONNECTION_RETRIES, -1, -1):
+        try:
+            upstream = await pool.send(target.host, target.port, payload, ssl=target.ssl)
+        except ConnectFailed as exc:
+            raise UpstreamFailure(f"cannot connect to worker: {exc}", Failure.CONNECT) from None
+        try:
+            await upstream.head()
+        except ConnectionBroken as exc:
+            upstream.close()
+            if exc.stale and tries_left:
+                continue  # a pooled connection the worker had closed: send again
+            raise UpstreamFailure(f"worker connection failed: {exc}", Failure.RESET) from None
+        except BaseException:
+            upstream.close()  # timed out or cancelled: the engine stops working on it
+            raise
+        return upstream
+    raise AssertionError("unreachable")
 
 
 def _retryable(status: int) -> Failure | None:
@@ -174,81 +200,81 @@ def _retryable(status: int) -> Failure | None:
     return Failure.SERVER_ERROR if status >= 500 else None
 
 
-async def _refuse_if_failed(response: aiohttp.ClientResponse) -> bytes | None:
+async def _refuse_if_failed(upstream: UpstreamConnection) -> bytes | None:
     """Read a non-200 answer: raise UpstreamFailure if it is worth a retry, else return it."""
-    if response.status == 200:
+    if upstream.status == 200:
         return None
-    body = await response.read()
-    response.release()
-    kind = _retryable(response.status)
+    body = await _read_all(upstream)
+    kind = _retryable(upstream.status)
     if kind is not None:
         raise UpstreamFailure(
-            f"worker answered {response.status}: {body[:200].decode(errors='replace')}",
+            f"worker answered {upstream.status}: {body[:200].decode(errors='replace')}",
             kind,
-            status=response.status,
-            retry_after_s=_retry_after(response.headers),
+            status=upstream.status,
+            retry_after_s=_retry_after(upstream.headers),
         )
     return body
 
 
+async def _read_all(upstream: UpstreamConnection) -> bytes:
+    try:
+        body = await upstream.read_all()
+    except ConnectionBroken as exc:
+        upstream.close()
+        raise UpstreamFailure(f"worker connection failed: {exc}", Failure.RESET) from None
+    except BaseException:
+        upstream.close()
+        raise
+    upstream.release()
+    return body
+
+
 async def forward_unary(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: bytes,
-    headers: CIMultiDict[str],
+    pool: UpstreamPool,
+    target: Target,
+    payload: bytes,
     timeouts: Timeouts,
     response_headers: Mapping[str, str],
     attempt: Attempt,
-) -> web.Response:
+) -> Reply:
     """A non-streaming request: the whole answer, or UpstreamFailure."""
     try:
         async with asyncio.timeout(timeouts.total_s):
-            response = await _send(session, url, body, headers)
-            answer = await _refuse_if_failed(response)
+            upstream = await _send(pool, target, payload)
+            answer = await _refuse_if_failed(upstream)
             if answer is None:
-                try:
-                    answer = await response.read()
-                finally:
-                    response.release()
+                answer = await _read_all(upstream)
     except TimeoutError:
         raise UpstreamFailure(f"no answer within {timeouts.total_s:g} s", Failure.TIMEOUT,
                               status=504) from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamFailure(f"worker connection failed: {exc!r}", Failure.RESET) from None
     attempt.first_byte_s = time.monotonic()
-    attempt.status = response.status
-    return web.Response(
-        status=response.status, body=answer,
-        headers=_answer_headers(response_headers, response, attempt),
-    )
+    attempt.status = upstream.status
+    return Reply(upstream.status, _answer_headers(response_headers, upstream, attempt), answer)
 
 
 async def forward_stream(
-    request: web.Request,
-    session: aiohttp.ClientSession,
-    url: str,
-    body: bytes,
-    headers: CIMultiDict[str],
+    exchange: Exchange,
+    pool: UpstreamPool,
+    target: Target,
+    payload: bytes,
     timeouts: Timeouts,
     response_headers: Mapping[str, str],
     attempt: Attempt,
-) -> web.StreamResponse:
-    """A streaming request, passed through chunk by chunk without parsing the events."""
-    upstream: aiohttp.ClientResponse | None = None
+) -> Reply:
+    """A streaming request, passed through as it arrives without parsing the events."""
+    upstream: UpstreamConnection | None = None
     try:
         async with asyncio.timeout(timeouts.first_byte_s) as deadline:
             attempt.first_byte_deadline = deadline  # health may abandon a stalled attempt
             try:
-                upstream = await _send(session, url, body, headers)
+                upstream = await _send(pool, target, payload)
                 refused = await _refuse_if_failed(upstream)
                 if refused is not None:
                     attempt.first_byte_s = time.monotonic()
                     attempt.status = upstream.status
-                    return web.Response(
-                        status=upstream.status, body=refused,
-                        headers=_answer_headers(response_headers, upstream, attempt),
-                    )
-                first = await upstream.content.readany()
+                    return Reply(upstream.status,
+                                 _answer_headers(response_headers, upstream, attempt), refused)
+                first = await upstream.read_some()
             finally:
                 attempt.first_byte_deadline = None
     except TimeoutError:
@@ -260,8 +286,14 @@ async def forward_stream(
         raise UpstreamFailure(
             f"no first byte within {timeouts.first_byte_s:g} s", Failure.TIMEOUT, status=504
         ) from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamFailure(f"worker connection failed: {exc!r}", Failure.RESET) from None
+    except ConnectionBroken as exc:
+        if upstream is not None:
+            upstream.close()
+        raise UpstreamFailure(f"worker connection failed: {exc}", Failure.RESET) from None
+    except BaseException:
+        if upstream is not None:
+            upstream.close()
+        raise
     if not first:
         upstream.release()
         raise UpstreamFailure("worker closed the stream before its first byte", Failure.RESET)
@@ -278,36 +310,15 @@ async def forward_stream(
             status=status)
     attempt.first_byte_s = time.monotonic()
     attempt.status = 200
-
-    client = web.StreamResponse(
-        status=200,
-        headers={**_answer_headers(response_headers, upstream, attempt),
-                 "Cache-Control": "no-cache"},
-    )
+    headers = {**_answer_headers(response_headers, upstream, attempt), "Cache-Control": "no-cache"}
     watchdog = _IdleWatchdog(upstream, timeouts.idle_s, timeouts.total_s)
-    loop_time = asyncio.get_running_loop().time
-    read = upstream.content.readany
     try:
-        await client.prepare(request)
-        await client.write(first)
-        while True:
-            try:
-                chunk = await read()
-            except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
-                attempt.failure = Failure.IDLE if watchdog.fired else Failure.MID_STREAM
-                await client.write(sse_error_event(502, _ended_early(watchdog, exc)))
-                break
-            if not chunk:
-                if watchdog.fired is not None:
-                    attempt.failure = Failure.IDLE
-                    await client.write(sse_error_event(504, watchdog.fired))
-                elif not upstream.content.is_eof():
-                    attempt.failure = Failure.MID_STREAM
-                    await client.write(sse_error_event(502, "the worker's stream ended early"))
-                break
-            watchdog.last_s = loop_time()
-            await client.write(chunk)
-        await client.write_eof()
+        broken = await exchange.relay(headers, first, upstream)
+        if broken is not None:
+            attempt.failure = Failure.IDLE if watchdog.fired else Failure.MID_STREAM
+            await exchange.end_stream(sse_error_event(*_ended_early(watchdog, broken)))
+        else:
+            await exchange.end_stream(b"")
     except (ConnectionError, asyncio.CancelledError):
         # The client went away: drop the upstream connection so the engine stops generating.
         attempt.client_gone = True
@@ -315,8 +326,8 @@ async def forward_stream(
         raise
     finally:
         watchdog.cancel()
-        upstream.release()
-    return client
+        upstream.release()  # closes it unless the answer was read to its end
+    return Reply(200, headers, streamed=True)
 
 
 def _error_event(first: bytes) -> tuple[int, str] | None:
@@ -341,7 +352,8 @@ def _error_event(first: bytes) -> tuple[int, str] | None:
 _ERROR_EVENT_PREFIXES = (b'data: {"error"', b'data:{"error"')
 
 
-def _ended_early(watchdog: _IdleWatchdog, exc: BaseException) -> str:
+def _ended_early(watchdog: _IdleWatchdog, exc: UpstreamError) -> tuple[int, str]:
+    """The status and message of the error event that ends a stream broken off by `exc`."""
     if watchdog.fired is not None:
-        return watchdog.fired
-    return f"the worker's stream broke off: {type(exc).__name__}"
+        return 504, watchdog.fired
+    return 502, f"the worker's stream broke off: {exc}"

@@ -2,34 +2,37 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
 
 from router.admin.drains import DrainHolder
-from router.admission.gate import Admission, allowed_regions
+from router.admission.gate import Admission
 from router.admission.queue import QueueFull, RouterQueue
+from router.auth.keys import Principal
 from router.config import GlobalConfig
 from router.config_reload import ConfigHolder
 from router.health import Health, RetryBudget
 from router.policy import Decision, NoRoute, Policy, RouteRequest
 from router.policy.inflight import InFlight
-from router.proxy.errors import ApiError, error_response
+from router.proxy.errors import ApiError
+from router.proxy.exchange import Exchange, Reply, api_error_reply, error_reply
 from router.proxy.forward import (
     UpstreamFailure,
     forward_stream,
     forward_unary,
     set_upstream_key,
+    target_of,
     upstream_headers,
     upstream_key,
 )
 from router.proxy.outcome import Attempt, Failure, Observer, RequestRecord
 from router.proxy.parse import PREFIX_TOKENS, ParsedRequest, parse_body
+from router.proxy.upstream import UpstreamPool
 from router.registry.snapshot import SnapshotHolder
 from router.telemetry.tracing import inject_current_trace
 
@@ -61,7 +64,7 @@ class Proxy:
     holder: SnapshotHolder
     policy: Policy
     inflight: InFlight
-    session: aiohttp.ClientSession
+    upstreams: UpstreamPool  # pooled keep-alive connections to the workers
     health: Health = field(default_factory=Health)
     retry_budget: RetryBudget = field(default_factory=RetryBudget)
     observers: tuple[Observer, ...] = ()
@@ -75,41 +78,43 @@ class Proxy:
         """The regions.yaml in force now (hot reload swaps it between requests)."""
         return self.configs.current
 
-    async def inference(self, request: web.Request) -> web.StreamResponse:
-        """POST /v1/chat/completions, /v1/completions, /v1/embeddings."""
+    async def inference(self, exchange: Exchange) -> Reply:
+        """POST /v1/chat/completions, /v1/completions, /v1/embeddings.
+
+        Refusals come back as error replies (never raised), with the caller's rate-limit
+        headers once it was admitted."""
         received_s = time.monotonic()
         config = self.config
         router_config = config.router
         admission = self.admission
-        # 401 before the body is read: an unknown client costs no body read.
-        principal = admission.authenticate(request, config.auth) if admission else None
-        if (request.content_length or 0) > router_config.max_body_bytes:
-            limit = router_config.max_body_bytes
-            raise ApiError(413, f"request body is too large (limit {limit} bytes)")
+        rate_headers: Mapping[str, str] | None = None
         try:
-            if request.content.is_eof():
-                body = await request.read()  # already all here: nothing to time out
-            else:
-                async with asyncio.timeout(router_config.client_timeouts.body_s):
-                    body = await request.read()
-        except TimeoutError:
-            raise ApiError(408, "the request body did not arrive within "
-                           f"{router_config.client_timeouts.body_s:g} s") from None
-        kind = _KIND_BY_PATH[request.path]
-        parsed = parse_body(body, kind, router_config.max_json_depth)
-        if admission is not None:
-            await admission.admit(request, principal, parsed, config.auth)  # 403, 429
-        origin = self._origin_region(request)
+            # 401 before the body is read: an unknown client costs no body read.
+            principal = (admission.authenticate(exchange.headers, config.auth)
+                         if admission else None)
+            if (exchange.content_length or 0) > router_config.max_body_bytes:
+                limit = router_config.max_body_bytes
+                raise ApiError(413, f"request body is too large (limit {limit} bytes)")
+            body = await exchange.read_body(router_config.client_timeouts.body_s)
+            kind = _KIND_BY_PATH[exchange.path]
+            parsed = parse_body(body, kind, router_config.max_json_depth)
+            if admission is not None:
+                rate_headers = await admission.admit(principal, parsed, config.auth)  # 403, 429
+            origin = self._origin_region(exchange.headers)
+            hints = _routing_hints(exchange.headers)
+        except ApiError as exc:
+            return _with_headers(api_error_reply(exc), rate_headers)
         record = RequestRecord(model=parsed.model, kind=kind, stream=parsed.stream,
                                origin_region=origin, received_s=received_s)
         try:
-            response = await self._route_and_forward(request, body, parsed, record)
+            reply = await self._route_and_forward(exchange, body, parsed, record, principal,
+                                                  hints, rate_headers)
         except BaseException:
             record.status = 499  # the client went away (handler cancelled)
             raise
         else:
-            record.status = response.status
-            return response
+            record.status = reply.status
+            return _with_headers(reply, rate_headers)
         finally:
             record.finished_s = time.monotonic()
             if admission is not None:
@@ -118,14 +123,17 @@ class Proxy:
                 observer.request_finished(record)
 
     async def _route_and_forward(
-        self, request: web.Request, body: bytes, parsed: ParsedRequest, record: RequestRecord
-    ) -> web.StreamResponse:
+        self, exchange: Exchange, body: bytes, parsed: ParsedRequest, record: RequestRecord,
+        principal: Principal | None, hints: tuple[str | None, str, float | None],
+        rate_headers: Mapping[str, str] | None,
+    ) -> Reply:
         router_config = self.config.router
-        headers = upstream_headers(request)
+        headers = upstream_headers(exchange.headers)
         if self.propagate_trace:
             inject_current_trace(headers)  # the worker continues this router's span
-        session_id, traffic_class, budget_ms = _routing_hints(request)
+        session_id, traffic_class, budget_ms = hints
         record.traffic_class = traffic_class
+        allowed = None if principal is None else principal.allowed_regions  # data residency
         tried: set[str] = set()
         avoid_regions: set[str] = set()
         failure: UpstreamFailure | None = None
@@ -143,7 +151,7 @@ class Proxy:
                 exclude=frozenset(tried),
                 drained=self.drains.current,
                 avoid_regions=frozenset(avoid_regions),
-                allowed_regions=allowed_regions(request),  # data residency, every attempt
+                allowed_regions=allowed,
                 session_id=session_id,
                 prefix_key=parsed.prefix_key,
                 prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,
@@ -168,8 +176,8 @@ class Proxy:
                 return _no_route(exc, configured=parsed.model in self.config.models)
             except QueueFull as exc:
                 record.error = str(exc)
-                return error_response(503, f"no capacity: every worker is busy and {exc}",
-                                      code="queue_full", headers={"Retry-After": "1"})
+                return error_reply(503, f"no capacity: every worker is busy and {exc}",
+                                   code="queue_full", headers={"Retry-After": "1"})
             worker = decision.worker
             tried.add(worker.worker_id)
             now = time.monotonic()
@@ -186,25 +194,27 @@ class Proxy:
                 ROUTE_HEADER: attempt.reason,
                 "server-timing": _server_timing(record, attempt),
             }
+            if rate_headers:
+                reply_headers.update(rate_headers)
             if decision.budget_met is not None:
                 reply_headers[BUDGET_HEADER] = "met" if decision.budget_met else "missed"
-            url = worker.endpoint.rstrip("/") + request.path
             set_upstream_key(headers, upstream_key(self.config, worker.region))
             if not counted:
                 self.inflight.started(worker.worker_id)
             self.health.dispatched(attempt)
             try:
+                target = target_of(worker.endpoint)
+                payload = target.request(exchange.path, headers, body)
                 if parsed.stream:
-                    response = await forward_stream(request, self.session, url, body, headers,
-                                                    router_config.timeouts, reply_headers,
-                                                    attempt)
+                    reply = await forward_stream(exchange, self.upstreams, target, payload,
+                                                 router_config.timeouts, reply_headers, attempt)
                 else:
-                    response = await forward_unary(self.session, url, body, headers,
-                                                   router_config.timeouts, reply_headers, attempt)
+                    reply = await forward_unary(self.upstreams, target, payload,
+                                                router_config.timeouts, reply_headers, attempt)
                 if attempt.failure is None and (session_id or parsed.prefix_key is not None):
                     self.policy.context.affinity.remember(session_id, parsed.prefix_key,
                                                           worker.worker_id)
-                return response
+                return reply
             except UpstreamFailure as exc:
                 log.warning("attempt on %s (%s) failed before first byte: %s",
                             worker.worker_id, worker.region, exc.message)
@@ -233,7 +243,7 @@ class Proxy:
         assert failure is not None
         record.error = failure.message
         status = failure.status if failure.status in (502, 503, 504) else 502
-        return error_response(
+        return error_reply(
             status,
             f"the request failed on {len(tried)} worker(s); last error: {failure.message}",
             code="upstream_failed",
@@ -244,8 +254,8 @@ class Proxy:
         """Route on the fleet view of this moment (a waiting request is routed again)."""
         return self.policy.pick(self.holder.current, route)
 
-    def _origin_region(self, request: web.Request) -> str | None:
-        named = request.headers.get(CLIENT_REGION_HEADER)
+    def _origin_region(self, headers: Mapping[str, str]) -> str | None:
+        named = headers.get(CLIENT_REGION_HEADER)
         if named is None:
             return self.region
         if named not in self.config.regions:
@@ -257,7 +267,7 @@ class Proxy:
         (those the caller's API key may use, when keys are configured)."""
         created = int(time.time())
         admission = self.admission
-        principal = (admission.authenticate(request, self.config.auth)
+        principal = (admission.authenticate(request.headers, self.config.auth)
                      if admission is not None else None)
         data = [
             {"id": model, "object": "model", "created": created, "owned_by": "globalpool"}
@@ -283,11 +293,11 @@ class Proxy:
 _PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
 
 
-def _no_route(exc: NoRoute, *, configured: bool) -> web.Response:
+def _no_route(exc: NoRoute, *, configured: bool) -> Reply:
     if not exc.model_known and not configured:
-        return error_response(404, f"The model does not exist or is not served: {exc.reason}",
+        return error_reply(404, f"The model does not exist or is not served: {exc.reason}",
                               code="model_not_found", param="model")
-    return error_response(503, f"no capacity: {exc.reason}", code=exc.code or "no_capacity",
+    return error_reply(503, f"no capacity: {exc.reason}", code=exc.code or "no_capacity",
                           headers={"Retry-After": "1"})
 
 
@@ -308,9 +318,14 @@ def _server_timing(record: RequestRecord, attempt: Attempt) -> str:
     return ", ".join(parts)
 
 
-def _routing_hints(request: web.Request) -> tuple[str | None, str, float | None]:
+def _with_headers(reply: Reply, headers: Mapping[str, str] | None) -> Reply:
+    if headers:
+        reply.headers = {**headers, **reply.headers}
+    return reply
+
+
+def _routing_hints(headers: Mapping[str, str]) -> tuple[str | None, str, float | None]:
     """Session id, traffic class and TTFT budget (ms) from the request's headers."""
-    headers = request.headers
     session_id = headers.get(SESSION_HEADER) or None
     if session_id is not None and len(session_id) > 256:
         raise ApiError(400, f"{SESSION_HEADER}: at most 256 characters")

@@ -1,7 +1,7 @@
 """OpenTelemetry: one span per proxied request, continued by the worker (W3C traceparent).
 
-- `tracing_middleware` opens a SERVER span around each inference request, as a child of
-  the client's `traceparent` if it sent one, and makes it the current span.
+- `traced` opens a SERVER span around each inference request, as a child of the
+  client's `traceparent` if it sent one, and makes it the current span.
 - `inject_current_trace` (called by the proxy when it builds the upstream headers) puts
   that span's context in `traceparent`, so the worker's spans hang under the router's.
 - `SpanAnnotator`, an observer, writes the outcome onto the current span: chosen region
@@ -18,24 +18,21 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
-from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
-from multidict import CIMultiDict
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from router.proxy.exchange import Exchange, InferenceHandler, Reply
 from router.proxy.outcome import Attempt, RequestRecord
 
 log = logging.getLogger("globalpool.telemetry")
 
 _PROPAGATOR = TraceContextTextMapPropagator()  # stateless: W3C traceparent/tracestate
 INSTRUMENTATION = "globalpool.router"
-TRACED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 
 
 def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> TracerProvider | None:
@@ -65,37 +62,32 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     return provider
 
 
-def tracing_middleware(provider: trace.TracerProvider) -> Middleware:
-    """A middleware that runs each inference request inside its own SERVER span."""
+def traced(provider: trace.TracerProvider, handler: InferenceHandler) -> InferenceHandler:
+    """`handler` (the proxy's inference), each request run inside its own SERVER span."""
     tracer = provider.get_tracer(INSTRUMENTATION)
 
-    @web.middleware
-    async def trace_request(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in TRACED_PATHS:
-            return await handler(request)
-        parent = _PROPAGATOR.extract(request.headers)
+    async def trace_request(exchange: Exchange) -> Reply:
+        parent = _PROPAGATOR.extract(exchange.headers)
         with tracer.start_as_current_span(
-            f"{request.method} {request.path}", context=parent, kind=SpanKind.SERVER,
+            f"POST {exchange.path}", context=parent, kind=SpanKind.SERVER,
             record_exception=False, set_status_on_exception=False,
         ) as span:
-            span.set_attribute("http.request.method", request.method)
-            span.set_attribute("url.path", request.path)
+            span.set_attribute("http.request.method", "POST")
+            span.set_attribute("url.path", exchange.path)
             try:
-                response = await handler(request)
-            except BaseException as exc:
-                status = getattr(exc, "status", None)
-                span.set_attribute("http.response.status_code",
-                                   status if isinstance(status, int) else 499)
+                reply = await handler(exchange)
+            except BaseException:
+                span.set_attribute("http.response.status_code", 499)  # the client left
                 raise
-            span.set_attribute("http.response.status_code", response.status)
-            if response.status >= 500:
+            span.set_attribute("http.response.status_code", reply.status)
+            if reply.status >= 500:
                 span.set_status(Status(StatusCode.ERROR))
-            return response
+            return reply
 
     return trace_request
 
 
-def inject_current_trace(headers: CIMultiDict[str]) -> None:
+def inject_current_trace(headers: MutableMapping[str, str]) -> None:
     """Put the current span's W3C context in `headers` (replacing the client's).
 
     Without a current span (tracing off) the headers stay as they are, so a client's own

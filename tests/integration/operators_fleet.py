@@ -15,7 +15,7 @@ import yaml
 from aiohttp import web
 from opentelemetry.trace import TracerProvider
 
-from router.app import HOLDER, RouterSettings, build_app
+from router.app import HOLDER, RouterSettings, build_app, router_site
 from router.config import load_config
 from router.devstack.valkey import free_port
 from tests.integration.conftest import StartSim
@@ -93,7 +93,7 @@ class OpsFleet:
             runner = web.AppRunner(app, handler_cancellation=True)
             await runner.setup()
             port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
+            await router_site(runner, "127.0.0.1", port).start()
             self.runners.append(runner)
             self.apps.append(app)
             self.urls.append(f"http://127.0.0.1:{port}")

@@ -27,7 +27,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.app import HOLDER, RouterSettings, build_app
+from router.app import HOLDER, RouterSettings, build_app, router_site
 from router.config import parse_config
 from router.devstack.valkey import free_port
 from tests.conftest import ROOT
@@ -109,7 +109,7 @@ class LiveRouter:
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         self.port = free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await router_site(self._runner, "127.0.0.1", self.port).start()
         deadline = time.monotonic() + 10
         while len(app[HOLDER].current.workers) < 2:
             assert time.monotonic() < deadline, "the router never saw the simulators"

@@ -19,7 +19,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from router.app import HOLDER, RouterSettings, build_app
+from router.app import HOLDER, RouterSettings, build_app, router_site
 from router.config import parse_config
 from router.devstack.valkey import EmbeddedValkey, free_port
 from tests.integration.conftest import StartSim
@@ -59,10 +59,12 @@ class Fleet:
 FleetFactory = Callable[..., Awaitable[Fleet]]
 
 
-def _config(timeouts: dict[str, float]) -> dict[str, object]:
+def _config(timeouts: dict[str, float],
+            client_timeouts: dict[str, float] | None = None) -> dict[str, object]:
     return {
         "apiVersion": "globalpool/v1",
-        "router": {"region": "us-east", "near_equal_ms": 0.5, "timeouts": timeouts},
+        "router": {"region": "us-east", "near_equal_ms": 0.5, "timeouts": timeouts,
+                   "client_timeouts": client_timeouts or {}},
         "regions": {
             "us-east": {"rtt_ms": {"eu-west": 80}, "models": ["m"]},
             "eu-west": {"models": ["m"]},
@@ -86,6 +88,7 @@ async def fleet_factory(
 
     async def make(workers: dict[str, str], timeouts: dict[str, float] | None = None,
                    *, redis: str = redis_url, ttl_s: float = 60.0,
+                   client_timeouts: dict[str, float] | None = None,
                    **sim_changes: object) -> Fleet:
         sims: dict[str, SimServer] = {}
         for index, (worker_id, _region) in enumerate(workers.items()):
@@ -105,14 +108,15 @@ async def fleet_factory(
         for worker_id in workers:
             await publish(worker_id)
         config = parse_config(_config(timeouts or {"connect_s": 1, "first_byte_s": 2,
-                                                   "idle_s": 1, "total_s": 10}) |
+                                                   "idle_s": 1, "total_s": 10},
+                                      client_timeouts) |
                               {"redis": {"url": redis, "key_prefix": key_prefix}})
         app = build_app(RouterSettings(config=config, redis_url=redis, region="us-east",
                                        seed=1))
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await router_site(runner, "127.0.0.1", port).start()
         runners.append(runner)
         deadline = time.monotonic() + 5
         while len(app[HOLDER].current.workers) < len(workers):

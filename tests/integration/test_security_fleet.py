@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from router.admission.stats import SecurityStats
-from router.app import HOLDER, SECURITY_STATS, RouterSettings, build_app
+from router.app import HOLDER, SECURITY_STATS, RouterSettings, build_app, router_site
 from router.auth.keys import hash_key
 from router.config import parse_config
 from router.devstack.valkey import free_port
@@ -189,7 +189,7 @@ async def secure_fleet(
             runner = web.AppRunner(app, handler_cancellation=True)
             await runner.setup()
             port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
+            await router_site(runner, "127.0.0.1", port).start()
             runners.append(runner)
             apps.append(app)
             urls.append(f"http://127.0.0.1:{port}")

@@ -1,0 +1,140 @@
+"""One client request as the proxy sees it, whichever server received it.
+
+Inference requests arrive through the router's own HTTP/1.1 front (`router.proxy.front`,
+the fast path) or through aiohttp's server (connections the front hands over, and test
+apps). Both give the proxy an `Exchange`: the request's head and body, and a way to
+send a streamed answer. Whole answers go back as a `Reply`, which each server writes its
+own way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from aiohttp import web
+
+from router.proxy.errors import ApiError, error_body
+from router.proxy.upstream import UpstreamConnection, UpstreamError
+
+
+@dataclass(slots=True)
+class Reply:
+    """An answer for the client. `streamed`: already sent through `Exchange.relay`."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    streamed: bool = False
+
+
+def error_reply(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Reply:
+    """An OpenAI-format JSON error, as `router.proxy.errors.error_response` writes it."""
+    return Reply(status, {**(headers or {}), "Content-Type": "application/json"},
+                 error_body(status, message, code=code, param=param))
+
+
+def api_error_reply(exc: ApiError) -> Reply:
+    return error_reply(exc.status, exc.message, code=exc.code, param=exc.param,
+                       headers=exc.headers)
+
+
+class Exchange(Protocol):
+    """The client side of one request."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Request headers; looked up by lower-case name."""
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    async def read_body(self, timeout_s: float) -> bytes:
+        """The whole body; ApiError(408) when it does not arrive within `timeout_s`."""
+
+    async def relay(
+        self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection
+    ) -> UpstreamError | None:
+        """Start a 200 event stream with `headers` and `first`, then pass the rest of
+        `upstream`'s body through as it arrives. Returns None when the body ended, or the
+        error that broke it off (the stream stays open for `end_stream`). Raises
+        ConnectionError or CancelledError when the client went away."""
+
+    async def end_stream(self, tail: bytes) -> None:
+        """Write `tail` (maybe empty) and end the stream."""
+
+
+InferenceHandler = Callable[[Exchange], Awaitable[Reply]]
+
+
+class AiohttpExchange:
+    """An inference request that aiohttp's server received (handed-over connections)."""
+
+    __slots__ = ("_request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def path(self) -> str:
+        return self._request.path
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self._request.headers  # case-insensitive
+
+    @property
+    def content_length(self) -> int | None:
+        return self._request.content_length
+
+    async def read_body(self, timeout_s: float) -> bytes:
+        request = self._request
+        if request.content.is_eof():
+            return await request.read()  # already all here: nothing to time out
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s"
+                           ) from None
+
+    async def relay(
+        self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection
+    ) -> UpstreamError | None:
+        response = self.response = web.StreamResponse(status=200, headers=headers)
+        await response.prepare(self._request)
+        await response.write(first)
+        while True:
+            try:
+                chunk = await upstream.read_some()
+            except UpstreamError as exc:
+                return exc
+            if not chunk:
+                return None
+            await response.write(chunk)
+
+    async def end_stream(self, tail: bytes) -> None:
+        assert self.response is not None
+        if tail:
+            await self.response.write(tail)
+        await self.response.write_eof()
+
+    def answer(self, reply: Reply) -> web.StreamResponse:
+        """The aiohttp response for `reply`."""
+        if reply.streamed:
+            assert self.response is not None
+            return self.response
+        return web.Response(status=reply.status, body=reply.body, headers=reply.headers)

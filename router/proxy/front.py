@@ -1,0 +1,381 @@
+"""The router's HTTP/1.1 front: inference requests on raw asyncio protocols.
+
+aiohttp's server costs more per request than a whole compiled router (BENCHMARKS.md,
+"Proxy cost"), so the request path does not go through it. `FrontSite` listens in its
+place; each connection is a `FrontProtocol` that parses request heads itself, hands
+`POST /v1/chat/completions`, `/v1/completions` and `/v1/embeddings` to the proxy as an
+`Exchange`, writes whole answers with one `transport.write`, and relays streams from the
+upstream connection's `data_received` straight to the client's transport (no task
+wake-up per chunk; the client's flow control pauses the upstream).
+
+Everything else is aiohttp's: at a request boundary, a connection whose next request is
+anything but a plain HTTP/1.1 inference POST with a Content-Length body (the admin API,
+the status page, metrics, chunked or `Expect` uploads, HTTP/1.0, a malformed head) is
+handed over to aiohttp's request handler with the bytes it has not read, and stays there.
+aiohttp serves the same routes, so a handed-over connection is slower, never different.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Mapping
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import cast
+
+from aiohttp import web
+
+from router.proxy.errors import ApiError
+from router.proxy.exchange import InferenceHandler, error_reply
+from router.proxy.upstream import UpstreamConnection, UpstreamError
+
+log = logging.getLogger("globalpool.front")
+
+INFERENCE_PATHS = {
+    b"/v1/chat/completions": "/v1/chat/completions",
+    b"/v1/completions": "/v1/completions",
+    b"/v1/embeddings": "/v1/embeddings",
+}
+# A request head longer than this goes to aiohttp, whose limits answer it.
+MAX_HEAD_BYTES = 16 * 1024
+# Bytes of later requests read ahead while one is served; reading pauses beyond.
+READ_AHEAD_BYTES = 256 * 1024
+
+_REASONS = {status.value: status.phrase for status in HTTPStatus}
+_LAST_CHUNK = b"0\r\n\r\n"
+
+
+class _Clock:
+    """The `Date` header, formatted once per second."""
+
+    second = 0
+    value = ""
+
+    @classmethod
+    def date(cls) -> str:
+        now = int(time.time())
+        if now != cls.second:
+            cls.second = now
+            cls.value = formatdate(now, usegmt=True)
+        return cls.value
+
+
+def _head(status: int, headers: Mapping[str, str], framing: str, close: bool) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    lines.append(f"Date: {_Clock.date()}\r\nServer: globalpool\r\n{framing}")
+    if close:
+        lines.append("Connection: close\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1", "replace")
+
+
+class FrontExchange:
+    """One inference request on a front connection (see `router.proxy.exchange`)."""
+
+    __slots__ = ("_protocol", "content_length", "headers", "path", "started")
+
+    def __init__(self, protocol: FrontProtocol, path: str, headers: dict[str, str],
+                 content_length: int) -> None:
+        self._protocol = protocol
+        self.path = path
+        self.headers = headers
+        self.content_length = content_length
+        self.started = False  # the answer's head has been written
+
+    async def read_body(self, timeout_s: float) -> bytes:
+        return await self._protocol.read_body(self.content_length, timeout_s)
+
+    async def relay(
+        self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection
+    ) -> UpstreamError | None:
+        protocol = self._protocol
+        transport = protocol.transport
+        if transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        self.started = True
+        transport.write(_head(200, headers, "Transfer-Encoding: chunked\r\n", protocol.closing)
+                        + b"%x\r\n" % len(first) + first + b"\r\n")
+        protocol.relaying = upstream
+        if protocol.writing_paused:
+            upstream.pause_reading()
+        try:
+            await upstream.pipe(self)
+        except UpstreamError as exc:
+            return exc
+        finally:
+            protocol.relaying = None
+        return None
+
+    def write(self, data: bytes) -> None:
+        """The upstream's next body bytes, as one HTTP chunk (called by the upstream)."""
+        transport = self._protocol.transport
+        if not transport.is_closing():
+            transport.write(b"%x\r\n" % len(data) + data + b"\r\n")
+
+    async def end_stream(self, tail: bytes) -> None:
+        transport = self._protocol.transport
+        if tail:
+            transport.write(b"%x\r\n" % len(tail) + tail + b"\r\n" + _LAST_CHUNK)
+        else:
+            transport.write(_LAST_CHUNK)
+
+
+class FrontProtocol(asyncio.Protocol):
+    """One client connection: keep-alive, one request at a time, pipelined ones queued."""
+
+    def __init__(self, site: FrontSite) -> None:
+        self._site = site
+        self._loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
+        self._buffer = bytearray()
+        self._task: asyncio.Task[None] | None = None
+        self._body_waiter: asyncio.Future[None] | None = None
+        self._body_left = 0  # bytes of the current request's body not yet taken
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading_paused = False
+        self.writing_paused = False
+        self.relaying: UpstreamConnection | None = None
+        self.closing = False  # answer this request, then close
+
+    # -- asyncio.Protocol --
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._site.connections.add(self)
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._site.closed(self)
+        self._cancel_timer()
+        if self._task is not None:
+            self._task.cancel()  # the client went away: so does its request
+        waiter = self._body_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionResetError("the client went away"))
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if self._task is None:
+            self._next_request()
+            return
+        waiter = self._body_waiter
+        if waiter is not None and len(self._buffer) >= self._body_left and not waiter.done():
+            waiter.set_result(None)
+        if len(self._buffer) > max(READ_AHEAD_BYTES, self._body_left):
+            self.transport.pause_reading()
+            self._reading_paused = True
+
+    def eof_received(self) -> bool | None:
+        return None  # close: a client that stops sending is gone
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+        if self.relaying is not None:
+            self.relaying.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        if self.relaying is not None:
+            self.relaying.resume_reading()
+
+    # -- requests --
+    def _next_request(self) -> None:
+        buffer = self._buffer
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) > MAX_HEAD_BYTES:
+                self._hand_over()
+            return
+        request = self._parse_head(bytes(buffer[:end]))
+        if request is None:
+            self._hand_over()
+            return
+        del buffer[: end + 4]
+        self._cancel_timer()
+        path, headers, length, close = request
+        self._body_left = length
+        self.closing = close or self._site.stopping
+        exchange = FrontExchange(self, path, headers, length)
+        self._task = self._loop.create_task(self._serve(exchange))
+
+    @staticmethod
+    def _parse_head(head: bytes) -> tuple[str, dict[str, str], int, bool] | None:
+        """(path, headers, body length, close) of a request the front serves; None for
+        anything else (aiohttp takes it)."""
+        lines = head.split(b"\r\n")
+        if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
+            return None  # a bare CR or LF: not ours to interpret
+        method, _, rest = lines[0].partition(b" ")
+        target, _, version = rest.partition(b" ")
+        path = INFERENCE_PATHS.get(target)
+        if method != b"POST" or path is None or version != b"HTTP/1.1" or b"\x00" in head:
+            return None
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or not name or name[0] in b" \t" or name[-1] in b" \t":
+                return None  # malformed, or an obsolete folded line
+            key = name.decode("latin-1").lower()
+            text = value.strip(b" \t").decode("latin-1")
+            if key in headers:
+                if key in ("content-length", "host", "authorization"):
+                    return None
+                text = f"{headers[key]}, {text}"
+            headers[key] = text
+        if "transfer-encoding" in headers or "expect" in headers or "upgrade" in headers:
+            return None
+        raw_length = headers.get("content-length", "0")
+        if not raw_length.isdigit() or not raw_length.isascii() or len(raw_length) > 12:
+            return None
+        close = "close" in headers.get("connection", "").lower()
+        return path, headers, int(raw_length), close
+
+    async def read_body(self, length: int, timeout_s: float) -> bytes:
+        if len(self._buffer) < length:
+            self._resume_reading()
+            waiter = self._body_waiter = self._loop.create_future()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await waiter
+            except TimeoutError:
+                raise ApiError(408, "the request body did not arrive within "
+                               f"{timeout_s:g} s") from None
+            finally:
+                self._body_waiter = None
+        body = bytes(self._buffer[:length])
+        del self._buffer[:length]
+        self._body_left = 0
+        return body
+
+    async def _serve(self, exchange: FrontExchange) -> None:
+        try:
+            reply = await self._site.handler(exchange)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("request on %s failed", exchange.path)
+            if exchange.started:
+                self.transport.abort()  # a stream cut off: the client sees it end early
+                return
+            reply = error_reply(500, "internal error in the router")
+        finally:
+            self._task = None
+        if self._body_left:  # not read (refused first): drop it, or the connection
+            if len(self._buffer) >= self._body_left:
+                del self._buffer[: self._body_left]
+                self._body_left = 0
+            else:
+                self.closing = True
+        transport = self.transport
+        if not reply.streamed:
+            body = reply.body
+            transport.write(_head(reply.status, reply.headers,
+                                  f"Content-Length: {len(body)}\r\n", self.closing) + body)
+        if self.closing or transport.is_closing():
+            transport.close()
+            return
+        self._await_head()
+        self._resume_reading()
+        if self._buffer:
+            self._next_request()
+
+    # -- connection upkeep --
+    def _await_head(self) -> None:
+        """Close a connection whose next request head does not arrive in time."""
+        self._cancel_timer()
+        self._timer = self._loop.call_later(self._site.header_timeout_s, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._timer = None
+        if self._task is None:
+            self.transport.close()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _resume_reading(self) -> None:
+        if self._reading_paused:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def close_when_idle(self) -> None:
+        """Shutting down: close now if no request is being served, else after it."""
+        self.closing = True
+        if self._task is None:
+            self.transport.close()
+
+    def _hand_over(self) -> None:
+        """From here on aiohttp serves this connection, starting with the unread bytes."""
+        self._cancel_timer()
+        self._site.closed(self)
+        handler = self._site.aiohttp_protocol()
+        transport, data = self.transport, bytes(self._buffer)
+        self._buffer.clear()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if data:
+            handler.data_received(data)
+        self._resume_reading()
+
+
+class FrontSite(web.TCPSite):
+    """A TCP site whose connections start on `FrontProtocol` (aiohttp's otherwise).
+
+    `handler` serves inference exchanges; `fast=False` gives every connection to aiohttp
+    at once (as a plain `web.TCPSite`). Stopping waits up to
+    `shutdown_timeout_s` for requests in progress, as aiohttp does for its own.
+    """
+
+    def __init__(self, runner: web.BaseRunner, host: str | None, port: int | None, *,
+                 handler: InferenceHandler, header_timeout_s: float, fast: bool = True,
+                 shutdown_timeout_s: float = 60.0, reuse_address: bool | None = None) -> None:
+        super().__init__(runner, host, port, reuse_address=reuse_address)
+        self.handler = handler
+        self.header_timeout_s = header_timeout_s
+        self.fast = fast
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.connections: set[FrontProtocol] = set()
+        self.stopping = False
+        self._drained = asyncio.Event()
+
+    def aiohttp_protocol(self) -> asyncio.Protocol:
+        server = self._runner.server
+        assert server is not None
+        return server()
+
+    async def start(self) -> None:
+        if not self.fast:
+            await super().start()
+            return
+        self._runner._reg_site(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: FrontProtocol(self), self._host,
+                                                self._port, backlog=self._backlog,
+                                                reuse_address=self._reuse_address)
+        self._bound_port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self.stopping = True
+        await super().stop()  # no new connections
+        for connection in list(self.connections):
+            connection.close_when_idle()
+        if self.connections:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), self.shutdown_timeout_s)
+        for connection in list(self.connections):
+            connection.transport.abort()
+
+    def closed(self, connection: FrontProtocol) -> None:
+        """`connection` is gone or handed over."""
+        self.connections.discard(connection)
+        if self.stopping and not self.connections:
+            self._drained.set()

@@ -1,0 +1,226 @@
+"""The router's own HTTP/1.1 front (router.proxy.front) on raw sockets: what it serves,
+what it hands over to aiohttp, and how connections end.
+
+`Server: globalpool` marks an answer the front wrote; aiohttp's answers name aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from tests.integration.test_proxy import CHAT, FleetFactory, fleet_factory
+
+pytestmark = pytest.mark.integration
+
+__all__ = ["fleet_factory"]  # the fixture, shared with test_proxy
+
+
+def _post(path: str, body: bytes, *extra: str) -> bytes:
+    head = [f"POST {path} HTTP/1.1", "Host: router", "Content-Type: application/json",
+            f"Content-Length: {len(body)}", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _chat(stream: bool = False, **changes: object) -> bytes:
+    return json.dumps({**CHAT, "stream": stream, **changes}).encode()
+
+
+class Answer:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    @property
+    def server(self) -> str:
+        return self.headers.get("server", "")
+
+
+async def _read_answer(reader: asyncio.StreamReader, timeout_s: float = 10) -> Answer:
+    """One HTTP/1.1 answer (Content-Length or chunked) off a raw connection."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout_s)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        for _ in range(100_000):
+            size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)).strip(), 16)
+            chunk = await asyncio.wait_for(reader.readexactly(size + 2), 10)
+            if size == 0:
+                break
+            body += chunk[:-2]
+    else:
+        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 10)
+    return Answer(status, headers, body)
+
+
+async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+async def test_keep_alive_and_pipelined_requests_are_served_by_the_front(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = await fleet_factory({"a": "us-east"})
+    reader, writer = await _connect(fleet.router_url)
+    try:
+        for stream in (False, True, False):
+            writer.write(_post("/v1/chat/completions", _chat(stream)))
+            answer = await _read_answer(reader)
+            assert answer.status == 200, answer.body
+            assert answer.server == "globalpool"
+            assert answer.headers["x-globalpool-worker"] == "a"
+            if stream:
+                assert answer.body.rstrip().endswith(b"data: [DONE]")
+                assert answer.headers["content-type"].startswith("text/event-stream")
+            else:
+                assert json.loads(answer.body)["object"] == "chat.completion"
+        # Three requests in one write: three answers, in order, on the same connection.
+        writer.write(_post("/v1/chat/completions", _chat(max_tokens=1))
+                     + _post("/v1/completions", json.dumps(
+                         {"model": "m", "prompt": "hi", "max_tokens": 2}).encode())
+                     + _post("/v1/chat/completions", b"{not json"))
+        answers = [await _read_answer(reader) for _ in range(3)]
+        assert [a.status for a in answers] == [200, 200, 400]
+        assert json.loads(answers[1].body)["object"] == "text_completion"
+        assert json.loads(answers[2].body)["error"]["type"] == "invalid_request_error"
+        assert {a.server for a in answers} == {"globalpool"}
+    finally:
+        writer.close()
+
+
+async def test_other_requests_hand_the_connection_to_aiohttp(fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east"})
+    reader, writer = await _connect(fleet.router_url)
+    try:
+        writer.write(_post("/v1/chat/completions", _chat()))
+        first = await _read_answer(reader)
+        assert (first.status, first.server) == (200, "globalpool")
+        # A GET on the same connection: aiohttp answers it, and the connection's later
+        # inference requests (same routes, same answers).
+        writer.write(b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n")
+        health = await _read_answer(reader)
+        assert health.status == 200 and json.loads(health.body)["status"] == "ok"
+        assert "aiohttp" in health.server
+        writer.write(_post("/v1/chat/completions", _chat(stream=True)))
+        streamed = await _read_answer(reader)
+        assert streamed.status == 200 and b"data: [DONE]" in streamed.body
+        assert "aiohttp" in streamed.server
+        assert streamed.headers["x-globalpool-worker"] == "a"
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("request_bytes", [
+    # A chunked upload, which the front does not parse.
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(_chat()), _chat()),
+    # HTTP/1.0.
+    b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_chat()), _chat()),
+], ids=["chunked-upload", "http-1.0"])
+async def test_requests_the_front_does_not_parse_are_served_by_aiohttp(
+    fleet_factory: FleetFactory, request_bytes: bytes,
+) -> None:
+    fleet = await fleet_factory({"a": "us-east"})
+    reader, writer = await _connect(fleet.router_url)
+    try:
+        writer.write(request_bytes)
+        answer = await _read_answer(reader)
+        assert answer.status == 200, answer.body
+        assert "aiohttp" in answer.server
+        assert json.loads(answer.body)["object"] == "chat.completion"
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nX-Bad: a\nInjected: b\r\n"
+    b"Content-Length: 2\r\n\r\n{}",  # a bare LF inside the head
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n"
+    b"Content-Length: 3\r\n\r\n{}",  # two lengths
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Length: -2\r\n\r\n{}",
+], ids=["bare-lf", "two-lengths", "negative-length"])
+async def test_malformed_heads_get_a_400_and_never_reach_a_worker(
+    fleet_factory: FleetFactory, head: bytes,
+) -> None:
+    fleet = await fleet_factory({"a": "us-east"})
+    reader, writer = await _connect(fleet.router_url)
+    try:
+        writer.write(head)
+        answer_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert answer_head.split(b" ")[1] == b"400"  # aiohttp answers it
+        assert await fleet.running("a") == 0
+    finally:
+        writer.close()
+
+
+async def test_a_body_in_pieces_is_waited_for_and_a_missing_one_times_out(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = await fleet_factory({"a": "us-east"}, client_timeouts={"body_s": 1.0})
+    body = _chat()
+    reader, writer = await _connect(fleet.router_url)
+    try:
+        request = _post("/v1/chat/completions", body)
+        cut = len(request) - len(body) // 2
+        writer.write(request[:cut])
+        await asyncio.sleep(0.2)
+        writer.write(request[cut:])
+        answer = await _read_answer(reader)
+        assert (answer.status, answer.server) == (200, "globalpool")
+        # Promise a body and never send it: 408 after client_timeouts.body_s (1 s here),
+        # then the connection closes.
+        started = time.monotonic()
+        writer.write(_post("/v1/chat/completions", b"")[:-4]
+                     .replace(b"Content-Length: 0", b"Content-Length: 50") + b"\r\n\r\n{")
+        late = await _read_answer(reader)
+        assert late.status == 408
+        assert json.loads(late.body)["error"]["message"].startswith("the request body did not")
+        assert 0.9 < time.monotonic() - started < 5
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+    finally:
+        writer.close()
+
+
+async def test_an_unread_body_closes_the_connection_after_the_refusal(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = await fleet_factory({"a": "us-east"})
+    reader, writer = await _connect(fleet.router_url)
+    try:
+        # Larger than the 4 MiB default limit: refused before its body is read.
+        head = _post("/v1/chat/completions", b"")
+        writer.write(head.replace(b"Content-Length: 0", b"Content-Length: 99999999") + b"{")
+        answer = await _read_answer(reader)
+        assert answer.status == 413
+        assert answer.headers.get("connection") == "close"
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    finally:
+        writer.close()
+
+
+async def test_a_client_that_leaves_mid_stream_stops_the_upstream(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = await fleet_factory({"a": "us-east"}, decode_step_ms=50.0)
+    reader, writer = await _connect(fleet.router_url)
+    writer.write(_post("/v1/chat/completions", _chat(stream=True, max_tokens=200)))
+    await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    await asyncio.wait_for(reader.readuntil(b"data: "), 10)
+    assert await fleet.running("a") == 1
+    writer.close()
+    deadline = time.monotonic() + 5
+    while await fleet.running("a") != 0:
+        assert time.monotonic() < deadline, "the worker kept generating for a gone client"
+        await asyncio.sleep(0.05)

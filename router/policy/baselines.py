@@ -10,7 +10,7 @@ Each ignores some of what `predicted_ttft` uses, which is the point of a baselin
 
 from __future__ import annotations
 
-from router.policy.base import Policy, RoutingContext
+from router.policy.base import Policy, RoutingContext, two_of
 from router.policy.predicted_ttft import effective_load
 from router.policy.request import Decision, NoRoute, RouteRequest
 from router.registry.snapshot import WorkerView
@@ -69,7 +69,7 @@ class PowerOfTwo(Policy, name="power_of_two"):
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
         if len(candidates) == 1:
             return _decision(candidates[0], request, "power_of_two", 1)
-        first, second = self.context.rng.sample(candidates, 2)
+        first, second = two_of(candidates, self.context.rng)
         inflight = self.context.inflight
 
         def utilisation(view: WorkerView) -> float:

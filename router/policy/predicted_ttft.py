@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from operator import itemgetter
 
-from router.policy.base import Policy
+from router.policy.base import Policy, two_of
 from router.policy.filters import best_of_region, region_open, skipped_workers
 from router.policy.request import Decision, RouteRequest
 from router.registry.snapshot import RegionRanking, Snapshot, WorkerView
@@ -160,7 +160,7 @@ class PredictedTtft(Policy, name="predicted_ttft"):
                     break
         near = [item for item in scored if item[0] <= best_ms + context.near_equal_ms]
         if len(near) >= 2:
-            first, second = context.rng.sample(near, 2)
+            first, second = two_of(near, context.rng)
             chosen = first if first[0] <= second[0] else second
         else:
             chosen = near[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from router.registry.snapshot import WorkerView
 
@@ -27,9 +28,9 @@ class Drained:
 NOTHING_DRAINED = Drained()
 
 
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
-    """What routing knows of one request.
+class RouteRequest(NamedTuple):
+    """What routing knows of one request (a named tuple: built once per attempt, and a
+    frozen dataclass costs several times as much to build).
 
     `origin_region` is where the client is (this router's region unless the request
     names another); `prompt_tokens` is an estimate; `exclude` holds workers already tried
@@ -60,8 +61,7 @@ class RouteRequest:
     ttft_budget_ms: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     """The chosen worker, its predicted time to first token and why it was chosen."""
 
     worker: WorkerView

@@ -35,11 +35,10 @@ from router.proxy.upstream import UpstreamConnection, UpstreamError
 
 log = logging.getLogger("globalpool.front")
 
-INFERENCE_PATHS = {
-    b"/v1/chat/completions": "/v1/chat/completions",
-    b"/v1/completions": "/v1/completions",
-    b"/v1/embeddings": "/v1/embeddings",
-}
+INFERENCE_PATHS = {path: path for path in
+                   ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")}
+# Headers that may appear once: a repeated one goes to aiohttp's stricter parser.
+_SINGLE_HEADERS = frozenset({"content-length", "host", "authorization"})
 # A request head longer than this goes to aiohttp, whose limits answer it.
 MAX_HEAD_BYTES = 16 * 1024
 # Bytes of later requests read ahead while one is served; reading pauses beyond.
@@ -116,6 +115,12 @@ class FrontExchange:
         transport = self._protocol.transport
         if not transport.is_closing():
             transport.write(b"%x\r\n" % len(data) + data + b"\r\n")
+
+    def write_frame(self, frame: bytes) -> None:
+        """One whole HTTP chunk of the upstream's, passed on as it came."""
+        transport = self._protocol.transport
+        if not transport.is_closing():
+            transport.write(frame)
 
     async def end_stream(self, tail: bytes) -> None:
         transport = self._protocol.transport
@@ -209,26 +214,27 @@ class FrontProtocol(asyncio.Protocol):
     def _parse_head(head: bytes) -> tuple[str, dict[str, str], int, bool] | None:
         """(path, headers, body length, close) of a request the front serves; None for
         anything else (aiohttp takes it)."""
-        lines = head.split(b"\r\n")
-        if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
+        text = head.decode("latin-1")
+        lines = text.split("\r\n")
+        if text.count("\n") != len(lines) - 1 or text.count("\r") != len(lines) - 1:
             return None  # a bare CR or LF: not ours to interpret
-        method, _, rest = lines[0].partition(b" ")
-        target, _, version = rest.partition(b" ")
+        method, _, rest = lines[0].partition(" ")
+        target, _, version = rest.partition(" ")
         path = INFERENCE_PATHS.get(target)
-        if method != b"POST" or path is None or version != b"HTTP/1.1" or b"\x00" in head:
+        if method != "POST" or path is None or version != "HTTP/1.1" or "\x00" in text:
             return None
         headers: dict[str, str] = {}
         for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or not name or name[0] in b" \t" or name[-1] in b" \t":
+            name, colon, value = line.partition(":")
+            if not colon or not name or name[0] in " \t" or name[-1] in " \t":
                 return None  # malformed, or an obsolete folded line
-            key = name.decode("latin-1").lower()
-            text = value.strip(b" \t").decode("latin-1")
+            key = name.lower()
+            value = value.strip(" \t")
             if key in headers:
-                if key in ("content-length", "host", "authorization"):
+                if key in _SINGLE_HEADERS:
                     return None
-                text = f"{headers[key]}, {text}"
-            headers[key] = text
+                value = f"{headers[key]}, {value}"
+            headers[key] = value
         if "transfer-encoding" in headers or "expect" in headers or "upgrade" in headers:
             return None
         raw_length = headers.get("content-length", "0")

@@ -13,6 +13,12 @@ from enum import StrEnum
 from typing import Protocol
 
 
+class Reschedulable(Protocol):
+    """A deadline that can be moved (`asyncio.Timeout`, `router.proxy.forward.Deadline`)."""
+
+    def reschedule(self, when: float | None) -> None: ...
+
+
 class Failure(StrEnum):
     """Why an attempt failed. All but MID_STREAM happen before the client got a byte."""
 
@@ -42,7 +48,7 @@ class Attempt:
     streamed: bool = False
     retry_after_s: float | None = None
     # While waiting for the first byte: the deadline that `abandon` brings forward.
-    first_byte_deadline: asyncio.Timeout | None = None
+    first_byte_deadline: Reschedulable | None = None
     abandoned: str | None = None
 
     @property

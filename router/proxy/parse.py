@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from router.proxy.errors import ApiError
 
@@ -41,8 +40,7 @@ def prefix_key_of(contents: list[Any]) -> int | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class ParsedRequest:
+class ParsedRequest(NamedTuple):
     model: str
     stream: bool
     prompt_tokens: int

@@ -79,6 +79,14 @@ class Sink(typing.Protocol):
     def write(self, data: bytes) -> None: ...
 
 
+class FramingSink(Sink, typing.Protocol):
+    """A sink that sends chunked framing itself: a read that holds exactly one whole
+    chunk of a chunked answer is handed over as it came, frame and all, to
+    `write_frame` (no decoding, no re-encoding: a streamed token's usual path)."""
+
+    def write_frame(self, frame: bytes) -> None: ...
+
+
 class _Malformed(Exception):
     """The answer breaks HTTP/1.1: the connection is dropped."""
 
@@ -198,6 +206,7 @@ class UpstreamConnection(asyncio.Protocol):
         "_time",
         "_transport",
         "_waiter",
+        "_write_frame",
         "headers",
         "last_data_s",
         "status",
@@ -246,6 +255,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._buffer_paused = False
         self._caller_paused = False
         self._sink: Sink | None = None
+        self._write_frame: typing.Callable[[bytes], None] | None = None
         self._pipe_future: asyncio.Future[None] | None = None
 
     # -- the caller's side --
@@ -322,6 +332,7 @@ class UpstreamConnection(asyncio.Protocol):
         future.add_done_callback(self._pipe_done)
         self._pipe_future = future
         self._sink = sink
+        self._write_frame = getattr(sink, "write_frame", None)
         body = self._body
         if body:
             data = body[0] if len(body) == 1 else b"".join(body)
@@ -413,6 +424,8 @@ class UpstreamConnection(asyncio.Protocol):
         elif state == _UNTIL_CLOSE:
             self._emit(data)
             return
+        elif state == _CHUNK_SIZE and not self._pending and self._one_chunk(data):
+            return
         elif state == _IDLE:  # bytes nobody asked for: the connection is out of step
             self.close()
             return
@@ -428,6 +441,29 @@ class UpstreamConnection(asyncio.Protocol):
             self._finish()
 
     # -- parsing --
+
+    def _one_chunk(self, data: bytes) -> bool:
+        """The fast path for a read that is exactly one whole non-empty chunk (a streamed
+        token): pass it on and return True; False leaves it to the general parser."""
+        eol = data.find(b"\r\n", 0, 17)
+        if eol <= 0:
+            return False
+        line = data[:eol]
+        if line.strip(_HEX_DIGITS):
+            return False  # extensions, or not a size at all
+        size = int(line, 16)
+        if not size or len(data) != eol + size + 4 or not data.endswith(b"\r\n"):
+            return False
+        self._received_any = True
+        write_frame = self._write_frame
+        if write_frame is None:
+            self._emit(data[eol + 2 : -2])
+            return True
+        try:
+            write_frame(data)
+        except Exception as exc:
+            self._sink_failed(exc)
+        return True
 
     def _parse(self, data: bytes) -> list[bytes]:
         """Advance through `data`; return the decoded body pieces it held."""
@@ -582,7 +618,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._wake()
 
     def _sink_failed(self, exc: Exception) -> None:
-        self._sink = None
+        self._sink = self._write_frame = None
         self._reusable = False
         self._abort()
         future = self._pipe_future

@@ -9,6 +9,7 @@ import pytest
 
 from router.policy import NoRoute, Policy, RouteRequest, RoutingContext, create_policy
 from router.policy.affinity import AffinityTable
+from router.policy.base import two_of
 from router.policy.inflight import InFlight
 from router.policy.predicted_ttft import estimate_ttft
 from router.registry.snapshot import Snapshot, WorkerView
@@ -311,3 +312,15 @@ def test_large_pools_skip_regions_that_cannot_win_and_choose_as_if_they_had_not(
         pruned.append(fast.candidates)
         full.append(slow.candidates)
     assert sum(pruned) < 0.6 * sum(full), (sum(pruned), sum(full))
+
+
+def test_two_of_draws_two_different_items_uniformly() -> None:
+    rng = random.Random(7)
+    pairs: Counter[tuple[int, int]] = Counter()
+    for _ in range(12_000):
+        first, second = two_of([0, 1, 2, 3], rng)
+        assert first != second
+        pairs[(first, second)] += 1
+    assert len(pairs) == 12  # every ordered pair of different items
+    assert min(pairs.values()) > 800 and max(pairs.values()) < 1200  # expected 1,000 each
+    assert two_of(["a", "b"], rng) in (("a", "b"), ("b", "a"))

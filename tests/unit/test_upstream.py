@@ -591,3 +591,44 @@ async def _uvloop_scenario() -> None:
 def test_the_same_on_uvloop() -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(asyncio.wait_for(_uvloop_scenario(), 3))
+
+
+def in_pieces(*pieces: bytes) -> Reply:
+    """Write each piece in its own read of the client (a pause between them)."""
+    async def reply(writer: asyncio.StreamWriter) -> bool:
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        return True
+    return reply
+
+
+class CollectFrames(Collect):
+    """A sink that does its own chunked framing: whole chunks come to write_frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames: list[bytes] = []
+
+    def write_frame(self, frame: bytes) -> None:
+        self.frames.append(frame)
+
+
+async def test_a_read_of_one_whole_chunk_reaches_a_framing_sink_as_it_came(
+        serve: Callable[[list[Reply]], Awaitable[Worker]], pool: UpstreamPool) -> None:
+    events = [b"data: %d\n\n" % n for n in range(5)]
+    frames = [b"%x\r\n%s\r\n" % (len(event), event) for event in events]
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    # One chunk per read; then two chunks in one read, a chunk with an extension and
+    # the last chunk, which go through the general parser and arrive decoded.
+    worker = await serve([in_pieces(head, *frames[:3], frames[3] + frames[4],
+                                    b"3;ext=1\r\nabc\r\n", b"0\r\n\r\n")])
+    connection = await pool.send("127.0.0.1", worker.port, get(worker.port))
+    await connection.head()
+    sink = CollectFrames()
+    await asyncio.wait_for(connection.pipe(sink), 2)
+    assert sink.frames == frames[:3]
+    assert sink.writes == [events[3] + events[4], b"abc"]
+    connection.release()
+    assert pool.stats()["idle"] == 1  # the answer was read to its end: reusable

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -28,6 +28,7 @@ from router.config_reload import ConfigHolder
 from router.policy.inflight import InFlight
 from router.proxy.outcome import Attempt, RequestRecord
 from router.registry.snapshot import SnapshotHolder
+from router.telemetry.series import LabelledCounter, LabelledHistogram
 from router.telemetry.window import NO_REGION
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -47,56 +48,45 @@ class RequestMetrics:
     def __init__(self, registry: CollectorRegistry, known_models: Callable[[], list[str]]
                  ) -> None:
         self._known_models = known_models
-        self.requests = Counter(
+        self.requests = LabelledCounter(
             "globalpool_requests", "Client requests by serving region, model, class, status.",
-            ["region", "model", "class", "kind", "status"], registry=registry)
-        self.ttft = Histogram(
+            ["region", "model", "class", "kind", "status"], registry)
+        self.ttft = LabelledHistogram(
             "globalpool_ttft_seconds",
             "Time to first token of streamed requests: arrival at the router to first byte.",
-            ["region", "model"], buckets=LATENCY_BUCKETS_S, registry=registry)
-        self.e2e = Histogram(
+            ["region", "model"], LATENCY_BUCKETS_S, registry)
+        self.e2e = LabelledHistogram(
             "globalpool_e2e_seconds", "Arrival at the router to the answer's last byte.",
-            ["region", "model"], buckets=LATENCY_BUCKETS_S, registry=registry)
-        self.upstream_ttfb = Histogram(
+            ["region", "model"], LATENCY_BUCKETS_S, registry)
+        self.upstream_ttfb = LabelledHistogram(
             "globalpool_upstream_ttfb_seconds",
             "One attempt: request sent to the worker -> its first byte.",
-            ["region"], buckets=LATENCY_BUCKETS_S, registry=registry)
-        self.route = Histogram(
+            ["region"], LATENCY_BUCKETS_S, registry)
+        self.route = LabelledHistogram(
             "globalpool_route_seconds",
             "Arrival -> first routing decision (body read, validation, policy).",
-            buckets=ROUTE_BUCKETS_S, registry=registry)
-        self.decisions = Counter(
+            [], ROUTE_BUCKETS_S, registry)
+        self.decisions = LabelledCounter(
             "globalpool_routing_decisions",
             "Attempts by why the worker was chosen (local, spillover, retry, ...).",
-            ["reason", "region"], registry=registry)
-        self.retries = Counter(
+            ["reason", "region"], registry)
+        self.retries = LabelledCounter(
             "globalpool_retries", "Attempts after the first, by the region retried in.",
-            ["region"], registry=registry)
-        self.attempt_failures = Counter(
+            ["region"], registry)
+        self.attempt_failures = LabelledCounter(
             "globalpool_attempt_failures", "Failed attempts by region and kind of failure.",
-            ["region", "failure"], registry=registry)
-
-        # prometheus_client's labels() validates and locks on every call; the label
-        # sets here are few, so each child is looked up once and kept.
-        self._children: dict[tuple[object, ...], Any] = {}
-
-    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+            ["region", "failure"], registry)
 
     def attempt_finished(self, attempt: Attempt) -> None:
         region = attempt.region
-        self._child(self.decisions, attempt.reason, region).inc()
+        self.decisions.inc((attempt.reason, region))
         if attempt.reason == "retry":
-            self._child(self.retries, region).inc()
+            self.retries.inc((region,))
         if attempt.failure is not None:
-            self._child(self.attempt_failures, region, attempt.failure.value).inc()
+            self.attempt_failures.inc((region, attempt.failure.value))
         ttfb_s = attempt.ttfb_s
         if ttfb_s is not None:
-            self._child(self.upstream_ttfb, region).observe(ttfb_s)
+            self.upstream_ttfb.observe((region,), ttfb_s)
 
     def request_finished(self, record: RequestRecord) -> None:
         served = record.served_by
@@ -106,15 +96,15 @@ class RequestMetrics:
         else:
             region = NO_REGION
             model = record.model if record.model in self._known_models() else OTHER_MODEL
-        self._child(self.requests, region, model, _traffic_class(record), record.kind,
-                    str(record.status)).inc()
+        self.requests.inc((region, model, _traffic_class(record), record.kind,
+                           str(record.status)))
         if record.routed_s is not None:
-            self.route.observe(record.routed_s - record.received_s)
+            self.route.observe((), record.routed_s - record.received_s)
         if served is None or served.first_byte_s is None or record.finished_s is None:
             return
         if record.stream:
-            self._child(self.ttft, region, model).observe(served.first_byte_s - record.received_s)
-        self._child(self.e2e, region, model).observe(record.finished_s - record.received_s)
+            self.ttft.observe((region, model), served.first_byte_s - record.received_s)
+        self.e2e.observe((region, model), record.finished_s - record.received_s)
 
 
 class HealthView(Protocol):

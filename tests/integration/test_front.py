@@ -9,9 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import cast
 
 import pytest
+from aiohttp import web
 
+from router.proxy.exchange import Exchange, Reply
+from router.proxy.front import FrontSite
+from router.proxy.upstream import UpstreamPool, encode_request
 from tests.integration.test_proxy import CHAT, FleetFactory, fleet_factory
 
 pytestmark = pytest.mark.integration
@@ -224,3 +229,64 @@ async def test_a_client_that_leaves_mid_stream_stops_the_upstream(
     while await fleet.running("a") != 0:
         assert time.monotonic() < deadline, "the worker kept generating for a gone client"
         await asyncio.sleep(0.05)
+
+
+async def test_a_client_that_reads_slowly_pauses_the_upstream() -> None:
+    """Flow control end to end: the client stops reading a big stream, the front's
+    transport fills, the upstream connection stops reading, the worker's writes back up;
+    then the client reads on and gets every byte."""
+    chunk = b"data: " + b"x" * (64 * 1024 - 8) + b"\n\n"
+    count = 512  # 32 MiB: more than the kernel's socket buffers hold on the way
+    writers: list[asyncio.StreamWriter] = []
+
+    async def blast(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for _ in range(count):
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    worker = await asyncio.start_server(blast, "127.0.0.1", 0)
+    worker_port = worker.sockets[0].getsockname()[1]
+    pool = UpstreamPool(connect_timeout_s=1.0)
+
+    async def relay(exchange: Exchange) -> Reply:
+        await exchange.read_body(5.0)
+        upstream = await pool.send("127.0.0.1", worker_port, encode_request(
+            "POST", "/", f"127.0.0.1:{worker_port}", (), b""))
+        await upstream.head()
+        first = await upstream.read_some()
+        assert await exchange.relay({"Content-Type": "text/event-stream"}, first,
+                                    upstream) is None
+        await exchange.end_stream(b"")
+        upstream.release()
+        return Reply(200, streamed=True)
+
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    site = FrontSite(runner, "127.0.0.1", 0, handler=relay, header_timeout_s=5.0)
+    await site.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", site.port, limit=2**20)
+        client = cast(asyncio.Transport, writer.transport)
+        client.pause_reading()  # the client stops reading
+        writer.write(_post("/v1/chat/completions", b"{}"))
+        waiting = -1
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if writers and writers[0].transport.get_write_buffer_size() == waiting:
+                break
+            waiting = writers[0].transport.get_write_buffer_size() if writers else -1
+        total = len(chunk) * count
+        assert waiting > total - 16 * 1024 * 1024  # held back at the worker, not here
+        client.resume_reading()
+        answer = await _read_answer(reader, timeout_s=30)
+        assert answer.status == 200 and len(answer.body) == total
+        writer.close()
+    finally:
+        await runner.cleanup()
+        await pool.close()
+        worker.close()

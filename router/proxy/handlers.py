@@ -72,6 +72,8 @@ class Proxy:
     admission: Admission | None = None  # API keys and rate limits; None: neither
     queue: RouterQueue | None = None  # waiting for a worker with room; None: never waits
     propagate_trace: bool = False  # tracing on: workers continue the router's span
+    _keys: dict[str, str | None] = field(default_factory=dict, init=False)
+    _keys_config: GlobalConfig | None = field(default=None, init=False)
 
     @property
     def config(self) -> GlobalConfig:
@@ -198,7 +200,7 @@ class Proxy:
                 reply_headers.update(rate_headers)
             if decision.budget_met is not None:
                 reply_headers[BUDGET_HEADER] = "met" if decision.budget_met else "missed"
-            set_upstream_key(headers, upstream_key(self.config, worker.region))
+            set_upstream_key(headers, self._upstream_key(worker.region))
             if not counted:
                 self.inflight.started(worker.worker_id)
             self.health.dispatched(attempt)
@@ -249,6 +251,16 @@ class Proxy:
             code="upstream_failed",
             headers={"Retry-After": "1"},
         )
+
+    def _upstream_key(self, region: str) -> str | None:
+        """`upstream_key`, read once per region and config (not per attempt)."""
+        config = self.config
+        if config is not self._keys_config:
+            self._keys_config = config
+            self._keys.clear()
+        if region not in self._keys:
+            self._keys[region] = upstream_key(config, region)
+        return self._keys[region]
 
     def _pick(self, route: RouteRequest) -> Decision:
         """Route on the fleet view of this moment (a waiting request is routed again)."""

@@ -80,8 +80,8 @@ class Sink(typing.Protocol):
 
 
 class FramingSink(Sink, typing.Protocol):
-    """A sink that sends chunked framing itself: a read that holds exactly one whole
-    chunk of a chunked answer is handed over as it came, frame and all, to
+    """A sink that sends chunked framing itself: a read that holds whole chunks of a
+    chunked answer and nothing else is handed over as it came, frames and all, to
     `write_frame` (no decoding, no re-encoding: a streamed token's usual path)."""
 
     def write_frame(self, frame: bytes) -> None: ...
@@ -425,7 +425,7 @@ class UpstreamConnection(asyncio.Protocol):
         elif state == _UNTIL_CLOSE:
             self._emit(data)
             return
-        elif state == _CHUNK_SIZE and not self._pending and self._one_chunk(data):
+        elif state == _CHUNK_SIZE and not self._pending and self._whole_chunks(data):
             return
         elif state == _IDLE:  # bytes nobody asked for: the connection is out of step
             self.close()
@@ -443,23 +443,33 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- parsing --
 
-    def _one_chunk(self, data: bytes) -> bool:
-        """The fast path for a read that is exactly one whole non-empty chunk (a streamed
-        token): pass it on and return True; False leaves it to the general parser."""
-        eol = data.find(b"\r\n", 0, 17)
-        if eol <= 0:
-            return False
-        line = data[:eol]
-        if line.strip(_HEX_DIGITS):
-            return False  # extensions, or not a size at all
-        size = int(line, 16)
-        if not size or len(data) != eol + size + 4 or not data.endswith(b"\r\n"):
-            return False
+    def _whole_chunks(self, data: bytes) -> bool:
+        """The fast path for a read that is whole non-empty chunks and nothing else (a
+        streamed token, or a few): pass them on and return True. False leaves the read
+        to the general parser (a partial chunk, extensions, the last chunk...)."""
+        pos = 0
+        end = len(data)
+        payload_at = chunks = 0
+        while pos < end:
+            chunks += 1
+            eol = data.find(b"\r\n", pos, pos + 17)
+            if eol <= pos:
+                return False
+            line = data[pos:eol]
+            if line.strip(_HEX_DIGITS):
+                return False  # extensions, or not a size at all
+            size = int(line, 16)
+            payload_at = eol + 2
+            pos = payload_at + size + 2
+            if not size or pos > end or data[pos - 2 : pos] != b"\r\n":
+                return False
         self._received_any = True
         write_frame = self._write_frame
         if write_frame is None:
-            self._emit(data[eol + 2 : -2])
-            return True
+            if chunks == 1:
+                self._emit(data[payload_at:-2])
+                return True
+            return False  # several: the general parser decodes them
         try:
             write_frame(data)
         except Exception as exc:

@@ -620,15 +620,17 @@ async def test_a_read_of_one_whole_chunk_reaches_a_framing_sink_as_it_came(
     events = [b"data: %d\n\n" % n for n in range(5)]
     frames = [b"%x\r\n%s\r\n" % (len(event), event) for event in events]
     head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-    # One chunk per read; then two chunks in one read, a chunk with an extension and
-    # the last chunk, which go through the general parser and arrive decoded.
+    # One chunk per read, then two whole chunks in one read: as they came. A chunk with
+    # an extension, a chunk split across reads and the last chunk go through the
+    # general parser and arrive decoded.
     worker = await serve([in_pieces(head, *frames[:3], frames[3] + frames[4],
-                                    b"3;ext=1\r\nabc\r\n", b"0\r\n\r\n")])
+                                    b"3;ext=1\r\nabc\r\n", b"4\r\nde", b"fg\r\n",
+                                    b"0\r\n\r\n")])
     connection = await pool.send("127.0.0.1", worker.port, get(worker.port))
     await connection.head()
     sink = CollectFrames()
     await asyncio.wait_for(connection.pipe(sink), 2)
-    assert sink.frames == frames[:3]
-    assert sink.writes == [events[3] + events[4], b"abc"]
+    assert sink.frames == [*frames[:3], frames[3] + frames[4]]
+    assert sink.writes == [b"abc", b"de", b"fg"]
     connection.release()
     assert pool.stats()["idle"] == 1  # the answer was read to its end: reusable

@@ -290,3 +290,25 @@ async def test_a_client_that_reads_slowly_pauses_the_upstream() -> None:
         await runner.cleanup()
         await pool.close()
         worker.close()
+
+
+async def test_an_idle_or_half_sent_head_is_closed_after_header_s(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = await fleet_factory({"a": "us-east"}, client_timeouts={"header_s": 0.5})
+    reader, writer = await _connect(fleet.router_url)
+    try:
+        # A served request, then silence on the kept-alive connection: closed.
+        writer.write(_post("/v1/chat/completions", _chat()))
+        assert (await _read_answer(reader)).status == 200
+        started = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert 0.4 < time.monotonic() - started < 3
+    finally:
+        writer.close()
+    reader, writer = await _connect(fleet.router_url)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\n")  # never finished
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    finally:
+        writer.close()

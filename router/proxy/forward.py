@@ -43,8 +43,8 @@ from router.proxy.upstream import (
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
 
 
-# Sends retried at once when a pooled connection turns out closed before any answer: the
-# worker closed it while it sat idle, so nothing of the request was processed.
+# Sends repeated at once when the connection breaks before any answer (usually a pooled
+# connection the worker closed while it sat idle: nothing of the request was processed).
 STALE_CONNECTION_RETRIES = 2
 
 
@@ -226,9 +226,13 @@ async def _send(pool: UpstreamPool, target: Target, payload: bytes,
             await upstream.head()
         except ConnectionBroken as exc:
             upstream.close()
-            if exc.stale and tries_left and not deadline.expired:
+            if not exc.received_any and tries_left and not deadline.expired:
+                # Broken before any answer: most likely a pooled connection the worker
+                # had closed (stale), else a worker that just died or restarted. Sent
+                # again on a new connection: a dead worker then refuses it, which is a
+                # path failure (a free retry elsewhere), not a reset.
                 deadline.upstream = None
-                continue  # a pooled connection the worker had closed: send again
+                continue
             raise
         except BaseException:
             upstream.close()  # cancelled: the engine stops working on it

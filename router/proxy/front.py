@@ -171,9 +171,13 @@ class FrontProtocol(asyncio.Protocol):
             self._next_request()
             return
         waiter = self._body_waiter
-        if waiter is not None and len(self._buffer) >= self._body_left and not waiter.done():
-            waiter.set_result(None)
-        if len(self._buffer) > max(READ_AHEAD_BYTES, self._body_left):
+        if waiter is None:  # read ahead, but not without bound
+            limit = READ_AHEAD_BYTES
+        else:  # the request's body is awaited: it may be bigger (up to max_body_bytes)
+            limit = max(READ_AHEAD_BYTES, self._body_left)
+            if len(self._buffer) >= self._body_left and not waiter.done():
+                waiter.set_result(None)
+        if len(self._buffer) > limit:
             self.transport.pause_reading()
             self._reading_paused = True
 

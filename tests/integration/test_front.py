@@ -312,3 +312,24 @@ async def test_an_idle_or_half_sent_head_is_closed_after_header_s(
         assert await asyncio.wait_for(reader.read(), 5) == b""
     finally:
         writer.close()
+
+
+async def test_a_body_larger_than_the_read_ahead_is_read_whole(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = await fleet_factory({"a": "us-east"})
+    big = _chat(messages=[{"role": "user", "content": "y" * (1024 * 1024)}], max_tokens=1)
+    reader, writer = await _connect(fleet.router_url)
+    try:
+        request = _post("/v1/chat/completions", big)
+        for at in range(0, len(request), 100_000):  # in pieces, as a real client's would
+            writer.write(request[at : at + 100_000])
+            await writer.drain()
+        answer = await _read_answer(reader)
+        # The worker got all of it: it counts the whole prompt (1 MiB / 4 characters per
+        # token) and refuses it as longer than its context.
+        assert (answer.status, answer.server) == (400, "globalpool")
+        assert "your request has 262144 input tokens" in json.loads(answer.body)["error"][
+            "message"]
+    finally:
+        writer.close()

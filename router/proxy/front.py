@@ -41,6 +41,9 @@ INFERENCE_PATHS = {path: path for path in
 _SINGLE_HEADERS = frozenset({"content-length", "host", "authorization"})
 # A request head longer than this goes to aiohttp, whose limits answer it.
 MAX_HEAD_BYTES = 16 * 1024
+# A connection whose head is late is closed this long after header_s, once the loop has
+# read the sockets again (see FrontProtocol._head_timed_out).
+HEAD_GRACE_S = 0.05
 # Bytes of later requests read ahead while one is served; reading pauses beyond.
 READ_AHEAD_BYTES = 256 * 1024
 
@@ -303,6 +306,14 @@ class FrontProtocol(asyncio.Protocol):
         self._timer = self._loop.call_later(self._site.header_timeout_s, self._head_timed_out)
 
     def _head_timed_out(self) -> None:
+        # After the host stalled this process, the loop runs expired timers before it
+        # reads the sockets: a head that arrived meanwhile is not seen yet. Look again
+        # after the next read of the sockets before closing.
+        self._timer = None
+        if self._task is None:
+            self._timer = self._loop.call_later(HEAD_GRACE_S, self._head_still_missing)
+
+    def _head_still_missing(self) -> None:
         self._timer = None
         if self._task is None:
             self.transport.close()

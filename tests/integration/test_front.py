@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
 import time
 from typing import cast
 
 import pytest
+import uvloop
 from aiohttp import web
 
 from router.proxy.exchange import Exchange, Reply
@@ -333,3 +336,63 @@ async def test_a_body_larger_than_the_read_ahead_is_read_whole(
             "message"]
     finally:
         writer.close()
+
+
+def test_a_head_that_arrived_while_the_host_stalled_is_served() -> None:
+    """libuv runs due timers after the I/O callbacks of an iteration: when the process
+    stalls inside one of those callbacks (this machine's host stalls processes for tens
+    of seconds) past header_s, the head timer fires before the loop reads the head that
+    arrived meanwhile. The front must look again before closing the connection."""
+
+    async def ok(exchange: Exchange) -> Reply:
+        await exchange.read_body(5.0)
+        return Reply(200, {"Content-Type": "text/plain"}, b"ok")
+
+    class Staller(asyncio.Protocol):
+        """Its data_received blocks the whole loop: a stalled host, as the loop sees it."""
+
+        def data_received(self, data: bytes) -> None:
+            time.sleep(0.6)
+
+    answers: list[bytes] = []
+
+    def client(port: int, connected: threading.Event, go: threading.Event) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            connected.set()
+            go.wait(5)
+            time.sleep(0.1)  # inside the stall
+            sock.sendall(_post("/v1/chat/completions", b"{}"))
+            try:
+                answers.append(sock.recv(65536))
+            except OSError as exc:
+                answers.append(repr(exc).encode())
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        runner = web.AppRunner(web.Application())
+        await runner.setup()
+        site = FrontSite(runner, "127.0.0.1", 0, handler=ok, header_timeout_s=0.3)
+        await site.start()
+        staller = await loop.create_server(Staller, "127.0.0.1", 0)
+        stall_port = staller.sockets[0].getsockname()[1]
+        connected, go = threading.Event(), threading.Event()
+        thread = threading.Thread(target=client, args=(site.port, connected, go))
+        thread.start()
+        try:
+            await loop.run_in_executor(None, connected.wait, 5)
+            await asyncio.sleep(0.05)  # the front has the connection: its head timer runs
+            _, poke = await asyncio.open_connection("127.0.0.1", stall_port)
+            go.set()
+            poke.write(b"x")  # the stall starts in an I/O callback of the next iteration
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if answers:
+                    break
+            poke.close()
+        finally:
+            await loop.run_in_executor(None, thread.join, 5)
+            staller.close()
+            await runner.cleanup()
+        assert answers and answers[0].startswith(b"HTTP/1.1 200 "), answers
+
+    uvloop.run(main())

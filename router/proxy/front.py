@@ -351,18 +351,16 @@ class FrontProtocol(asyncio.Protocol):
 class FrontSite(web.TCPSite):
     """A TCP site whose connections start on `FrontProtocol` (aiohttp's otherwise).
 
-    `handler` serves inference exchanges; `fast=False` gives every connection to aiohttp
-    at once (as a plain `web.TCPSite`). Stopping waits up to
+    `handler` serves inference exchanges. Stopping waits up to
     `shutdown_timeout_s` for requests in progress, as aiohttp does for its own.
     """
 
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int | None, *,
-                 handler: InferenceHandler, header_timeout_s: float, fast: bool = True,
+                 handler: InferenceHandler, header_timeout_s: float,
                  shutdown_timeout_s: float = 60.0, reuse_address: bool | None = None) -> None:
         super().__init__(runner, host, port, reuse_address=reuse_address)
         self.handler = handler
         self.header_timeout_s = header_timeout_s
-        self.fast = fast
         self.shutdown_timeout_s = shutdown_timeout_s
         self.connections: set[FrontProtocol] = set()
         self.stopping = False
@@ -374,9 +372,6 @@ class FrontSite(web.TCPSite):
         return server()
 
     async def start(self) -> None:
-        if not self.fast:
-            await super().start()
-            return
         self._runner._reg_site(self)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: FrontProtocol(self), self._host,

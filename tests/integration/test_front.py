@@ -396,3 +396,57 @@ def test_a_head_that_arrived_while_the_host_stalled_is_served() -> None:
         assert answers and answers[0].startswith(b"HTTP/1.1 200 "), answers
 
     uvloop.run(main())
+
+
+async def test_stopping_the_site_lets_a_stream_in_progress_finish() -> None:
+    chunks = [b"data: %d\n\n" % n for n in range(10)]
+
+    async def slow_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for chunk in chunks:
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    worker = await asyncio.start_server(slow_worker, "127.0.0.1", 0)
+    worker_port = worker.sockets[0].getsockname()[1]
+    pool = UpstreamPool(connect_timeout_s=1.0)
+
+    async def relay(exchange: Exchange) -> Reply:
+        await exchange.read_body(5.0)
+        upstream = await pool.send("127.0.0.1", worker_port, encode_request(
+            "POST", "/", f"127.0.0.1:{worker_port}", (), b""))
+        await upstream.head()
+        first = await upstream.read_some()
+        assert await exchange.relay({"Content-Type": "text/event-stream"}, first,
+                                    upstream) is None
+        await exchange.end_stream(b"")
+        upstream.release()
+        return Reply(200, streamed=True)
+
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    site = FrontSite(runner, "127.0.0.1", 0, handler=relay, header_timeout_s=5.0)
+    await site.start()
+    port = site.port
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post("/v1/chat/completions", b"{}"))
+        started = await asyncio.wait_for(reader.readuntil(b"data: 0"), 5)
+        stopping = asyncio.create_task(runner.cleanup())  # SIGTERM, as `run` handles it
+        answer = started + await asyncio.wait_for(reader.read(), 5)  # to its end, then EOF
+        assert b"data: 9\n\n\r\n0\r\n\r\n" in answer  # every event and the last chunk
+        await asyncio.wait_for(stopping, 5)
+        assert await asyncio.wait_for(idle_reader.read(), 5) == b""  # idle: closed at once
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", port)  # no longer listening
+        writer.close()
+        idle_writer.close()
+    finally:
+        await pool.close()
+        worker.close()

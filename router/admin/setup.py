@@ -114,7 +114,8 @@ class Operations:
         self.registry.register(FleetCollector(
             snapshots=snapshots, configs=self.configs, drains=self.drains, inflight=inflight,
             health=proxy.health, retry_budget=proxy.retry_budget,
-            queue=proxy.queue.backlog if proxy.queue is not None else None))
+            queue=proxy.queue.backlog if proxy.queue is not None else None,
+            upstream_stats=proxy.upstreams.stats))
         if security is not None:
             self.registry.register(SecurityCollector(security))
         app[ADMIN] = AdminContext(

@@ -13,7 +13,7 @@ the engines report in their heartbeats is exported as `globalpool_worker_itl_sec
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -130,6 +130,8 @@ class FleetCollector:
     health: HealthView | None = None
     retry_budget: RetryBudgetView | None = None
     queue: Backlog[Any] | None = None
+    # The upstream pool's {"opened", "reused", "idle"} (router.proxy.upstream.UpstreamPool).
+    upstream_stats: Callable[[], Mapping[str, int]] | None = None
     clock: Callable[[], float] = time.monotonic
 
     def collect(self) -> Iterator[Metric]:
@@ -178,6 +180,17 @@ class FleetCollector:
             yield _counter("globalpool_retry_budget_denied",
                            "Retries not made because the retry budget was spent.",
                            float(self.retry_budget.denied))
+        if self.upstream_stats is not None:
+            stats = self.upstream_stats()
+            yield _counter("globalpool_upstream_connections_opened",
+                           "Connections this router opened to workers.",
+                           float(stats["opened"]))
+            yield _counter("globalpool_upstream_connections_reused",
+                           "Requests sent on a kept-alive connection to a worker.",
+                           float(stats["reused"]))
+            yield _gauge("globalpool_upstream_idle_connections",
+                         "Kept-alive connections to workers waiting for a request.",
+                         float(stats["idle"]))
 
     def _workers(self, now_s: float) -> Iterator[Metric]:
         snapshot = self.snapshots.current

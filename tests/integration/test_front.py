@@ -13,6 +13,7 @@ import threading
 import time
 from typing import cast
 
+import aiohttp
 import pytest
 import uvloop
 from aiohttp import web
@@ -105,6 +106,19 @@ async def test_keep_alive_and_pipelined_requests_are_served_by_the_front(
         assert {a.server for a in answers} == {"globalpool"}
     finally:
         writer.close()
+    # Five requests reached the worker (the sixth was bad JSON), one after another: on
+    # one kept-alive upstream connection.
+    async with aiohttp.ClientSession() as session, session.get(
+            f"{fleet.router_url}/metrics") as response:
+        metrics = await response.text()
+    opened = _sample(metrics, "globalpool_upstream_connections_opened_total")
+    reused = _sample(metrics, "globalpool_upstream_connections_reused_total")
+    assert (opened, reused) == (1, 4)
+
+
+def _sample(metrics: str, name: str) -> float:
+    line = next(line for line in metrics.splitlines() if line.startswith(name + " "))
+    return float(line.split(" ")[1])
 
 
 async def test_other_requests_hand_the_connection_to_aiohttp(fleet_factory: FleetFactory) -> None:

@@ -143,6 +143,26 @@ async def test_other_requests_hand_the_connection_to_aiohttp(fleet_factory: Flee
         writer.close()
 
 
+async def test_a_pipelined_request_for_aiohttp_waits_for_the_one_before_it(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = await fleet_factory({"a": "us-east"})
+    reader, writer = await _connect(fleet.router_url)
+    try:
+        # A stream, then a GET in the same write: the front serves the stream, then hands
+        # the connection over with the GET's bytes; answers come in order.
+        writer.write(_post("/v1/chat/completions", _chat(stream=True))
+                     + b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n")
+        streamed = await _read_answer(reader)
+        assert (streamed.status, streamed.server) == (200, "globalpool")
+        assert streamed.body.rstrip().endswith(b"data: [DONE]")
+        health = await _read_answer(reader)
+        assert health.status == 200 and "aiohttp" in health.server
+        assert json.loads(health.body)["status"] == "ok"
+    finally:
+        writer.close()
+
+
 @pytest.mark.parametrize("request_bytes", [
     # A chunked upload, which the front does not parse.
     b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"

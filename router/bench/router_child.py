@@ -6,9 +6,9 @@ On one machine every region's emulated network (router.devstack.netem) tells rou
 replicas apart by the address their connections come from, so that a replica in eu-west
 and one in us-east see different RTTs to the same workers. Connections to 127.0.X.1 leave
 from 127.0.0.1 unless the client binds another address, which `globalpool router` has no
-option for; this wrapper makes every aiohttp connector of the process bind the given
-address, then runs `globalpool` with the remaining arguments. Bench tooling only: a real
-deployment has real addresses.
+option for; this wrapper makes the upstream pool (and every aiohttp connector) of the
+process bind the given address, then runs `globalpool` with the remaining arguments.
+Bench tooling only: a real deployment has real addresses.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from typing import Any
 
 import aiohttp
 
+from router.proxy.upstream import UpstreamPool
+
 
 def bind_connectors(source_host: str) -> None:
-    """Make every `aiohttp.TCPConnector` created from now on bind `source_host`."""
+    """Make every `UpstreamPool` (the request path) and `aiohttp.TCPConnector` created
+    from now on bind `source_host`."""
     original = aiohttp.TCPConnector.__init__
 
     def bound(self: aiohttp.TCPConnector, *args: Any, **kwargs: Any) -> None:
@@ -29,6 +32,13 @@ def bind_connectors(source_host: str) -> None:
         original(self, *args, **kwargs)
 
     setattr(aiohttp.TCPConnector, "__init__", bound)  # noqa: B010 (mypy: no method assign)
+    original_pool = UpstreamPool.__init__
+
+    def bound_pool(self: UpstreamPool, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("local_host", source_host)
+        original_pool(self, *args, **kwargs)
+
+    setattr(UpstreamPool, "__init__", bound_pool)  # noqa: B010
 
 
 def main(argv: Sequence[str] | None = None) -> int:

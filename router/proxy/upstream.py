@@ -732,7 +732,8 @@ class UpstreamPool:
     """
 
     def __init__(
-        self, *, connect_timeout_s: float, keepalive_s: float = 4.0, max_idle_per_host: int = 1024
+        self, *, connect_timeout_s: float, keepalive_s: float = 4.0, max_idle_per_host: int = 1024,
+        local_host: str | None = None,
     ) -> None:
         """`connect_timeout_s` bounds a TCP connect; an idle connection is closed after
         `keepalive_s`; beyond `max_idle_per_host` idle ones per worker, the oldest is closed."""
@@ -742,6 +743,9 @@ class UpstreamPool:
         self._connect_timeout_s = connect_timeout_s
         self._keepalive_s = keepalive_s
         self._max_idle_per_host = max_idle_per_host
+        # Connections leave from this address (None: the system's choice). The bench's
+        # test bed gives each region's router its own loopback source address.
+        self._local_addr = (local_host, 0) if local_host else None
         self._idle: dict[tuple[str, int], collections.deque[UpstreamConnection]] = {}
         self._open: set[UpstreamConnection] = set()
         self._opened = 0
@@ -794,7 +798,8 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(self._connect_timeout_s):  # TLS handshake included
                 _, connection = await loop.create_connection(
-                    factory, host, port, ssl=ssl, server_hostname=host if ssl else None)
+                    factory, host, port, ssl=ssl, server_hostname=host if ssl else None,
+                    local_addr=self._local_addr)
         except TimeoutError:
             raise ConnectFailed(
                 f"connect to {host}:{port} timed out after {self._connect_timeout_s} s") from None

@@ -634,3 +634,26 @@ async def test_a_read_of_one_whole_chunk_reaches_a_framing_sink_as_it_came(
     assert sink.writes == [b"abc", b"de", b"fg"]
     connection.release()
     assert pool.stats()["idle"] == 1  # the answer was read to its end: reusable
+
+
+async def test_connections_leave_from_the_local_host_given() -> None:
+    peers: list[str] = []
+
+    async def note(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.append(writer.get_extra_info("peername")[0])
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(ok())
+        await writer.drain()
+
+    server = await asyncio.start_server(note, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = UpstreamPool(connect_timeout_s=1.0, local_host="127.0.0.2")
+    try:
+        connection = await pool.send("127.0.0.1", port, get(port))
+        assert (await connection.head())[0] == 200
+        assert await connection.read_all() == b"ok"
+        connection.release()
+        assert peers == ["127.0.0.2"]  # the test bed tells regions apart by this
+    finally:
+        await pool.close()
+        server.close()

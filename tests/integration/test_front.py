@@ -268,6 +268,29 @@ async def test_a_client_that_leaves_mid_stream_stops_the_upstream(
         await asyncio.sleep(0.05)
 
 
+async def _relay_site(pool: UpstreamPool, worker_port: int) -> tuple[web.AppRunner, FrontSite]:
+    """A front whose handler relays each request's stream from the worker on
+    `worker_port` (no router app: the front and the upstream pool alone)."""
+
+    async def relay(exchange: Exchange) -> Reply:
+        await exchange.read_body(5.0)
+        upstream = await pool.send("127.0.0.1", worker_port, encode_request(
+            "POST", "/", f"127.0.0.1:{worker_port}", (), b""))
+        await upstream.head()
+        first = await upstream.read_some()
+        assert await exchange.relay({"Content-Type": "text/event-stream"}, first,
+                                    upstream) is None
+        await exchange.end_stream(b"")
+        upstream.release()
+        return Reply(200, streamed=True)
+
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    site = FrontSite(runner, "127.0.0.1", 0, handler=relay, header_timeout_s=5.0)
+    await site.start()
+    return runner, site
+
+
 async def test_a_client_that_reads_slowly_pauses_the_upstream() -> None:
     """Flow control end to end: the client stops reading a big stream, the front's
     transport fills, the upstream connection stops reading, the worker's writes back up;
@@ -289,23 +312,7 @@ async def test_a_client_that_reads_slowly_pauses_the_upstream() -> None:
     worker = await asyncio.start_server(blast, "127.0.0.1", 0)
     worker_port = worker.sockets[0].getsockname()[1]
     pool = UpstreamPool(connect_timeout_s=1.0)
-
-    async def relay(exchange: Exchange) -> Reply:
-        await exchange.read_body(5.0)
-        upstream = await pool.send("127.0.0.1", worker_port, encode_request(
-            "POST", "/", f"127.0.0.1:{worker_port}", (), b""))
-        await upstream.head()
-        first = await upstream.read_some()
-        assert await exchange.relay({"Content-Type": "text/event-stream"}, first,
-                                    upstream) is None
-        await exchange.end_stream(b"")
-        upstream.release()
-        return Reply(200, streamed=True)
-
-    runner = web.AppRunner(web.Application())
-    await runner.setup()
-    site = FrontSite(runner, "127.0.0.1", 0, handler=relay, header_timeout_s=5.0)
-    await site.start()
+    runner, site = await _relay_site(pool, worker_port)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", site.port, limit=2**20)
         client = cast(asyncio.Transport, writer.transport)
@@ -449,23 +456,7 @@ async def test_stopping_the_site_lets_a_stream_in_progress_finish() -> None:
     worker = await asyncio.start_server(slow_worker, "127.0.0.1", 0)
     worker_port = worker.sockets[0].getsockname()[1]
     pool = UpstreamPool(connect_timeout_s=1.0)
-
-    async def relay(exchange: Exchange) -> Reply:
-        await exchange.read_body(5.0)
-        upstream = await pool.send("127.0.0.1", worker_port, encode_request(
-            "POST", "/", f"127.0.0.1:{worker_port}", (), b""))
-        await upstream.head()
-        first = await upstream.read_some()
-        assert await exchange.relay({"Content-Type": "text/event-stream"}, first,
-                                    upstream) is None
-        await exchange.end_stream(b"")
-        upstream.release()
-        return Reply(200, streamed=True)
-
-    runner = web.AppRunner(web.Application())
-    await runner.setup()
-    site = FrontSite(runner, "127.0.0.1", 0, handler=relay, header_timeout_s=5.0)
-    await site.start()
+    runner, site = await _relay_site(pool, worker_port)
     port = site.port
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

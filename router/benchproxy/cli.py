@@ -22,6 +22,9 @@ def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers-dir", type=Path, default=None,
                         help="virtualenv for the peer routers (default: "
                              "~/.cache/globalpool/bench-peers)")
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated workloads to measure: unary,stream,paced "
+                             "(default: all three)")
     parser.add_argument("--profile", default="",
                         help="comma-separated workloads (unary,stream,paced) to profile "
                              "globalpool under with py-spy, after the measurements")
@@ -33,8 +36,9 @@ def run_bench_proxy(args: argparse.Namespace) -> int:
 
     options = Options(
         out=args.out, quick=args.quick, rounds=max(1, args.rounds), peers_dir=args.peers_dir,
-        only=[n.strip() for n in args.only.split(",") if n.strip()] if args.only else None,
+        only=_names(args.only),
         profile=[w.strip() for w in args.profile.split(",") if w.strip()],
+        workloads=_names(args.workloads),
     )
     loop = new_event_loop()
     try:
@@ -48,6 +52,11 @@ def run_bench_proxy(args: argparse.Namespace) -> int:
           f"{args.out / 'cpu_per_request.png'}")
     ran = [r for r in document["results"] if r.get("completed")]
     return 0 if ran else 1
+
+
+def _names(text: str | None) -> list[str] | None:
+    """`a, b` -> ["a", "b"]; None (the option was not given) stays None."""
+    return [n.strip() for n in text.split(",") if n.strip()] if text else None
 
 
 def add_bench_decision_arguments(parser: argparse.ArgumentParser) -> None:

@@ -41,6 +41,7 @@ class Options:
     rounds: int = 1
     peers_dir: Path | None = None
     profile: list[str] = field(default_factory=list)  # workloads to profile globalpool under
+    workloads: list[str] | None = None  # workload names to measure; None: all three
     say: Callable[[str], None] = print
 
 
@@ -172,6 +173,12 @@ async def bench_proxy(options: Options) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown router(s) {', '.join(unknown)} (known: "
                          f"{', '.join(n for n in STARTERS if n != 'direct')})")
+    every = workloads(options.quick)
+    known = [w.name for w in every]
+    wrong = [n for n in [*(options.workloads or []), *options.profile] if n not in known]
+    if wrong:
+        raise ValueError(f"unknown workload(s) {', '.join(wrong)} (known: {', '.join(known)})")
+    plan = [w for w in every if options.workloads is None or w.name in options.workloads]
     peers = PeerEnv(options.peers_dir or _default_peers_dir())
     await asyncio.to_thread(peers.ensure, [n for n in names if n in PEERS], say)
     valkey = _Valkey(load_cores, log_dir)
@@ -179,7 +186,6 @@ async def bench_proxy(options: Options) -> dict[str, Any]:
     backends = await _start_backends(ports, load_cores, log_dir)
     context = Context(backend_ports=ports, out_dir=out, router_cores=router_cores,
                       peers=peers, redis_url=valkey.url)
-    plan = workloads(options.quick)
     rows: list[dict[str, Any]] = []
     profiles: dict[str, Any] = {}
     started = time.monotonic()
@@ -193,7 +199,7 @@ async def bench_proxy(options: Options) -> dict[str, Any]:
                 await _one_router(name, round_number, plan, context, backends.pid,
                                   load_cores, log_dir, rows, say)
         for workload_name in options.profile:
-            workload = next(w for w in plan if w.name == workload_name)
+            workload = next(w for w in every if w.name == workload_name)
             profiles[workload_name] = await Profiler(out, load_cores, say).profile(
                 context, workload, backends.pid, _loadgen, log_dir)
     finally:

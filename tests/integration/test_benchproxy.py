@@ -44,3 +44,24 @@ def test_quick_run_writes_numbers_for_globalpool_and_aiohttp(tmp_path: Path) -> 
     assert "globalpool" in report and "aiohttp" in report
     assert "x globalpool" in done.stdout
     assert (out / "cpu_per_request.png").exists() or "matplotlib" in report
+
+
+@pytest.mark.timeout(60)
+def test_workloads_picks_which_are_measured_and_refuses_unknown_names(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench-proxy", "--out", str(out), "--quick",
+         "--only", "globalpool", "--workloads", "unary"],
+        cwd=ROOT, capture_output=True, text=True, timeout=45,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    document = json.loads((out / "results.json").read_text())
+    measured = {(r["router"], r["workload"]) for r in document["results"]}
+    assert measured == {("direct", "unary"), ("globalpool", "unary")}
+    wrong = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench-proxy", "--out", str(tmp_path / "x"),
+         "--quick", "--only", "globalpool", "--workloads", "unary,bursty"],
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )
+    assert wrong.returncode == 2
+    assert "unknown workload(s) bursty (known: unary, stream, paced)" in wrong.stdout

@@ -2,9 +2,10 @@
 
 Runs the real `HeartbeatCollector` (pub/sub + full reads, parsing, the real
 `HeartbeatGate` as the router builds it, `Snapshot.build`) against Redis for `--seconds`,
-with the gate wrapped to count every heartbeat it is asked about. Prints JSON: heartbeats
-processed per second and CPU microseconds per processed heartbeat, a figure that does not
-depend on how much CPU a busy shared machine happens to give the process.
+counting what it receives and what it parses (only each worker's newest between two
+builds is parsed). Prints JSON: heartbeats received per second and CPU microseconds per
+received heartbeat, a figure that does not depend on how much CPU a busy shared machine
+happens to give the process.
 
     python -m router.benchproxy.hbcollect --redis-url URL --prefix P --seconds 10
 """
@@ -22,36 +23,18 @@ from typing import Any
 from router.admission.setup import heartbeat_gate
 from router.admission.stats import SecurityStats
 from router.app import tune_gc
-from router.auth.heartbeats import HeartbeatGate
 from router.benchproxy.cpu import tree_cpu_s
 from router.benchproxy.decision import ten_regions
 from router.benchproxy.procs import new_event_loop
 from router.registry import HeartbeatCollector, SnapshotHolder
 from worker import redis_client
-from worker.schema import Heartbeat, HeartbeatKeys
+from worker.schema import HeartbeatKeys
 from worker.signing import parse_keys
-
-
-class CountingGate:
-    """The real gate, counting the heartbeats it sees (processed = parsed + checked)."""
-
-    def __init__(self, gate: HeartbeatGate) -> None:
-        self.gate = gate
-        self.seen = 0
-
-    def check(self, heartbeat: Heartbeat, *, via_pubsub: bool) -> str | None:
-        self.seen += 1
-        return self.gate.check(heartbeat, via_pubsub=via_pubsub)
-
-    @property
-    def signing(self) -> bool:
-        return self.gate.signing
 
 
 async def collect(redis_url: str, prefix: str, seconds: float, keys: str) -> dict[str, Any]:
     config = ten_regions()
-    gate = CountingGate(heartbeat_gate(lambda: config, parse_keys(keys) if keys else {},
-                                       SecurityStats()))
+    gate = heartbeat_gate(lambda: config, parse_keys(keys) if keys else {}, SecurityStats())
     holder = SnapshotHolder()
     redis = redis_client.connect(redis_url)
     pubsub_redis = redis_client.connect_pubsub(redis_url)
@@ -60,7 +43,8 @@ async def collect(redis_url: str, prefix: str, seconds: float, keys: str) -> dic
     task = asyncio.create_task(collector.run())
     await asyncio.wait_for(collector.synced.wait(), 30)
     await asyncio.sleep(1.0)
-    seen_before, cpu_before = gate.seen, tree_cpu_s(os.getpid())
+    received_before, parsed_before = collector.received_heartbeats, collector.parsed_heartbeats
+    cpu_before = tree_cpu_s(os.getpid())
     started = time.monotonic()
     builds = 0
     last = holder.current
@@ -70,7 +54,9 @@ async def collect(redis_url: str, prefix: str, seconds: float, keys: str) -> dic
             builds += 1
             last = holder.current
     elapsed = time.monotonic() - started
-    seen, cpu_after = gate.seen - seen_before, tree_cpu_s(os.getpid())
+    seen = collector.received_heartbeats - received_before
+    parsed = collector.parsed_heartbeats - parsed_before
+    cpu_after = tree_cpu_s(os.getpid())
     workers = len(holder.current.workers)
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -78,7 +64,8 @@ async def collect(redis_url: str, prefix: str, seconds: float, keys: str) -> dic
     await redis.aclose()
     await pubsub_redis.aclose()
     cpu_s = (cpu_after or 0.0) - (cpu_before or 0.0)
-    return {"processed_per_s": seen / elapsed, "cpu_pct": cpu_s / elapsed * 100,
+    return {"processed_per_s": seen / elapsed, "parsed_per_s": parsed / elapsed,
+            "cpu_pct": cpu_s / elapsed * 100,
             "cpu_us_per_heartbeat": cpu_s / seen * 1e6 if seen else None,
             "snapshots_per_s": builds / elapsed, "workers": workers, "seconds": elapsed}
 

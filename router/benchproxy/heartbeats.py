@@ -273,9 +273,10 @@ def render(r: dict[str, Any]) -> str:
     elif alone:
         per = alone["cpu_us_per_heartbeat"]
         lines.append(
-            f"  collector alone: processed {alone['processed_per_s']:,.0f} heartbeats/s at "
-            f"{alone['cpu_pct']:.0f}% CPU = {per:.1f} us each ({alone['snapshots_per_s']:.0f} "
-            f"snapshots/s); {r['target_per_s']:,.0f}/s would need "
+            f"  collector alone: received {alone['processed_per_s']:,.0f} heartbeats/s "
+            f"(parsed {alone.get('parsed_per_s', 0):,.0f}/s: each worker's newest per build) "
+            f"at {alone['cpu_pct']:.0f}% CPU = {per:.1f} us each "
+            f"({alone['snapshots_per_s']:.0f} snapshots/s); {r['target_per_s']:,.0f}/s would need "
             f"{per * r['target_per_s'] / 1e4:.0f}% of one core")
     units = r.get("unit_costs")
     if units:

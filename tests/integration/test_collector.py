@@ -48,6 +48,8 @@ class Fleet:
         self.holder = SnapshotHolder()
         self.downs: list[str] = []
         self.seq = 0
+        self.signer = signer
+        self.collector: HeartbeatCollector | None = None
         self.publisher = HeartbeatPublisher(connect(url), KEYS, signer=signer)
 
     def beat(self, worker_id: str, state: LifecycleState = LifecycleState.READY) -> Heartbeat:
@@ -92,6 +94,7 @@ async def following(url: str, clock: Callable[[], float] = time.monotonic, *,
         full_read_interval_s=2.0, clock=clock, gate=gate,
         on_down=lambda view: fleet.downs.append(view.worker_id),
     )
+    fleet.collector = collector
     task = asyncio.create_task(collector.run())
     try:
         await asyncio.wait_for(collector.synced.wait(), 5.0)
@@ -255,3 +258,62 @@ async def test_subscribing_to_a_hung_redis_fails_in_seconds(valkey: EmbeddedValk
         assert await subscription.get(2.0) == [b"hello"]
     await publisher.aclose()
     await client.aclose()
+
+
+async def test_heartbeats_between_two_builds_are_parsed_once_per_worker(
+    valkey: EmbeddedValkey,
+) -> None:
+    admin = connect(valkey.url)
+    async with following(valkey.url) as fleet:
+        collector = fleet.collector
+        assert collector is not None
+        await fleet.publish("a", "b")
+        await until(lambda: fleet.fresh() == {"a", "b"})
+        received, parsed = collector.received_heartbeats, collector.parsed_heartbeats
+        # 100 reports per worker in one burst (pipelined: they arrive together), the
+        # last of each worker's says draining.
+        async with admin.pipeline(transaction=False) as pipe:
+            for n in range(100):
+                for worker_id in ("a", "b"):
+                    state = LifecycleState.DRAINING if n == 99 else LifecycleState.READY
+                    pipe.publish(KEYS.channel, fleet.beat(worker_id, state).to_json())
+            await pipe.execute()
+        await until(lambda: all(view.heartbeat.state is LifecycleState.DRAINING
+                                for view in fleet.holder.current.workers.values()))
+        await until(lambda: collector.received_heartbeats - received == 200)
+        # Each worker's newest is what counts: far fewer parsed than received.
+        assert collector.parsed_heartbeats - parsed <= 40
+        assert collector.rejected_heartbeats == 0
+    await admin.aclose()
+
+
+async def test_a_replay_queued_after_the_newest_heartbeat_does_not_hide_it(
+    valkey: EmbeddedValkey,
+) -> None:
+    admin = connect(valkey.url)
+    async with following(valkey.url, signed=True) as fleet:
+        assert fleet.signer is not None
+        old = fleet.signer.sign(fleet.beat("a")).to_json()
+        await admin.publish(KEYS.channel, old)
+        await until(lambda: fleet.fresh() == {"a"})
+        captured = fleet.signer.sign(fleet.beat("a")).to_json()  # never delivered
+        newest = fleet.signer.sign(fleet.beat("a", LifecycleState.DRAINING)).to_json()
+        # Whoever may PUBLISH sends, right after the newest (one burst: all wait for the
+        # same build), a captured report newer than the one the router has but older than
+        # the newest, the old one again, and another worker's signed report with "a"
+        # slipped in as its first worker_id field (JSON's last one counts).
+        other = fleet.signer.sign(fleet.beat("c")).to_json()
+        disguised = other.replace("{", '{"worker_id":"a",', 1)
+        async with admin.pipeline(transaction=False) as pipe:
+            pipe.publish(KEYS.channel, newest)
+            pipe.publish(KEYS.channel, captured)
+            pipe.publish(KEYS.channel, old)
+            pipe.publish(KEYS.channel, disguised)
+            await pipe.execute()
+        await until(lambda: fleet.holder.current.workers["a"].heartbeat.state
+                    is LifecycleState.DRAINING)
+        await asyncio.sleep(0.2)
+        assert fleet.holder.current.workers["a"].heartbeat.state is LifecycleState.DRAINING
+        assert set(fleet.holder.current.workers) == {"a"}  # the disguised one is dropped
+        assert fleet.collector is not None and fleet.collector.rejected_heartbeats == 1
+    await admin.aclose()

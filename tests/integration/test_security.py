@@ -254,6 +254,12 @@ async def test_forged_heartbeats_receive_no_traffic(
             for name, payload in forged.items():
                 await write(f"forged-{name}-{attempt}" if name != "replay" else "real",
                             payload)
+            # The router parses only a worker's newest heartbeat per snapshot build: the
+            # replay is checked (and counted) unless the real one follows it that soon.
+            def replay_dropped(count: int = attempt + 1) -> bool:
+                return fleet.stats().heartbeats_dropped["expired"] >= count
+
+            await wait_for(replay_dropped, "the replay dropped")
             await fleet.publish("real")
             for _ in range(5):
                 status, headers, body = await fleet.chat("acme")
@@ -281,8 +287,12 @@ async def test_replayed_old_heartbeat_is_dropped_and_counted(
     fleet = await secure_fleet({"real": "us-east"}, router_keys=SIGNING_KEYS, signer=signer)
     captured = signer.sign(heartbeat_for("real", "us-east", fleet.sims["real"].url, 5,
                                          LifecycleState.DRAINING, sent_at_s=time.time() - 1))
-    await fleet.publish("real")  # the worker is live, with a later heartbeat
     await wait_for(lambda: "real" in fleet.known_workers(), "the real worker")
+    verified = fleet.stats().heartbeats_verified
+    await fleet.publish("real")  # the worker is live, with a later heartbeat...
+    # ...which the router has taken (it parses a worker's newest heartbeat per snapshot
+    # build: a replay sent before that would only be passed over, not checked)
+    await wait_for(lambda: fleet.stats().heartbeats_verified > verified, "the later heartbeat")
     redis = connect(fleet.redis_url)
     try:
         await redis.publish(HeartbeatKeys(fleet.key_prefix).channel, captured.to_json())

@@ -9,6 +9,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from worker.probe import prefill_busy_s
 from worker.schema import Performance
 from worker.sim.engine import Engine
 from worker.sim.sequence import Sequence as EngineSequence
@@ -57,20 +58,23 @@ class TwinWorker:
     def performance(self) -> Performance:
         """As the agent reports it: means over the interval, each held for a few
         intervals when no request finished (worker.probe.PerformanceTracker)."""
-        phases = [(s.arrival_s, s.scheduled_s, s.first_token_s, s.finished_s, s.prompt.num_tokens)
-                  for s in self.finished]
+        done = [(s.arrival_s, s.scheduled_s, s.first_token_s, s.finished_s, s.prompt.num_tokens,
+                 len(s.output), s.last_token_s) for s in self.finished
+                if s.scheduled_s is not None and s.first_token_s is not None
+                and s.finished_s is not None and s.last_token_s is not None]
         self.finished.clear()
-        done = [(arrival, scheduled, first, end, tokens)
-                for arrival, scheduled, first, end, tokens in phases
-                if scheduled is not None and first is not None and end is not None]
         fresh: dict[str, float] = {}
         if done:
             count = len(done)
-            fresh["e2e_ms"] = 1000 * sum(end - arrival for arrival, _, _, end, _ in done) / count
-            fresh["ttft_ms"] = 1000 * sum(first - arr for arr, _, first, _, _ in done) / count
-            prefill_s = sum(first - scheduled for _, scheduled, first, _, _ in done)
-            if prefill_s > 0:
-                fresh["prefill_tokens_per_s"] = sum(t for *_, t in done) / prefill_s
+            fresh["e2e_ms"] = 1000 * sum(end - arrival for arrival, _, _, end, *_ in done) / count
+            fresh["ttft_ms"] = 1000 * sum(first - arr for arr, _, first, *_ in done) / count
+            prefill_s = sum(first - scheduled for _, scheduled, first, *_ in done)
+            decode_s = sum(last - first for _, _, first, _, _, _, last in done)
+            decode_tokens = sum(max(0, generated - 1) for *_, generated, _ in done)
+            busy_s = prefill_busy_s(prefill_s, count, decode_tokens / decode_s
+                                    if decode_tokens > 0 and decode_s > 0 else None)
+            if busy_s > 0:
+                fresh["prefill_tokens_per_s"] = sum(d[4] for d in done) / busy_s
         values: dict[str, float] = {}
         for name in ("e2e_ms", "ttft_ms", "prefill_tokens_per_s"):
             if name in fresh:

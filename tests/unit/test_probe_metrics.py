@@ -15,6 +15,7 @@ from worker.probe import (
     PerformanceTracker,
     parse_metrics,
     performance_between,
+    prefill_busy_s,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -117,9 +118,11 @@ def test_whole_capture_averages_match_vllm_numbers() -> None:
     assert perf.ttft_ms == pytest.approx(1000 * 21.36019468307495 / 250)
     assert perf.itl_ms == pytest.approx(1000 * 104.0534323200011 / 14150)
     assert perf.e2e_ms == pytest.approx(1000 * 126.43306183815002 / 250)
-    assert perf.prefill_tokens_per_s == pytest.approx(8069 / 5.59349799000438)
     # 250 of the 14400 generated tokens came out of prefill, not decode.
     assert perf.decode_tokens_per_s == pytest.approx((14400 - 250) / 104.0534323200011)
+    # Each of the 250 prefill phases held one decode step (7.4 ms here), taken out.
+    step_s = 104.0534323200011 / (14400 - 250)
+    assert perf.prefill_tokens_per_s == pytest.approx(8069 / (5.59349799000438 - 250 * step_s))
     # Decode throughput per sequence and ITL describe the same thing.
     assert perf.itl_ms is not None
     assert perf.decode_tokens_per_s == pytest.approx(1000 / perf.itl_ms)
@@ -138,6 +141,32 @@ def test_interval_delta_covers_only_new_requests() -> None:
     assert perf.prefill_tokens_per_s == pytest.approx(8000.0)
     assert perf.itl_ms is None
     assert perf.decode_tokens_per_s is None
+
+
+def test_the_prefill_rate_is_the_engine_s_not_the_prompt_mix_s() -> None:
+    # An engine that prefills 10,000 tokens/s, in steps that also take 100 ms to advance
+    # its running batch: ten 500-token prompts (each prefill phase: 50 + 100 ms), each
+    # answered with 11 tokens (10 decode steps of 100 ms).
+    before = parse_metrics(CAPTURE)
+
+    def interval(prompt_tokens: int) -> float | None:
+        after = parse_metrics(with_values(CAPTURE, {
+            "vllm:request_prefill_time_seconds_count": 250.0 + 10,
+            "vllm:request_prefill_time_seconds_sum":
+                5.59349799000438 + 10 * (prompt_tokens / 10_000 + 0.1),
+            "vllm:request_prompt_tokens_sum": 8069.0 + 10 * prompt_tokens,
+            "vllm:request_generation_tokens_sum": 14400.0 + 10 * 11,
+            "vllm:request_generation_tokens_count": 250.0 + 10,
+            "vllm:request_decode_time_seconds_sum": 104.0534323200011 + 10 * 10 * 0.1,
+        }))
+        return performance_between(before, after).prefill_tokens_per_s
+
+    assert interval(500) == pytest.approx(10_000)  # prompt tokens / phase: 3,333
+    assert interval(5000) == pytest.approx(10_000)  # 8,333
+    # 50-token prompts are 5 % of their phase: a fifth of it is kept (the step estimate
+    # cannot be trusted to that precision), so 2,381, still 5x closer than 476.
+    assert interval(50) == pytest.approx(500 / (0.2 * 1.05))
+    assert prefill_busy_s(1.0, 100, 50.0) == pytest.approx(0.2)
 
 
 def test_no_traffic_gives_none_not_zero() -> None:
@@ -170,8 +199,9 @@ def test_token_counters_are_the_fallback_without_request_histograms() -> None:
                    "vllm:request_generation_tokens")
     sample = parse_metrics(text)
     perf = performance_between(zeroed(sample), sample)
-    assert perf.prefill_tokens_per_s == pytest.approx(8069 / 5.59349799000438)
     assert perf.decode_tokens_per_s == pytest.approx(14400 / 104.0534323200011)
+    step_s = 104.0534323200011 / 14400
+    assert perf.prefill_tokens_per_s == pytest.approx(8069 / (5.59349799000438 - 250 * step_s))
 
 
 def test_tracker_holds_last_value_through_a_short_lull_then_forgets() -> None:

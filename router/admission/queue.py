@@ -101,8 +101,16 @@ class Backlog(Generic[T]):
 
     def must_wait(self, model: str, decision: Decision) -> bool:
         """Whether a request that routing sent to `decision` waits: its worker has no
-        room, or others of its model already wait (no overtaking)."""
-        return bool(self._queues.get(model)) or not self.has_room(decision)
+        room, or others of its model already wait (no overtaking; requests whose
+        clients left do not count)."""
+        queue = self._queues.get(model)
+        while queue and queue[0].gone:
+            heapq.heappop(queue)
+        if queue:
+            return True
+        if queue is not None:
+            del self._queues[model]
+        return not self.has_room(decision)
 
     def admit(self, model: str, traffic_class: str, first: Decision,
               pick: Callable[[], Decision], payload: Callable[[], T], *, arrived_s: float,

@@ -95,6 +95,17 @@ def test_a_departed_client_is_skipped_and_a_routing_error_is_handed_over() -> No
     assert len(backlog) == 0 and backlog.due() == []
 
 
+def test_requests_whose_clients_left_do_not_hold_back_a_new_one() -> None:
+    backlog, _, _, full = setup()
+    first = backlog.push("m", "interactive", 200.0, lambda: full, "first")
+    second = backlog.push("m", "batch", 200.0, lambda: full, "second")
+    backlog.leave(first)
+    assert backlog.must_wait("m", to(view("idle")))  # `second` still waits: no overtaking
+    backlog.leave(second)
+    assert not backlog.must_wait("m", to(view("idle")))  # only departed ones were left
+    assert backlog.due() == [] and len(backlog) == 0
+
+
 def test_a_client_leaving_after_its_request_left_the_queue_changes_no_count() -> None:
     backlog, _, clock, full = setup()
     item = backlog.push("m", "interactive", 101.0, lambda: full, "late")

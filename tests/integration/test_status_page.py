@@ -189,6 +189,9 @@ async def test_status_page_shows_the_regions_and_follows_a_drain(
     assert cards == {region: "ok" for region in REGIONS}
     assert await browser.evaluate("document.getElementById('router-region').textContent") \
         == "us-east"
+    # `up` runs one router replica; nothing waits for a worker at this load.
+    assert await browser.evaluate("document.getElementById('replicas').textContent") == "1"
+    assert await browser.evaluate("document.getElementById('queued').textContent") == "0"
     workers = await browser.evaluate(
         "document.querySelectorAll('#workers tbody tr[data-worker]').length")
     assert workers == 6

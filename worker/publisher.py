@@ -53,8 +53,9 @@ class HeartbeatPublisher:
         Raises RedisUnavailableError within about a second if Redis cannot be reached.
         """
         if self._signer is not None:
-            heartbeat = self._signer.sign(heartbeat)
-        payload = heartbeat.to_json()
+            heartbeat, payload = self._signer.signed_payload(heartbeat)
+        else:
+            payload = heartbeat.to_json().encode()
         ttl_ms = max(1, round(heartbeat.ttl_s * 1000))
         try:
             async with self._redis.pipeline(transaction=True) as pipe:

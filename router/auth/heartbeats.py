@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from router.admission.stats import SecurityStats
 from router.auth.endpoints import EndpointAllowList
 from worker.schema import Heartbeat
-from worker.signing import verify_signature
+from worker.signing import verify_payload, verify_signature
 
 log = logging.getLogger("globalpool.registry")
 
@@ -71,9 +71,12 @@ class HeartbeatGate:
     def signing(self) -> bool:
         return bool(self._keys)
 
-    def check(self, heartbeat: Heartbeat, *, via_pubsub: bool) -> str | None:
-        """None to accept `heartbeat`, else the reason it is dropped (also counted/logged)."""
-        reason = self._reason(heartbeat, via_pubsub)
+    def check(self, heartbeat: Heartbeat, *, via_pubsub: bool,
+              payload: bytes | None = None) -> str | None:
+        """None to accept `heartbeat`, else the reason it is dropped (also counted/logged).
+        `payload`: the bytes it was parsed from (its signature is then checked on them,
+        see worker.signing.verify_payload)."""
+        reason = self._reason(heartbeat, via_pubsub, payload)
         if reason is None:
             if self._keys:
                 self._stats.heartbeats_verified += 1
@@ -89,7 +92,8 @@ class HeartbeatGate:
                         reason, heartbeat.worker_id, heartbeat.region, _LOG_EVERY_S)
         return reason
 
-    def _reason(self, heartbeat: Heartbeat, via_pubsub: bool) -> str | None:
+    def _reason(self, heartbeat: Heartbeat, via_pubsub: bool,
+                payload: bytes | None) -> str | None:
         rules = self._rules()
         if rules.allow_lists:
             allow = rules.allow_lists.get(heartbeat.region)
@@ -99,7 +103,8 @@ class HeartbeatGate:
                 return "endpoint_not_allowed"
         if not self._keys:
             return None
-        verdict = verify_signature(heartbeat, self._keys)
+        verdict = (verify_signature(heartbeat, self._keys) if payload is None
+                   else verify_payload(payload, heartbeat, self._keys))
         if verdict is not None:
             return verdict
         sent_at_s = heartbeat.sent_at_s

@@ -70,7 +70,7 @@ class Template:
     def payload(self, seq: int, now_s: float) -> bytes:
         if self.signer is not None:
             beat = self.heartbeat.model_copy(update={"seq": seq, "sent_at_s": now_s})
-            return self.signer.sign(beat).to_json().encode()
+            return self.signer.signed_payload(beat)[1]
         return b'%s"seq":%d,"sent_at_s":%r%s' % (self.before, seq, now_s, self.after)
 
 

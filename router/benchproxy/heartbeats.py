@@ -73,9 +73,11 @@ def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict
     secret = b"0123456789abcdef0123"
     heartbeat = worker_heartbeat(7, len(REGIONS), 1.0).model_copy(
         update={"sent_at_s": time.time(), "seq": 1})
-    if signed:
-        heartbeat = HeartbeatSigner(key_id="bench", secret=secret).sign(heartbeat)
-    payload = heartbeat.to_json().encode()
+    if signed:  # as agents publish them (worker.publisher)
+        heartbeat, payload = HeartbeatSigner(key_id="bench", secret=secret).signed_payload(
+            heartbeat)
+    else:
+        payload = heartbeat.to_json().encode()
     config = ten_regions()
     gate = heartbeat_gate(lambda: config, {"bench": secret} if signed else {}, SecurityStats())
 
@@ -95,7 +97,7 @@ def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict
     build_ms = (time.process_time() - started) * 1000
     return {
         "from_json_us": median_us(lambda: Heartbeat.from_json(payload)),
-        "gate_us": median_us(lambda: gate.check(parsed, via_pubsub=False)),
+        "gate_us": median_us(lambda: gate.check(parsed, via_pubsub=False, payload=payload)),
         "snapshot_build_10k_ms": build_ms,
         "payload_bytes": len(payload),
     }

@@ -102,8 +102,9 @@ def _newest_first(candidate: tuple[tuple[float, int] | None, float, bytes]) -> t
 class HeartbeatCheck(Protocol):
     """Decides whether a well-formed heartbeat is believed (router.auth.heartbeats)."""
 
-    def check(self, heartbeat: Heartbeat, *, via_pubsub: bool) -> str | None:
-        """None to accept, else why it is dropped."""
+    def check(self, heartbeat: Heartbeat, *, via_pubsub: bool,
+              payload: bytes | None = None) -> str | None:
+        """None to accept, else why it is dropped. `payload`: the bytes it was parsed from."""
         ...
 
     @property
@@ -310,7 +311,9 @@ class HeartbeatCollector:
         except ValidationError as exc:
             self._reject(exc.errors()[0].get("msg", str(exc)))
             return None
-        if self._gate is not None and self._gate.check(heartbeat, via_pubsub=via_pubsub):
+        if self._gate is not None and self._gate.check(
+                heartbeat, via_pubsub=via_pubsub,
+                payload=payload.encode() if isinstance(payload, str) else payload):
             return None  # unsigned, forged, replayed or from a disallowed address: counted
         return WorkerView(
             heartbeat=heartbeat,

@@ -22,6 +22,7 @@ from worker.signing import (
     canonical_bytes,
     keys_from_environ,
     parse_keys,
+    verify_payload,
     verify_signature,
 )
 
@@ -47,6 +48,27 @@ def test_a_signed_heartbeat_survives_the_trip_through_json() -> None:
     assert signed.key_id == "k1" and signed.signature is not None
     received = Heartbeat.from_json(signed.to_json())
     assert verify_signature(received, KEYS) is None
+
+
+def test_a_published_payload_is_verified_on_its_bytes_and_old_payloads_still_verify() -> None:
+    signer = HeartbeatSigner("k1", SECRET_1)
+    signed, payload = signer.signed_payload(heartbeat())
+    received = Heartbeat.from_json(payload)
+    assert received == signed == signer.sign(heartbeat())  # the same signed heartbeat
+    assert payload.startswith(canonical_bytes(signed)[:-1])
+    assert verify_payload(payload, received, KEYS) is None
+    assert verify_signature(received, KEYS) is None  # routers of before verify it too
+    # What agents published before (the heartbeat serialized its own way) still verifies.
+    old = signed.to_json().encode()
+    assert old != payload and verify_payload(old, Heartbeat.from_json(old), KEYS) is None
+    assert verify_payload(payload, received, {"k2": SECRET_2}) == "unknown_key"
+    # Bytes changed anywhere, before the signature or after it, do not verify.
+    for forged in (payload.replace(b'"seq":7', b'"seq":8'),
+                   payload.replace(b'"region":"us-east"', b'"region":"eu-west"'),
+                   payload[:-1] + b',"seq":8}',
+                   payload.replace(b'"signature":"', b'"seq":8,"signature":"')):
+        parsed = Heartbeat.from_json(forged)
+        assert verify_payload(forged, parsed, KEYS) == "bad_signature", forged
 
 
 @pytest.mark.parametrize("change", [

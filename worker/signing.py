@@ -107,8 +107,7 @@ class HeartbeatSigner:
         return f"HeartbeatSigner(key_id={self.key_id!r})"
 
     def sign(self, heartbeat: Heartbeat) -> Heartbeat:
-        unsigned = heartbeat.model_copy(update={"key_id": self.key_id, "signature": None})
-        return unsigned.model_copy(update={"signature": signature_of(unsigned, self.secret)})
+        return self.signed_payload(heartbeat)[0]
 
     def signed_payload(self, heartbeat: Heartbeat) -> tuple[Heartbeat, bytes]:
         """The signed heartbeat, and the bytes to publish: exactly what was signed (the

@@ -5,8 +5,9 @@ heartbeat: `SET <key> <json> PX <ttl>` and `PUBLISH <channel> <json>`, with real
 `Heartbeat` JSON (built by the schema once per worker; only `seq` and `sent_at_s` change
 per beat, spliced into the encoded text). Unlike the worker's publisher it pipelines many
 workers' commands in one write without MULTI, since one process stands in for thousands
-of workers. With `--sign`, every beat is signed with worker.signing (HMAC over the
-canonical JSON): the router then verifies each one.
+of workers. With `--sign`, every beat is signed as worker.signing signs it (HMAC over the
+canonical JSON, published with the signature appended): the router then verifies each
+one.
 
 Every 10 ms it sends the beats due by then, unless more than `max_outstanding` replies
 are still owed (Redis or this process cannot keep up): then beats are skipped and the
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import hmac
 import json
 import random
 import signal
@@ -29,7 +32,7 @@ from urllib.parse import urlparse
 from router.benchproxy.decision import fleet
 from router.benchproxy.procs import new_event_loop
 from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
-from worker.signing import HeartbeatSigner
+from worker.signing import SIGNATURE_FIELD, HeartbeatSigner
 
 TICK_S = 0.01
 
@@ -53,25 +56,37 @@ def worker_heartbeat(index: int, regions: int, ttl_s: float) -> Heartbeat:
 
 
 class Template:
-    """One worker's heartbeat JSON, split around `"seq":0,"sent_at_s":0.0`."""
+    """One worker's heartbeat JSON, split around its `seq` and `sent_at_s` (side by side
+    in both forms: `"seq":0,"sent_at_s":0.0` as pydantic writes it, `"sent_at_s":0.0,
+    "seq":0` in the sorted canonical form a signer publishes). A signed beat is the
+    canonical bytes with the two values spliced in, an HMAC over them and the signature
+    appended: the bytes `HeartbeatSigner.signed_payload` writes, without re-serializing."""
 
     MARK = b'"seq":0,"sent_at_s":0.0'
+    CANONICAL_MARK = b'"sent_at_s":0.0,"seq":0'
 
     def __init__(self, heartbeat: Heartbeat, keys: HeartbeatKeys,
                  signer: HeartbeatSigner | None) -> None:
         self.heartbeat = heartbeat
         self.key = keys.worker(heartbeat.worker_id).encode()
         self.signer = signer
-        encoded = heartbeat.to_json().encode()
-        self.before, mark, self.after = encoded.partition(self.MARK)
-        if not mark:
+        if signer is None:
+            encoded, mark = heartbeat.to_json().encode(), self.MARK
+        else:
+            start = heartbeat.model_copy(update={"seq": 0, "sent_at_s": 0.0})
+            signed = signer.signed_payload(start)[1]
+            encoded = signed[: signed.rindex(SIGNATURE_FIELD)] + b"}"  # the canonical bytes
+            mark = self.CANONICAL_MARK
+        self.before, found, self.after = encoded.partition(mark)
+        if not found:
             raise ValueError("heartbeat JSON does not have seq and sent_at_s side by side")
 
     def payload(self, seq: int, now_s: float) -> bytes:
-        if self.signer is not None:
-            beat = self.heartbeat.model_copy(update={"seq": seq, "sent_at_s": now_s})
-            return self.signer.signed_payload(beat)[1]
-        return b'%s"seq":%d,"sent_at_s":%r%s' % (self.before, seq, now_s, self.after)
+        if self.signer is None:
+            return b'%s"seq":%d,"sent_at_s":%r%s' % (self.before, seq, now_s, self.after)
+        canonical = b'%s"sent_at_s":%r,"seq":%d%s' % (self.before, now_s, seq, self.after)
+        signature = hmac.new(self.signer.secret, canonical, hashlib.sha256).hexdigest()
+        return canonical[:-1] + SIGNATURE_FIELD + signature.encode() + b'"}'
 
 
 class Replies(asyncio.Protocol):

@@ -105,3 +105,18 @@ def test_top_functions_counts_own_time_at_the_leaf() -> None:
     assert own == {"handle (proxy.py)": 50.0, "write (io.py)": 30.0, "parse (json.py)": 20.0}
     total = {e["function"]: e["pct"] for e in summary["total"]}
     assert total["run (loop.py)"] == 100.0 and total["handle (proxy.py)"] == 80.0
+
+
+def test_the_heartbeat_bench_publishes_what_an_agent_would() -> None:
+    from router.benchproxy.hbpublish import Template, worker_heartbeat
+    from worker.schema import HeartbeatKeys
+    from worker.signing import HeartbeatSigner
+
+    heartbeat = worker_heartbeat(42, 10, 1.0)
+    keys = HeartbeatKeys("p")
+    signer = HeartbeatSigner("bench", b"a-bench-secret-of-some-length")
+    for seq, now_s in ((1, 1_796_000_000.123456), (7, 1_796_000_001.5), (12345, 1e9)):
+        beat = heartbeat.model_copy(update={"seq": seq, "sent_at_s": now_s})
+        assert Template(heartbeat, keys, signer).payload(seq, now_s) == \
+            signer.signed_payload(beat)[1]
+        assert Template(heartbeat, keys, None).payload(seq, now_s) == beat.to_json().encode()

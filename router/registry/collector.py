@@ -77,22 +77,17 @@ Clock = Callable[[], float]
 
 
 def _order_of(payload: bytes) -> tuple[float, int] | None:
-    """(sent_at_s, seq) read from a heartbeat's bytes without parsing it (the last
-    occurrence of each: after every nested object, as pydantic writes them); None when
-    they cannot be read so."""
+    """(sent_at_s, seq) read from a heartbeat's bytes without parsing it: the last
+    occurrence of each (after every nested object) up to the next comma, as both forms
+    agents publish write them (other fields follow both); None when they cannot be read
+    so. A payload that reads otherwise than it parses is refused (`_apply`)."""
     try:
         sent = payload.rindex(b'"sent_at_s":') + 12
         seq = payload.rindex(b'"seq":') + 6
-        return (float(payload[sent : _value_end(payload, sent)]),
-                int(payload[seq : _value_end(payload, seq)]))
+        return (float(payload[sent : payload.index(b",", sent)]),
+                int(payload[seq : payload.index(b",", seq)]))
     except ValueError:
         return None
-
-
-def _value_end(payload: bytes, start: int) -> int:
-    comma = payload.find(b",", start)
-    brace = payload.find(b"}", start)
-    return brace if comma < 0 or 0 <= brace < comma else comma
 
 
 def _newest_first(candidate: tuple[tuple[float, int] | None, float, bytes]) -> tuple[float, int]:

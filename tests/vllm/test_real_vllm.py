@@ -295,10 +295,14 @@ async def test_traffic_spills_to_the_other_region_when_one_is_saturated(
         results = await asyncio.gather(*(chat(client, 600) for _ in range(40)))
         assert [tokens for _, _, tokens in results] == [600] * 40
         regions = Counter(served for served, _, _ in results)
-        if regions["us-east"] < 40:
+        if regions["eu-west"] >= 4:
             break
-        # vLLM admitted all 40, so at no moment were more than it queues unfinished there:
-        # the burst did not saturate us-east (a stall spread it out). Once more.
+        # Once more when the burst did not spill: either vLLM admitted all 40 (a stall
+        # spread the burst out, so us-east was never saturated), or the router held them
+        # for us-east because its heartbeats still priced a request there by the short
+        # answers before the burst (the queue-wait term uses the E2E of requests that
+        # finished: a known limit, README "Routing"). After one burst the heartbeats
+        # carry these long answers.
     await client.close()
     assert regions["us-east"] >= MAX_NUM_SEQS and regions["eu-west"] >= 4, regions
     measurements["40 requests from us-east at once: served where, and why"] = (

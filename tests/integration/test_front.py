@@ -11,6 +11,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import cast
 
 import aiohttp
@@ -268,9 +269,20 @@ async def test_a_client_that_leaves_mid_stream_stops_the_upstream(
         await asyncio.sleep(0.05)
 
 
-async def _relay_site(pool: UpstreamPool, worker_port: int) -> tuple[web.AppRunner, FrontSite]:
-    """A front whose handler relays each request's stream from the worker on
-    `worker_port` (no router app: the front and the upstream pool alone)."""
+# The head of a worker's streamed answer, as the raw test workers write it.
+_SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+             b"Transfer-Encoding: chunked\r\n\r\n")
+_Worker = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _relay_site(
+    serve: _Worker,
+) -> tuple[asyncio.Server, UpstreamPool, web.AppRunner, FrontSite]:
+    """A raw worker answering with `serve`, and a front whose handler relays each
+    request's stream from it (no router app: the front and the upstream pool alone)."""
+    worker = await asyncio.start_server(serve, "127.0.0.1", 0)
+    worker_port = worker.sockets[0].getsockname()[1]
+    pool = UpstreamPool(connect_timeout_s=1.0)
 
     async def relay(exchange: Exchange) -> Reply:
         await exchange.read_body(5.0)
@@ -288,7 +300,7 @@ async def _relay_site(pool: UpstreamPool, worker_port: int) -> tuple[web.AppRunn
     await runner.setup()
     site = FrontSite(runner, "127.0.0.1", 0, handler=relay, header_timeout_s=5.0)
     await site.start()
-    return runner, site
+    return worker, pool, runner, site
 
 
 async def test_a_client_that_reads_slowly_pauses_the_upstream() -> None:
@@ -302,17 +314,13 @@ async def test_a_client_that_reads_slowly_pauses_the_upstream() -> None:
     async def blast(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writers.append(writer)
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        writer.write(_SSE_HEAD)
         for _ in range(count):
             writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
-    worker = await asyncio.start_server(blast, "127.0.0.1", 0)
-    worker_port = worker.sockets[0].getsockname()[1]
-    pool = UpstreamPool(connect_timeout_s=1.0)
-    runner, site = await _relay_site(pool, worker_port)
+    worker, pool, runner, site = await _relay_site(blast)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", site.port, limit=2**20)
         client = cast(asyncio.Transport, writer.transport)
@@ -444,8 +452,7 @@ async def test_stopping_the_site_lets_a_stream_in_progress_finish() -> None:
 
     async def slow_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        writer.write(_SSE_HEAD)
         for chunk in chunks:
             writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             await writer.drain()
@@ -453,10 +460,7 @@ async def test_stopping_the_site_lets_a_stream_in_progress_finish() -> None:
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
-    worker = await asyncio.start_server(slow_worker, "127.0.0.1", 0)
-    worker_port = worker.sockets[0].getsockname()[1]
-    pool = UpstreamPool(connect_timeout_s=1.0)
-    runner, site = await _relay_site(pool, worker_port)
+    worker, pool, runner, site = await _relay_site(slow_worker)
     port = site.port
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -25,20 +25,19 @@ from router.proxy.upstream import UpstreamPool
 def bind_connectors(source_host: str) -> None:
     """Make every `UpstreamPool` (the request path) and `aiohttp.TCPConnector` created
     from now on bind `source_host`."""
-    original = aiohttp.TCPConnector.__init__
+    _default_keyword(aiohttp.TCPConnector, "local_addr", (source_host, 0))
+    _default_keyword(UpstreamPool, "local_host", source_host)
 
-    def bound(self: aiohttp.TCPConnector, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("local_addr", (source_host, 0))
+
+def _default_keyword(cls: type, name: str, value: Any) -> None:
+    """`cls(...)` gets `name=value` unless the caller passes its own."""
+    original = getattr(cls, "__init__")  # noqa: B009 (mypy: __init__ on a type)
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault(name, value)
         original(self, *args, **kwargs)
 
-    setattr(aiohttp.TCPConnector, "__init__", bound)  # noqa: B010 (mypy: no method assign)
-    original_pool = UpstreamPool.__init__
-
-    def bound_pool(self: UpstreamPool, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("local_host", source_host)
-        original_pool(self, *args, **kwargs)
-
-    setattr(UpstreamPool, "__init__", bound_pool)  # noqa: B010
+    setattr(cls, "__init__", init)  # noqa: B010 (mypy: no method assign)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

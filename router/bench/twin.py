@@ -25,7 +25,6 @@ import itertools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from router.admission.queue import POLL_S as QUEUE_POLL_S
 from router.admission.queue import Backlog
@@ -38,7 +37,7 @@ from router.config import QueueConfig, RouterConfig
 from router.policy import Decision, Policy, RouteRequest, RoutingContext, create_policy
 from router.policy.affinity import AffinityTable
 from router.policy.inflight import InFlight
-from router.proxy.parse import PREFIX_TOKENS, parse_body
+from router.proxy.parse import PREFIX_TOKENS, ParsedRequest, parse_body
 from router.registry.snapshot import Snapshot, WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 from worker.sim.engine import Engine
@@ -87,12 +86,12 @@ class Twin:
         self._order = itertools.count()
         self.workers: list[TwinWorker] = []
         self.outcomes: dict[int, Outcome] = {}
-        self._pending: dict[str, tuple[TraceRequest, TwinWorker, Any]] = {}
+        self._pending: dict[str, tuple[TraceRequest, TwinWorker, ParsedRequest]] = {}
         self._routers: dict[str, tuple[Policy | None, InFlight, dict[str, WorkerView]]] = {}
         self._open = len(trace.requests)  # requests whose client has not seen the end yet
         self.queue = queue
         self.queue_max_wait_s = QUEUE.max_wait_ms / 1000.0
-        self._backlogs: dict[str, Backlog[tuple[TraceRequest, bytes, int | None]]] = {}
+        self._backlogs: dict[str, Backlog[tuple[TraceRequest, bytes, ParsedRequest]]] = {}
         self._polling = False
 
     def _at(self, when_s: float, action: Callable[[], None]) -> None:
@@ -124,7 +123,7 @@ class Twin:
         elif self.peer_interval_s is not None:
             self._at(self.peer_interval_s, self._exchange)
         if self.queue and self.policy_name != ORACLE:
-            backlogs: dict[int, Backlog[tuple[TraceRequest, bytes, int | None]]] = {}
+            backlogs: dict[int, Backlog[tuple[TraceRequest, bytes, ParsedRequest]]] = {}
             for region, (_, inflight, _) in self._routers.items():
                 self._backlogs[region] = backlogs.setdefault(id(inflight), Backlog(
                     inflight, max_requests=QUEUE.max_requests, clock=self.clock.now))
@@ -175,7 +174,7 @@ class Twin:
         if policy is None:
             worker = self._oracle(request, parsed.prompt_tokens)
             inflight.started(worker.name)
-            self._dispatch(request, body, parsed.prefix_key, worker, "oracle")
+            self._dispatch(request, body, parsed, worker, "oracle")
             return
         route = RouteRequest(
             model=self.scenario.model, origin_region=request.origin,
@@ -194,12 +193,12 @@ class Twin:
         if backlog is None:
             inflight.started(decision.worker.worker_id)
         elif backlog.admit(route.model, request.traffic_class, decision, pick,
-                           lambda: (request, body, parsed.prefix_key), arrived_s=request.at_s,
+                           lambda: (request, body, parsed), arrived_s=request.at_s,
                            max_wait_s=self.queue_max_wait_s,
                            budget_ms=request.ttft_budget_ms) is not None:
             self._poll_backlogs()  # it waits at the router, as RouterQueue.turn does
             return
-        self._dispatch(request, body, parsed.prefix_key, self._worker(decision), decision.reason)
+        self._dispatch(request, body, parsed, self._worker(decision), decision.reason)
 
     def _worker(self, decision: Decision) -> TwinWorker:
         return next(w for w in self.workers if w.name == decision.worker.worker_id)
@@ -210,10 +209,10 @@ class Twin:
         waiting = False
         for backlog in {id(b): b for b in self._backlogs.values()}.values():
             for item, outcome in backlog.due():
-                request, body, prefix_key = item.payload
+                request, body, parsed = item.payload
                 if isinstance(outcome, BaseException):
                     raise outcome  # the twin's fleet never loses its last worker
-                self._dispatch(request, body, prefix_key, self._worker(outcome), outcome.reason)
+                self._dispatch(request, body, parsed, self._worker(outcome), outcome.reason)
             waiting |= bool(len(backlog))
         if waiting and not self._polling:
             self._polling = True
@@ -223,7 +222,7 @@ class Twin:
         self._polling = False
         self._poll_backlogs()
 
-    def _dispatch(self, request: TraceRequest, body: bytes, prefix_key: int | None,
+    def _dispatch(self, request: TraceRequest, body: bytes, parsed: ParsedRequest,
                   worker: TwinWorker, reason: str) -> None:
         """Send to `worker` (already counted in its router's open requests)."""
         worker.in_transit += 1
@@ -234,7 +233,7 @@ class Twin:
         self.outcomes[request.index] = outcome
         half_rtt_s = self.scenario.rtt_ms(request.origin, worker.region) / 2000.0
         self._at(self.clock.now_s + half_rtt_s,
-                 lambda: self._arrive(request, body, worker, prefix_key))
+                 lambda: self._arrive(request, body, worker, parsed))
 
     def _oracle(self, request: TraceRequest, prompt_tokens: int) -> TwinWorker:
         engine_spec = self.scenario.engine
@@ -250,17 +249,17 @@ class Twin:
         return min(self.workers, key=score)
 
     def _arrive(self, request: TraceRequest, body: bytes, worker: TwinWorker,
-                prefix_key: int | None) -> None:
+                parsed: ParsedRequest) -> None:
         worker.in_transit -= 1
         builder_text = "\n".join(m["content"] for m in PromptBuilder(self.scenario.model)
                                  .messages(request))
         prompt = prompt_from_text(builder_text, self.scenario.engine.block_size, 0)
         seq = worker.engine.submit(f"twin-{request.index}", prompt, request.max_tokens,
                                    ignore_eos=True)
-        self._pending[seq.request_id] = (request, worker, prefix_key)
+        self._pending[seq.request_id] = (request, worker, parsed)
 
     def _finished(self, seq: EngineSequence) -> None:
-        request, worker, prefix_key = self._pending.pop(seq.request_id)
+        request, worker, parsed = self._pending.pop(seq.request_id)
         worker.finished.append(seq)
         half_rtt_s = self.scenario.rtt_ms(request.origin, worker.region) / 2000.0
         outcome = self.outcomes[request.index]
@@ -276,8 +275,12 @@ class Twin:
             inflight.finished(worker.name)
             if self._backlogs:
                 self._poll_backlogs()  # as RouterQueue.capacity_freed
+            prefix_key = parsed.prefix_key
             if policy is not None and (request.session_id or prefix_key is not None):
-                policy.context.affinity.remember(request.session_id, prefix_key, worker.name)
+                policy.context.affinity.remember(
+                    request.session_id, prefix_key, worker.name,
+                    prompt_tokens=parsed.prompt_tokens,
+                    prefix_tokens=PREFIX_TOKENS if prefix_key is not None else 0)
 
         self._at(outcome.end_s, client_end)
 

@@ -102,10 +102,8 @@ class PredictedTtft(Policy, name="predicted_ttft"):
         context = self.context
         now_s = context.clock()
         freshness_now = snapshot.freshness_now(now_s)
-        affine_id = self._affine_id(request)
-        tokens = request.prompt_tokens
-        if affine_id is not None:
-            tokens = max(0, tokens - request.prefix_tokens)  # the affine worker's discount
+        affine_id, cached_tokens = self._affine(request)
+        tokens = request.prompt_tokens - cached_tokens  # the affine worker's, the least
         region_ms: dict[str, float] = {}
         floors: list[tuple[float, RegionRanking]] = []
         for ranking in ranked:
@@ -121,7 +119,7 @@ class PredictedTtft(Policy, name="predicted_ttft"):
             if floor_ms > best_ms + self._within_ms(best_ms, affine_id):
                 break  # neither the best, nor near-equal to it, nor the affine choice
             region_scored = self._score(best_of_region(ranking, skip, freshness_now),
-                                        request, affine_id, region_ms, now_s)
+                                        request, affine_id, cached_tokens, region_ms, now_s)
             if region_scored:
                 scored += region_scored
                 best_ms = min(best_ms, min(score for score, _ in region_scored))
@@ -137,16 +135,24 @@ class PredictedTtft(Policy, name="predicted_ttft"):
         return max(near_ms, AFFINITY_SLACK_MS, AFFINITY_SLACK_SHARE * best_ms)
 
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
-        affine_id = self._affine_id(request)
-        scored = self._score(candidates, request, affine_id, {}, self.context.clock())
+        affine_id, cached_tokens = self._affine(request)
+        scored = self._score(candidates, request, affine_id, cached_tokens, {},
+                             self.context.clock())
         if request.traffic_class == "batch":
             return self._choose_batch(scored, request)
         return self._decide(scored, request, affine_id)
 
-    def _affine_id(self, request: RouteRequest) -> str | None:
+    def _affine(self, request: RouteRequest) -> tuple[str | None, int]:
+        """The worker that served the request's session or prefix last, and how many of
+        this request's prompt tokens it should find in its prefix cache: the previous
+        turn's whole prompt for a session, the shared prefix for a prefix key."""
         if request.session_id is None and request.prefix_key is None:
-            return None
-        return self.context.affinity.worker_for(request.session_id, request.prefix_key)
+            return None, 0
+        entry = self.context.affinity.lookup(request.session_id, request.prefix_key)
+        if entry is None:
+            return None, 0
+        worker_id, cached_tokens = entry
+        return worker_id, min(request.prompt_tokens, max(cached_tokens, request.prefix_tokens))
 
     def _decide(self, scored: list[tuple[float, WorkerView]], request: RouteRequest,
                 affine_id: str | None) -> Decision:
@@ -182,7 +188,7 @@ class PredictedTtft(Policy, name="predicted_ttft"):
 
     def _score(
         self, candidates: list[WorkerView], request: RouteRequest, affine_id: str | None,
-        region_ms: dict[str, float], now_s: float,
+        cached_tokens: int, region_ms: dict[str, float], now_s: float,
     ) -> list[tuple[float, WorkerView]]:
         # The same sum as estimate_ttft, inlined: this loop runs for every candidate of
         # every request. Region terms are computed once per region (kept in `region_ms`).
@@ -198,8 +204,8 @@ class PredictedTtft(Policy, name="predicted_ttft"):
             queued = (view.reported_load + open_requests.get(worker_id, 0)
                       - view.inflight_at_receipt + 1 - view.slots)
             tokens = prompt_tokens
-            if affine_id is not None and worker_id == affine_id:
-                tokens = max(0, tokens - request.prefix_tokens)
+            if worker_id == affine_id:
+                tokens -= cached_tokens
             score = (base + view.kv_pressure_ms + tokens * view.prefill_ms_per_token
                      + (queued * view.queue_ms_per_request if queued > 0 else 0.0))
             scored.append((score, view))

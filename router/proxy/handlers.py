@@ -214,8 +214,9 @@ class Proxy:
                     reply = await forward_unary(self.upstreams, target, payload,
                                                 router_config.timeouts, reply_headers, attempt)
                 if attempt.failure is None and (session_id or parsed.prefix_key is not None):
-                    self.policy.context.affinity.remember(session_id, parsed.prefix_key,
-                                                          worker.worker_id)
+                    self.policy.context.affinity.remember(
+                        session_id, parsed.prefix_key, worker.worker_id,
+                        prompt_tokens=parsed.prompt_tokens, prefix_tokens=route.prefix_tokens)
                 return reply
             except UpstreamFailure as exc:
                 log.warning("attempt on %s (%s) failed before first byte: %s",

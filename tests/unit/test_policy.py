@@ -240,6 +240,31 @@ def test_affinity_never_follows_onto_an_overloaded_worker() -> None:
     assert (decision.worker.worker_id, decision.reason) == ("us-1", "local")
 
 
+def test_a_session_turn_is_priced_with_its_history_cached_on_the_affine_worker() -> None:
+    # 6,000 prompt tokens at 10,000 tokens/s: 600 ms of prefill on the idle us-1. us-2
+    # served the previous turn (5,000 tokens, all repeated in this one) and has two
+    # requests' worth of queue (250 ms): 250 + 100 ms there beats 600 ms anywhere else.
+    # Only the shared prefix (256 tokens) would price us-2 at 824 ms: not followed.
+    snap = snapshot(view("us-1"), view("us-2", running=8, waiting=1))
+
+    def chosen(affinity: AffinityTable, session_id: str | None, prefix_key: int) -> str:
+        request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=6000,
+                               session_id=session_id, prefix_key=prefix_key,
+                               prefix_tokens=256)
+        decision = make_policy(affinity=affinity).pick(snap, request)
+        return f"{decision.worker.worker_id} {decision.reason}"
+
+    session = AffinityTable()
+    session.remember("session-1", 7, "us-2", prompt_tokens=5000, prefix_tokens=256)
+    assert chosen(session, "session-1", 7) == "us-2 affinity"
+    assert session.lookup("session-1", 7) == ("us-2", 5000)
+    # Another conversation that shares only the prefix key gets the prefix's discount.
+    assert session.lookup(None, 7) == ("us-2", 256)
+    assert chosen(session, "session-2", 7) == "us-1 local"
+    assert chosen(AffinityTable(), "session-1", 7) == "us-1 local"
+
+
+
 def test_batch_goes_to_the_cheapest_region_with_spare_slots() -> None:
     snap = snapshot(view("us-1"), view("eu-1", "eu-west", running=2))
     batch = RouteRequest(model="m", origin_region="us-east", traffic_class="batch")

@@ -1,8 +1,17 @@
 """The only place that writes heartbeats to Redis.
 
-A heartbeat is a key that expires after `ttl_s` (so a silent worker leaves the pool on
-its own) plus a pub/sub message (so routers learn of it in milliseconds). Both go in one
-MULTI so that a router never sees a message for a key that was not written.
+Every heartbeat, in one MULTI (so that a router never sees a message or record for a key
+that was not written):
+- the worker's key, which expires after `ttl_s` (a silent worker leaves the pool on its
+  own), holding the heartbeat JSON: what a full read finds;
+- the load record (worker.schema.load_record) in its region's hash, which routers read
+  for the whole region at once;
+- a message on the routers' channel, only when something other than the load changed
+  since the last heartbeat Redis took (the first one, a new state, models...): routers
+  learn of those in milliseconds, and are not sent thousands of messages a second that
+  only repeat a fleet's identity;
+- the same JSON on the tap channel, for people and tools watching every heartbeat.
+(see worker.schema.HeartbeatKeys)
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from worker.redis_client import raise_if_cancelling
-from worker.schema import Heartbeat, HeartbeatKeys
+from worker.schema import Heartbeat, HeartbeatKeys, load_record, static_digest
 from worker.signing import HeartbeatSigner
 
 
@@ -46,9 +55,13 @@ class HeartbeatPublisher:
         self._keys = keys
         self._signer = (HeartbeatSigner.from_environ(os.environ)
                         if signer is FROM_ENVIRONMENT else signer)
+        # What the routers' channel last carried of each worker (its static digest), and
+        # the region it publishes its load records in.
+        self._announced: dict[str, int] = {}
+        self._regions: dict[str, str] = {}
 
     async def publish(self, heartbeat: Heartbeat) -> None:
-        """SET the key with a TTL of `heartbeat.ttl_s` and PUBLISH the same JSON.
+        """Write one heartbeat (see the module doc).
 
         Raises RedisUnavailableError within about a second if Redis cannot be reached.
         """
@@ -56,29 +69,59 @@ class HeartbeatPublisher:
             heartbeat, payload = self._signer.signed_payload(heartbeat)
         else:
             payload = heartbeat.to_json().encode()
+        worker_id = heartbeat.worker_id
+        digest = static_digest(heartbeat)
+        region = self._regions.get(worker_id)
+        record: bytes | None = None
+        if self._signer is not None:
+            record = self._signer.signed_record(load_record(heartbeat, digest))
+        elif heartbeat.signature is None:
+            record = load_record(heartbeat, digest)
+        # else signed by the caller, whose key this publisher does not have: no record it
+        # could sign, so every heartbeat goes on the channel, as agents did before records.
+        announce = (record is None or self._announced.get(worker_id) != digest
+                    or region != heartbeat.region)
         ttl_ms = max(1, round(heartbeat.ttl_s * 1000))
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.set(self._keys.worker(heartbeat.worker_id), payload, px=ttl_ms)
-                pipe.publish(self._keys.channel, payload)
+                pipe.set(self._keys.worker(worker_id), payload, px=ttl_ms)
+                if region is not None and region != heartbeat.region:
+                    pipe.hdel(self._keys.loads(region), worker_id)  # it moved
+                if record is not None:
+                    pipe.hset(self._keys.loads(heartbeat.region), worker_id, record)
+                if announce:
+                    pipe.publish(self._keys.channel, payload)
+                pipe.publish(self._keys.tap, payload)
                 await pipe.execute()
+            raise_if_cancelling()  # redis-py can return normally from a cancelled call
         except (RedisError, OSError) as exc:
             raise_if_cancelling()
             raise RedisUnavailableError(f"cannot publish heartbeat: {_describe(exc)}") from exc
+        self._announced[worker_id] = digest
+        if record is not None:
+            self._regions[worker_id] = heartbeat.region
 
     async def remove(self, worker_id: str) -> None:
-        """DEL the key and PUBLISH `gone:<worker_id>` so routers drop the worker at once.
+        """DEL the key and the load record and PUBLISH `gone:<worker_id>` so routers drop
+        the worker at once.
 
         Raises RedisUnavailableError; the key then still expires within its TTL.
         """
+        gone = self._keys.gone_message(worker_id)
+        region = self._regions.get(worker_id)
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.delete(self._keys.worker(worker_id))
-                pipe.publish(self._keys.channel, self._keys.gone_message(worker_id))
+                if region is not None:
+                    pipe.hdel(self._keys.loads(region), worker_id)
+                pipe.publish(self._keys.channel, gone)
+                pipe.publish(self._keys.tap, gone)
                 await pipe.execute()
+            raise_if_cancelling()
         except (RedisError, OSError) as exc:
             raise_if_cancelling()
             raise RedisUnavailableError(f"cannot remove heartbeat: {_describe(exc)}") from exc
+        self._announced.pop(worker_id, None)  # announced again if it comes back
 
     async def aclose(self) -> None:
         await self._redis.aclose(close_connection_pool=True)

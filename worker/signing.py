@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.schema import Heartbeat
+from worker.schema import Heartbeat, LoadRecord
 
 KEYS_ENV = "GLOBALPOOL_HEARTBEAT_KEYS"
 KEYS_FILE_ENV = "GLOBALPOOL_HEARTBEAT_KEYS_FILE"
@@ -120,6 +120,13 @@ class HeartbeatSigner:
         signed = unsigned.model_copy(update={"signature": signature})
         return signed, canonical[:-1] + SIGNATURE_FIELD + signature.encode() + b'"}'
 
+    def signed_record(self, record: bytes) -> bytes:
+        """A load record (worker.schema.load_record) signed: the key id appended to the
+        array, an HMAC over those bytes, and the signature as its last item."""
+        body = record[:-1] + b',"' + self.key_id.encode() + b'"'
+        signature = hmac.new(self.secret, body, hashlib.sha256).hexdigest()
+        return body + b',"' + signature.encode() + b'"]'
+
     @classmethod
     def from_environ(
         cls, environ: Mapping[str, str], key_id: str | None = None
@@ -184,3 +191,21 @@ def verify_payload(payload: bytes, heartbeat: Heartbeat,
             if hmac.compare_digest(expected, signature):
                 return None
     return verify_signature(heartbeat, keys)
+
+
+def verify_record(payload: bytes, record: LoadRecord, keys: Mapping[str, bytes]) -> str | None:
+    """None if the load record `record`, parsed from `payload`, is signed by one of `keys`
+    (`HeartbeatSigner.signed_record`), else a Verdict value. Constant-time comparison."""
+    signature, key_id = record.signature, record.key_id
+    if signature is None or key_id is None:
+        return Verdict.UNSIGNED
+    secret = keys.get(key_id)
+    if secret is None:
+        return Verdict.UNKNOWN_KEY
+    tail = b',"' + signature.encode() + b'"]'
+    if not payload.endswith(tail):
+        return Verdict.BAD_SIGNATURE
+    expected = hmac.new(secret, payload[:-len(tail)], hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(expected, signature):
+        return Verdict.BAD_SIGNATURE
+    return None

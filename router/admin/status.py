@@ -86,7 +86,6 @@ def _worker(context: AdminContext, view: WorkerView, freshness_now: float, now_s
         status = "ejected"
     else:
         status = heartbeat.state.value
-    performance = heartbeat.performance
     return {
         "id": view.worker_id,
         "region": view.region,
@@ -100,11 +99,11 @@ def _worker(context: AdminContext, view: WorkerView, freshness_now: float, now_s
         "models": list(heartbeat.models),
         "capacity": {"max_num_seqs": heartbeat.capacity.max_num_seqs,
                      "kv_blocks": heartbeat.capacity.kv_blocks_total},
-        "load": {"running": heartbeat.load.running, "waiting": heartbeat.load.waiting,
-                 "kv_cache_usage": heartbeat.load.kv_cache_usage,
+        "load": {"running": view.running, "waiting": view.waiting,
+                 "kv_cache_usage": view.kv_cache_usage,
                  "router_inflight": context.inflight.own_of(view.worker_id)},
-        "performance": {"ttft_ms": performance.ttft_ms, "itl_ms": performance.itl_ms,
-                        "e2e_ms": performance.e2e_ms},
+        "performance": {"ttft_ms": view.ttft_ms, "itl_ms": view.itl_ms,
+                        "e2e_ms": view.e2e_ms},
         "engine": {"kind": heartbeat.engine.kind, "version": heartbeat.engine.version},
     }
 

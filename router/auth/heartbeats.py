@@ -12,6 +12,9 @@ why it must be dropped (a `SecurityStats.heartbeats_dropped` label), or None:
   later send time, so it is not mistaken for a replay.
 - a region with `allowed_endpoints`: an endpoint host outside the list; and once any
   region has a list, a heartbeat naming a region regions.yaml does not define.
+- load records (`check_record`): signed, and sent within the same bounds; the collector
+  takes one only if it is newer than the worker's view and taken with the same
+  heartbeat, whose region and endpoint were checked.
 
 Without signing keys unsigned heartbeats are accepted (the local demo), and so are
 signed ones (their signatures are not checked).
@@ -24,11 +27,15 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.registry.snapshot import WorkerView
 
 from router.admission.stats import SecurityStats
 from router.auth.endpoints import EndpointAllowList
-from worker.schema import Heartbeat
-from worker.signing import verify_payload, verify_signature
+from worker.schema import Heartbeat, LoadRecord
+from worker.signing import verify_payload, verify_record, verify_signature
 
 log = logging.getLogger("globalpool.registry")
 
@@ -83,14 +90,40 @@ class HeartbeatGate:
                 if via_pubsub:
                     self._remember(heartbeat)
             return None
+        self._dropped(reason, "heartbeat", heartbeat.worker_id, heartbeat.region)
+        return reason
+
+    def check_record(self, record: LoadRecord, payload: bytes, view: WorkerView) -> str | None:
+        """None to accept a load record (worker.schema.load_record, parsed from `payload`)
+        that the collector found newer than `view`, the worker's current view, and taken
+        with the same heartbeat; else the reason it is dropped (counted/logged as for
+        heartbeats). With signing keys: signed by one of them, and its send time within
+        the same bounds as a heartbeat's (by the view's `ttl_s`). The rest of the
+        heartbeat (region, endpoint) was checked when `view` was."""
+        if not self._keys:
+            return None
+        reason = verify_record(payload, record, self._keys)
+        if reason is None:
+            sent_at_s, now = record.sent_at_s, self._clock()
+            skew_s = self._rules().max_clock_skew_s
+            if sent_at_s > now + skew_s:
+                reason = "future"
+            elif sent_at_s + view.ttl_s + skew_s < now:
+                reason = "expired"
+            else:
+                self._stats.heartbeats_verified += 1
+                return None
+        self._dropped(reason, "load record", view.worker_id, view.region)
+        return reason
+
+    def _dropped(self, reason: str, what: str, worker_id: str, region: str) -> None:
         self._stats.heartbeats_dropped[reason] += 1
         now = self._monotonic()
         if now - self._logged_at.get(reason, -math.inf) >= _LOG_EVERY_S:
             self._logged_at[reason] = now
-            log.warning("dropped heartbeat (%s) claiming worker %r in region %r; further drops "
+            log.warning("dropped %s (%s) claiming worker %r in region %r; further drops "
                         "for this reason are only counted for %.0f s",
-                        reason, heartbeat.worker_id, heartbeat.region, _LOG_EVERY_S)
-        return reason
+                        what, reason, worker_id, region, _LOG_EVERY_S)
 
     def _reason(self, heartbeat: Heartbeat, via_pubsub: bool,
                 payload: bytes | None) -> str | None:

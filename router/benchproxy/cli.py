@@ -81,10 +81,14 @@ def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--publishers", type=int, default=2, help="publisher processes")
     parser.add_argument("--signed", action="store_true",
                         help="sign heartbeats and make the router verify them")
+    parser.add_argument("--legacy-agents", action="store_true",
+                        help="publish as agents did before load records (every heartbeat "
+                        "a message on the routers' channel), to compare")
 
 
 def run_bench_heartbeats(args: argparse.Namespace) -> int:
     from router.benchproxy.heartbeats import main
 
     return asyncio.run(main(workers=args.workers, hz=args.hz, seconds=args.seconds,
-                            publishers=args.publishers, signed=args.signed, out=args.out))
+                            publishers=args.publishers, signed=args.signed, out=args.out,
+                            legacy=args.legacy_agents))

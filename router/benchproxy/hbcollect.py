@@ -1,10 +1,10 @@
 """The router's heartbeat collector alone, counting what it processes (heartbeat plane).
 
-Runs the real `HeartbeatCollector` (pub/sub + full reads, parsing, the real
+Runs the real `HeartbeatCollector` (pub/sub, load records, full reads, parsing, the real
 `HeartbeatGate` as the router builds it, `Snapshot.build`) against Redis for `--seconds`,
-counting what it receives and what it parses (only each worker's newest between two
-builds is parsed). Prints JSON: heartbeats received per second and CPU microseconds per
-received heartbeat, a figure that does not depend on how much CPU a busy shared machine
+counting messages received on the channel and parsed, and load records read and taken.
+Prints JSON with its CPU share of one core; the caller divides that by the heartbeats
+published meanwhile, a figure that does not depend on how much CPU a busy shared machine
 happens to give the process.
 
     python -m router.benchproxy.hbcollect --redis-url URL --prefix P --seconds 10
@@ -27,15 +27,35 @@ from router.benchproxy.cpu import tree_cpu_s
 from router.benchproxy.decision import ten_regions
 from router.benchproxy.procs import new_event_loop
 from router.registry import HeartbeatCollector, SnapshotHolder
+from router.registry.snapshot import Snapshot
 from worker import redis_client
 from worker.schema import HeartbeatKeys
 from worker.signing import parse_keys
 
 
+class CountingHolder(SnapshotHolder):
+    """Counts the snapshots the collector builds (without polling for them)."""
+
+    __slots__ = ("_snapshot", "builds")
+
+    def __init__(self) -> None:
+        self.builds = 0
+        super().__init__()
+
+    @property
+    def current(self) -> Snapshot:
+        return self._snapshot
+
+    @current.setter
+    def current(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+        self.builds += 1
+
+
 async def collect(redis_url: str, prefix: str, seconds: float, keys: str) -> dict[str, Any]:
     config = ten_regions()
     gate = heartbeat_gate(lambda: config, parse_keys(keys) if keys else {}, SecurityStats())
-    holder = SnapshotHolder()
+    holder = CountingHolder()
     redis = redis_client.connect(redis_url)
     pubsub_redis = redis_client.connect_pubsub(redis_url)
     collector = HeartbeatCollector(redis=redis, pubsub_redis=pubsub_redis,
@@ -43,19 +63,15 @@ async def collect(redis_url: str, prefix: str, seconds: float, keys: str) -> dic
     task = asyncio.create_task(collector.run())
     await asyncio.wait_for(collector.synced.wait(), 30)
     await asyncio.sleep(1.0)
-    received_before, parsed_before = collector.received_heartbeats, collector.parsed_heartbeats
+    before = _counts(collector)
     cpu_before = tree_cpu_s(os.getpid())
     started = time.monotonic()
-    builds = 0
-    last = holder.current
-    while time.monotonic() - started < seconds:  # count snapshot replacements, ~1 ms apart
-        await asyncio.sleep(0.001)
-        if holder.current is not last:
-            builds += 1
-            last = holder.current
+    builds = holder.builds
+    await asyncio.sleep(seconds)
     elapsed = time.monotonic() - started
-    seen = collector.received_heartbeats - received_before
-    parsed = collector.parsed_heartbeats - parsed_before
+    builds = holder.builds - builds
+    counted = {name: (after - before[name]) / elapsed
+               for name, after in _counts(collector).items()}
     cpu_after = tree_cpu_s(os.getpid())
     workers = len(holder.current.workers)
     task.cancel()
@@ -64,10 +80,17 @@ async def collect(redis_url: str, prefix: str, seconds: float, keys: str) -> dic
     await redis.aclose()
     await pubsub_redis.aclose()
     cpu_s = (cpu_after or 0.0) - (cpu_before or 0.0)
-    return {"processed_per_s": seen / elapsed, "parsed_per_s": parsed / elapsed,
+    return {"received_per_s": counted["received"], "parsed_per_s": counted["parsed"],
+            "records_read_per_s": counted["records_read"],
+            "records_applied_per_s": counted["records_applied"],
             "cpu_pct": cpu_s / elapsed * 100,
-            "cpu_us_per_heartbeat": cpu_s / seen * 1e6 if seen else None,
             "snapshots_per_s": builds / elapsed, "workers": workers, "seconds": elapsed}
+
+
+def _counts(collector: HeartbeatCollector) -> dict[str, int]:
+    return {"received": collector.received_heartbeats, "parsed": collector.parsed_heartbeats,
+            "records_read": collector.read_records,
+            "records_applied": collector.applied_records}
 
 
 def main() -> None:

@@ -1,13 +1,15 @@
 """A pipelined heartbeat publisher for the heartbeat-plane benchmark (one process).
 
 Publishes for workers [first, last) at `hz` each what worker/publisher.py writes for one
-heartbeat: `SET <key> <json> PX <ttl>` and `PUBLISH <channel> <json>`, with real
-`Heartbeat` JSON (built by the schema once per worker; only `seq` and `sent_at_s` change
-per beat, spliced into the encoded text). Unlike the worker's publisher it pipelines many
-workers' commands in one write without MULTI, since one process stands in for thousands
-of workers. With `--sign`, every beat is signed as worker.signing signs it (HMAC over the
-canonical JSON, published with the signature appended): the router then verifies each
-one.
+heartbeat: `SET <key> <json> PX <ttl>`, `HSET <region's loads> <worker> <load record>`,
+`PUBLISH <tap> <json>`, and on a worker's first heartbeat `PUBLISH <channel> <json>` (its
+announcement; nothing else changes in this bench). With `--legacy`, what agents wrote
+before load records: `SET` and `PUBLISH <channel>` for every heartbeat. Real `Heartbeat`
+JSON and load records (built by the schema once per worker; only `seq` and `sent_at_s`
+change per beat, spliced into the encoded bytes). Unlike the worker's publisher it
+pipelines many workers' commands in one write without MULTI, since one process stands in
+for thousands of workers. With `--sign`, every heartbeat and record is signed as
+worker.signing signs them: the router then verifies what it takes.
 
 Every 10 ms it sends the beats due by then, unless more than `max_outstanding` replies
 are still owed (Redis or this process cannot keep up): then beats are skipped and the
@@ -31,7 +33,7 @@ from urllib.parse import urlparse
 
 from router.benchproxy.decision import fleet
 from router.benchproxy.procs import new_event_loop
-from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
+from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState, load_record
 from worker.signing import SIGNATURE_FIELD, HeartbeatSigner
 
 TICK_S = 0.01
@@ -69,17 +71,29 @@ class Template:
                  signer: HeartbeatSigner | None) -> None:
         self.heartbeat = heartbeat
         self.key = keys.worker(heartbeat.worker_id).encode()
+        self.loads = keys.loads(heartbeat.region).encode()
+        self.field = heartbeat.worker_id.encode()
         self.signer = signer
+        start = heartbeat.model_copy(update={"seq": 0, "sent_at_s": 0.0})
         if signer is None:
             encoded, mark = heartbeat.to_json().encode(), self.MARK
         else:
-            start = heartbeat.model_copy(update={"seq": 0, "sent_at_s": 0.0})
-            signed = signer.signed_payload(start)[1]
+            start, signed = signer.signed_payload(start)
             encoded = signed[: signed.rindex(SIGNATURE_FIELD)] + b"}"  # the canonical bytes
             mark = self.CANONICAL_MARK
         self.before, found, self.after = encoded.partition(mark)
         if not found:
             raise ValueError("heartbeat JSON does not have seq and sent_at_s side by side")
+        # The load record, split the same way: [1,"<worker>",<seq>,<sent_at_s>,...]
+        record = load_record(start)
+        self.record_head = b'[1,' + json.dumps(heartbeat.worker_id).encode() + b','
+        if not record.startswith(self.record_head + b"0,0.0,"):
+            raise ValueError("load record does not start with version, worker, seq, sent_at_s")
+        self.record_tail = record[len(self.record_head) + len(b"0,0.0"):]
+
+    def record(self, seq: int, now_s: float) -> bytes:
+        record = b'%s%d,%r%s' % (self.record_head, seq, now_s, self.record_tail)
+        return record if self.signer is None else self.signer.signed_record(record)
 
     def payload(self, seq: int, now_s: float) -> bytes:
         if self.signer is None:
@@ -112,8 +126,9 @@ async def publish(args: argparse.Namespace) -> dict[str, float]:
                  for i in range(args.first, args.last)]
     loop = asyncio.get_running_loop()
     transport, replies = await loop.create_connection(Replies, url.hostname, url.port or 6379)
-    channel = keys.channel.encode()
+    channel, tap = keys.channel.encode(), keys.tap.encode()
     ttl_ms = str(round(args.ttl_s * 1000)).encode()
+    commands = 0  # sent, each answered by one reply line
     rate = len(templates) * args.hz
     started = time.monotonic()
     deadline = started + args.seconds
@@ -125,7 +140,7 @@ async def publish(args: argparse.Namespace) -> dict[str, float]:
     while (now := time.monotonic()) < deadline and not stopping.is_set():
         due = int((now - started) * rate) - sent - skipped
         if due > 0:
-            if (sent * 2 - replies.received) > args.max_outstanding:
+            if (commands - replies.received) > args.max_outstanding:
                 skipped += due
             else:
                 batch = []
@@ -138,13 +153,19 @@ async def publish(args: argparse.Namespace) -> dict[str, float]:
                         seq += 1
                     payload = template.payload(seq, wall)
                     batch.append(command(b"SET", template.key, payload, b"PX", ttl_ms))
-                    batch.append(command(b"PUBLISH", channel, payload))
+                    if args.legacy or seq == 0:  # legacy: always; else the announcement
+                        batch.append(command(b"PUBLISH", channel, payload))
+                    if not args.legacy:
+                        batch.append(command(b"HSET", template.loads, template.field,
+                                             template.record(seq, wall)))
+                        batch.append(command(b"PUBLISH", tap, payload))
                 transport.write(b"".join(batch))
+                commands += len(batch)
                 sent += due
         await asyncio.sleep(TICK_S)
     elapsed = time.monotonic() - started
     for _ in range(100):  # up to 5 s for the last replies
-        if replies.received >= sent * 2:
+        if replies.received >= commands:
             break
         await asyncio.sleep(0.05)
     transport.close()
@@ -165,6 +186,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--max-outstanding", type=int, default=20_000)
     parser.add_argument("--sign", default="", help="key_id:secret to sign with")
+    parser.add_argument("--legacy", action="store_true",
+                        help="every heartbeat on the routers' channel, no load records")
     args = parser.parse_args()
     loop = new_event_loop()
     try:

@@ -1,13 +1,16 @@
 """`globalpool bench-heartbeats`: the router's CPU to keep its snapshot fresh.
 
-An embedded Valkey, `--publishers` processes (router.benchproxy.hbpublish) writing real
-heartbeat JSON for `--workers` workers across 10 regions at `--hz` each, and the real
-router (`python -m router.cli router`, its collector subscribed as in production) on its
-own core, serving no requests. Once the router sees (nearly) every worker, its process
-CPU time is read over `--seconds`; meanwhile its worker count (GET /health) and the
-subscriber's output buffer in Valkey (CLIENT LIST) are sampled: a buffer that grows means
-the router falls behind the heartbeats. If the publishers cannot reach the target rate on
-this machine, the router's CPU at the target is extrapolated linearly and marked so.
+An embedded Valkey, `--publishers` processes (router.benchproxy.hbpublish) writing what
+agents write (the heartbeat JSON, a load record, a message when something other than load
+changes; with `--legacy-agents` a message for every heartbeat, as before load records)
+for `--workers` workers across 10 regions at `--hz` each, and the real router (`python -m
+router.cli router`, its collector as in production) on its own core, serving no
+requests. Once the router sees (nearly) every worker, its process CPU time is read over
+`--seconds`; meanwhile its worker count (GET /health) and the subscriber's output buffer
+in Valkey (CLIENT LIST) are sampled: a buffer that grows means the router falls behind
+the heartbeats. Then the router's collector alone (router.benchproxy.hbcollect). If the
+publishers cannot reach the target rate on this machine, the router's CPU at the target
+is extrapolated linearly and marked so.
 """
 
 from __future__ import annotations
@@ -62,22 +65,25 @@ def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict
     """Per-heartbeat costs of the steps the collector runs on every message, without Redis
     (medians over batches, in CPU us, so a busy shared machine does not inflate them):
     parse + validate the JSON (`Heartbeat.from_json`), the gate (signature check when
-    `signed`), and `Snapshot.build` of 10,000 workers."""
+    `signed`), and `Snapshot.build` of 10,000 workers; for a load record: parse + validate,
+    the gate, and the worker's new view."""
     from router.admission.setup import heartbeat_gate
     from router.admission.stats import SecurityStats
     from router.benchproxy.hbpublish import worker_heartbeat
     from router.registry.snapshot import Snapshot, WorkerView
-    from worker.schema import Heartbeat
+    from worker.schema import Heartbeat, LoadRecord, load_record
     from worker.signing import HeartbeatSigner
 
     secret = b"0123456789abcdef0123"
     heartbeat = worker_heartbeat(7, len(REGIONS), 1.0).model_copy(
         update={"sent_at_s": time.time(), "seq": 1})
+    signer = HeartbeatSigner(key_id="bench", secret=secret)
     if signed:  # as agents publish them (worker.publisher)
-        heartbeat, payload = HeartbeatSigner(key_id="bench", secret=secret).signed_payload(
-            heartbeat)
+        heartbeat, payload = signer.signed_payload(heartbeat)
+        record = signer.signed_record(load_record(heartbeat))
     else:
         payload = heartbeat.to_json().encode()
+        record = load_record(heartbeat)
     config = ten_regions()
     gate = heartbeat_gate(lambda: config, {"bench": secret} if signed else {}, SecurityStats())
 
@@ -91,6 +97,8 @@ def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict
         return sorted(times)[len(times) // 2]
 
     parsed = Heartbeat.from_json(payload)
+    view = WorkerView(parsed, 0.0)
+    parsed_record = LoadRecord.from_json(record)
     views = [WorkerView(worker_heartbeat(i, len(REGIONS), 1.0), 0.0) for i in range(10_000)]
     started = time.process_time()
     Snapshot.build(views, built_at_s=0.0, redis_connected=True, last_redis_ok_at_s=0.0)
@@ -100,6 +108,10 @@ def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict
         "gate_us": median_us(lambda: gate.check(parsed, via_pubsub=False, payload=payload)),
         "snapshot_build_10k_ms": build_ms,
         "payload_bytes": len(payload),
+        "record_parse_us": median_us(lambda: LoadRecord.from_json(record)),
+        "record_gate_us": median_us(lambda: gate.check_record(parsed_record, record, view)),
+        "record_view_us": median_us(lambda: view.with_load(parsed_record, 1.0, 0)),
+        "record_bytes": len(record),
     }
 
 
@@ -124,7 +136,7 @@ async def _verified(session: aiohttp.ClientSession, port: int) -> float | None:
 
 
 async def main(*, workers: int, hz: float, seconds: float, publishers: int, signed: bool,
-               out: Path | None) -> int:
+               out: Path | None, legacy: bool = False) -> int:
     from redis.asyncio import Redis
 
     from router.devstack.valkey import EmbeddedValkey
@@ -158,6 +170,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
                 "--seconds", str(run_s), "--regions", str(len(REGIONS))]
         if signed:
             args += ["--sign", key]
+        if legacy:
+            args.append("--legacy")
         publisher_processes.append(procs.start(args, cores=load_cores, stdout_pipe=True,
                                                log_path=work / f"hbpublish-{n}.log"))
     router = procs.start([sys.executable, "-m", "router.cli", "router", "--config", str(config),
@@ -167,6 +181,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
     health = f"http://127.0.0.1:{port}/health"
     result: dict[str, Any] = {"workers": workers, "hz": hz, "target_per_s": workers * hz,
                               "signed": signed, "publishers": publishers, "seconds": seconds,
+                              "agents": "legacy (every heartbeat a message)" if legacy
+                              else "load records",
                               "router_core_share": core_share,
                               "pinning": "router on core 0, Valkey and publishers on core 1"
                               if router_cores else "not pinned"}
@@ -227,6 +243,9 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
         return 1
     rate = sum(a["achieved_per_s"] for a in achieved)
     cpu_pct = (cpu_after - cpu_before) / elapsed * 100
+    alone = result["collector_alone"]
+    if "cpu_pct" in alone:  # per heartbeat published, whichever way it reached the router
+        alone["cpu_us_per_heartbeat"] = alone["cpu_pct"] / 100 / rate * 1e6
     result.update(
         achieved_per_s=rate, router_cpu_pct=cpu_pct,
         router_cpu_us_per_heartbeat=(cpu_after - cpu_before) / (rate * elapsed) * 1e6,
@@ -257,7 +276,8 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         f"heartbeat plane: {r['workers']:,} workers x {r['hz']:g} Hz = target "
         f"{r['target_per_s']:,.0f}/s; achieved {r['achieved_per_s']:,.0f}/s "
-        f"({'signed' if r['signed'] else 'unsigned'}; {r['publishers']} publisher processes; "
+        f"({'signed' if r['signed'] else 'unsigned'}; agents: {r.get('agents', '?')}; "
+        f"{r['publishers']} publisher processes; "
         f"{r['pinning']}; a busy process got {_pct(r['router_core_share'])} of the router "
         "core)",
         f"  router CPU: {r['router_cpu_pct']:.1f}% of one core over {r['seconds']:g} s "
@@ -275,11 +295,13 @@ def render(r: dict[str, Any]) -> str:
     elif alone:
         per = alone["cpu_us_per_heartbeat"]
         lines.append(
-            f"  collector alone: received {alone['processed_per_s']:,.0f} heartbeats/s "
-            f"(parsed {alone.get('parsed_per_s', 0):,.0f}/s: each worker's newest per build) "
-            f"at {alone['cpu_pct']:.0f}% CPU = {per:.1f} us each "
-            f"({alone['snapshots_per_s']:.0f} snapshots/s); {r['target_per_s']:,.0f}/s would need "
-            f"{per * r['target_per_s'] / 1e4:.0f}% of one core")
+            f"  collector alone: {alone['cpu_pct']:.1f}% CPU = {per:.2f} us per published "
+            f"heartbeat; messages received {alone['received_per_s']:,.0f}/s (parsed "
+            f"{alone['parsed_per_s']:,.0f}/s), load records read "
+            f"{alone['records_read_per_s']:,.0f}/s (taken "
+            f"{alone['records_applied_per_s']:,.0f}/s); {alone['snapshots_per_s']:.1f} "
+            f"snapshots/s; {r['target_per_s']:,.0f}/s would need "
+            f"{per * r['target_per_s'] / 1e4:.1f}% of one core")
     units = r.get("unit_costs")
     if units:
         per = units["from_json_us"] + units["gate_us"]
@@ -289,6 +311,12 @@ def render(r: dict[str, Any]) -> str:
             f"{per * r['target_per_s'] / 1e4:.0f}% of a core at the target rate, before "
             f"pub/sub reading and Snapshot.build ({units['snapshot_build_10k_ms']:.1f} ms per "
             "build of 10,000 workers)")
+    if units and "record_parse_us" in units:
+        per = units["record_parse_us"] + units["record_gate_us"] + units["record_view_us"]
+        lines.append(
+            f"  per load record without Redis: parse {units['record_parse_us']:.2f} us "
+            f"({units['record_bytes']} B) + gate {units['record_gate_us']:.2f} us + view "
+            f"{units['record_view_us']:.2f} us = {per:.2f} us")
     if r.get("router_verified_per_s") is not None:
         lines.append(f"  heartbeats verified by the router: {r['router_verified_per_s']:,.0f}/s")
     if r.get("extrapolated_cpu_pct_at_target") is not None:

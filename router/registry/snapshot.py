@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from worker.schema import Heartbeat, LifecycleState
+from worker.schema import Heartbeat, LifecycleState, LoadRecord, static_digest
 
 # Used until a worker has reported its own figures (no traffic yet).
 DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
@@ -15,72 +16,170 @@ DEFAULT_SERVICE_MS = 2000.0
 KV_PRESSURE_START = 0.9
 
 
-@dataclass(frozen=True, slots=True)
 class WorkerView:
-    """One worker as this router last heard of it.
+    """One worker as this router last heard of it. Never changed once made: a new
+    heartbeat or load record makes a new view (`with_load`).
 
-    `received_at_s` is the router's monotonic clock when the heartbeat arrived; the
-    worker counts as fresh until `received_at_s + heartbeat.ttl_s`. `inflight_at_receipt`
-    is how many requests this router had open on the worker at that moment, so that the
-    policy can add what changed since (see router.policy.inflight).
+    `heartbeat` is the last full heartbeat: the worker's identity, state, models and
+    capacity. Its order (`seq`, `sent_at_s`) and load figures are the view's own
+    attributes, from that heartbeat or from a newer load record (worker.schema.
+    load_record) taken with it. `received_at_s` is the router's monotonic clock when the
+    latest of those arrived; the worker counts as fresh until `received_at_s +
+    heartbeat.ttl_s`. `inflight_at_receipt` is how many requests this router had open on
+    the worker at that moment, so that the policy can add what changed since (see
+    router.policy.inflight).
+
+    A plain class with slots rather than a frozen dataclass: a router makes thousands of
+    views a second at scale, and a frozen class's `object.__setattr__` per field costs
+    6x plain assignment.
     """
+
+    __slots__ = (  # noqa: RUF023 (grouped by what they are, as documented)
+        "heartbeat", "received_at_s", "inflight_at_receipt",
+        # Read off the heartbeat once, as plain attributes: a routing decision reads them
+        # for every candidate.
+        "worker_id", "region", "endpoint", "ready", "ttl_s", "_digest",
+        "seq", "sent_at_s", "running", "waiting", "kv_cache_usage", "ttft_ms", "itl_ms",
+        "e2e_ms", "prefill_tokens_per_s", "decode_tokens_per_s",
+        "expires_at_s",  # fresh while the router's clock is below it
+        # Scoring terms, so that a routing decision is a few multiplications per candidate
+        # (see router.policy.predicted_ttft, which documents what they mean).
+        "reported_load", "slots", "queue_ms_per_request", "kv_pressure_ms",
+        "prefill_ms_per_token",
+        "utilisation",  # reported load per batch slot: what a region's ranking sorts by
+    )
 
     heartbeat: Heartbeat
     received_at_s: float
-    inflight_at_receipt: int = 0
-    # Read off the heartbeat once when it arrives, as plain attributes: a routing decision
-    # reads them for every candidate.
-    worker_id: str = field(init=False)
-    region: str = field(init=False)
-    endpoint: str = field(init=False)
-    ready: bool = field(init=False)
-    expires_at_s: float = field(init=False)  # fresh while the router's clock is below it
-    # Scoring terms, so that a routing decision is a few multiplications per candidate
-    # (see router.policy.predicted_ttft, which documents what they mean).
-    reported_load: int = field(init=False)
-    slots: int = field(init=False)
-    queue_ms_per_request: float = field(init=False)
-    kv_pressure_ms: float = field(init=False)
-    prefill_ms_per_token: float = field(init=False)
+    inflight_at_receipt: int
+    worker_id: str
+    region: str
+    endpoint: str
+    ready: bool
+    ttl_s: float
+    _digest: int | None
+    seq: int
+    sent_at_s: float
+    running: int
+    waiting: int
+    kv_cache_usage: float | None
+    ttft_ms: float | None
+    itl_ms: float | None
+    e2e_ms: float | None
+    prefill_tokens_per_s: float | None
+    decode_tokens_per_s: float | None
+    expires_at_s: float
+    reported_load: int
+    slots: int
+    queue_ms_per_request: float
+    kv_pressure_ms: float
+    prefill_ms_per_token: float
+    utilisation: float
 
-    def __post_init__(self) -> None:
-        heartbeat = self.heartbeat
-        load = heartbeat.load
-        slots = heartbeat.capacity.max_num_seqs
-        service_ms = heartbeat.performance.e2e_ms or DEFAULT_SERVICE_MS
-        kv_usage = load.kv_cache_usage
+    def __init__(self, heartbeat: Heartbeat, received_at_s: float,
+                 inflight_at_receipt: int = 0) -> None:
+        self.heartbeat = heartbeat
+        self.received_at_s = received_at_s
+        self.inflight_at_receipt = inflight_at_receipt
+        self.worker_id = heartbeat.worker_id
+        self.region = heartbeat.region
+        self.endpoint = heartbeat.endpoint
+        self.ready = heartbeat.state is LifecycleState.READY
+        self.ttl_s = heartbeat.ttl_s
+        self._digest = None
+        self.seq = heartbeat.seq
+        self.sent_at_s = heartbeat.sent_at_s
+        load, performance = heartbeat.load, heartbeat.performance
+        self.running = load.running
+        self.waiting = load.waiting
+        self.kv_cache_usage = load.kv_cache_usage
+        self.ttft_ms = performance.ttft_ms
+        self.itl_ms = performance.itl_ms
+        self.e2e_ms = performance.e2e_ms
+        self.prefill_tokens_per_s = performance.prefill_tokens_per_s
+        self.decode_tokens_per_s = performance.decode_tokens_per_s
+        self.slots = heartbeat.capacity.max_num_seqs
+        self._derive()
+
+    def _derive(self) -> None:
+        slots = self.slots
+        service_ms = self.e2e_ms or DEFAULT_SERVICE_MS
+        kv_usage = self.kv_cache_usage
         pressure = 0.0
         if kv_usage is not None and kv_usage > KV_PRESSURE_START:
             pressure = (kv_usage - KV_PRESSURE_START) / (1.0 - KV_PRESSURE_START)
-        rate = heartbeat.performance.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
-        assign = object.__setattr__
-        assign(self, "worker_id", heartbeat.worker_id)
-        assign(self, "region", heartbeat.region)
-        assign(self, "endpoint", heartbeat.endpoint)
-        assign(self, "ready", heartbeat.state is LifecycleState.READY)
-        assign(self, "expires_at_s", self.received_at_s + heartbeat.ttl_s)
-        assign(self, "reported_load", load.running + load.waiting)
-        assign(self, "slots", slots)
-        assign(self, "queue_ms_per_request", service_ms / slots)
-        assign(self, "kv_pressure_ms", pressure * service_ms)
-        assign(self, "prefill_ms_per_token", 1000.0 / rate)
+        self.expires_at_s = self.received_at_s + self.ttl_s
+        self.reported_load = load = self.running + self.waiting
+        self.utilisation = load / slots
+        self.queue_ms_per_request = service_ms / slots
+        self.kv_pressure_ms = pressure * service_ms
+        self.prefill_ms_per_token = 1000.0 / (self.prefill_tokens_per_s
+                                              or DEFAULT_PREFILL_TOKENS_PER_S)
+
+    def _copy(self) -> WorkerView:
+        view = WorkerView.__new__(WorkerView)
+        for name in _VIEW_FIELDS:
+            setattr(view, name, getattr(self, name))
+        return view
+
+    def with_load(self, record: LoadRecord, received_at_s: float,
+                  inflight_at_receipt: int) -> WorkerView:
+        """This worker as a newer load record of the same heartbeat describes it."""
+        view = WorkerView.__new__(WorkerView)
+        view.heartbeat = self.heartbeat
+        view.received_at_s = received_at_s
+        view.inflight_at_receipt = inflight_at_receipt
+        view.worker_id = self.worker_id
+        view.region = self.region
+        view.endpoint = self.endpoint
+        view.ready = self.ready
+        view.ttl_s = self.ttl_s
+        view._digest = self._digest
+        view.slots = self.slots
+        (_, view.seq, view.sent_at_s, _, view.running, view.waiting, view.kv_cache_usage,
+         view.ttft_ms, view.itl_ms, view.e2e_ms, view.prefill_tokens_per_s,
+         view.decode_tokens_per_s, _, _) = record
+        view._derive()
+        return view
+
+    def received_again(self, received_at_s: float) -> WorkerView:
+        """The same report, as if received at `received_at_s` (see the collector)."""
+        view = self._copy()
+        view.received_at_s = received_at_s
+        view.expires_at_s = received_at_s + self.ttl_s
+        return view
+
+    @property
+    def static_digest(self) -> int:
+        """worker.schema.static_digest of the heartbeat (computed once, when first asked)."""
+        digest = self._digest
+        if digest is None:
+            digest = self._digest = static_digest(self.heartbeat)
+        return digest
 
     def fresh(self, now_s: float) -> bool:
         return now_s < self.expires_at_s
 
     def newer_than(self, other: WorkerView) -> bool:
         """Whether this report supersedes `other` (same worker): later send time, then seq."""
-        mine, theirs = self.heartbeat, other.heartbeat
-        return (mine.sent_at_s, mine.seq) > (theirs.sent_at_s, theirs.seq)
+        return (self.sent_at_s, self.seq) > (other.sent_at_s, other.seq)
+
+    def __repr__(self) -> str:
+        return (f"WorkerView({self.worker_id!r}, {self.region!r}, seq={self.seq}, "
+                f"load={self.running}+{self.waiting}/{self.slots}, "
+                f"received_at_s={self.received_at_s:.3f})")
+
+
+_VIEW_FIELDS = tuple(name for name in WorkerView.__slots__)
 
 
 # Models with at least this many workers get a per-region ranking (see Snapshot.ranked).
 RANK_ABOVE_WORKERS = 48
 
 
-def _reported_utilisation(view: WorkerView) -> float:
-    load = view.heartbeat.load
-    return (load.running + load.waiting) / view.heartbeat.capacity.max_num_seqs
+_utilisation = operator.attrgetter("utilisation")
+_prefill_ms_per_token = operator.attrgetter("prefill_ms_per_token")
+_kv_pressure_ms = operator.attrgetter("kv_pressure_ms")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +196,9 @@ class RegionRanking:
     @classmethod
     def of(cls, views: list[WorkerView]) -> RegionRanking:
         return cls(region=views[0].region,
-                   views=tuple(sorted(views, key=_reported_utilisation)),
-                   min_prefill_ms_per_token=min(v.prefill_ms_per_token for v in views),
-                   min_kv_pressure_ms=min(v.kv_pressure_ms for v in views))
+                   views=tuple(sorted(views, key=_utilisation)),
+                   min_prefill_ms_per_token=min(map(_prefill_ms_per_token, views)),
+                   min_kv_pressure_ms=min(map(_kv_pressure_ms, views)))
 
 
 @dataclass(frozen=True, slots=True)

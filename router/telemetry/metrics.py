@@ -215,11 +215,11 @@ class FleetCollector:
             by_state[key] = by_state.get(key, 0) + 1
             labels = [view.region, view.worker_id]
             capacity.add_metric(labels, float(heartbeat.capacity.max_num_seqs))
-            load.add_metric(labels, float(heartbeat.load.running + heartbeat.load.waiting))
-            if heartbeat.performance.itl_ms is not None:
-                itl.add_metric(labels, heartbeat.performance.itl_ms / 1000.0)
-            if heartbeat.performance.ttft_ms is not None:
-                ttft.add_metric(labels, heartbeat.performance.ttft_ms / 1000.0)
+            load.add_metric(labels, float(view.reported_load))
+            if view.itl_ms is not None:
+                itl.add_metric(labels, view.itl_ms / 1000.0)
+            if view.ttft_ms is not None:
+                ttft.add_metric(labels, view.ttft_ms / 1000.0)
         workers = GaugeMetricFamily("globalpool_workers", "Workers known, by region and state.",
                                     labels=["region", "state"])
         for (region, state), count in sorted(by_state.items()):

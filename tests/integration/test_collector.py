@@ -18,9 +18,17 @@ from router.admission.stats import SecurityStats
 from router.auth.heartbeats import HeartbeatGate, HeartbeatRules
 from router.devstack.valkey import EmbeddedValkey
 from router.registry import HeartbeatCollector, SnapshotHolder
+from router.registry.subscriber import Subscription
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect, connect_pubsub
-from worker.schema import Capacity, Heartbeat, HeartbeatKeys, LifecycleState, Load
+from worker.schema import (
+    Capacity,
+    Heartbeat,
+    HeartbeatKeys,
+    LifecycleState,
+    Load,
+    load_record,
+)
 from worker.signing import HeartbeatSigner
 
 TTL_S = 1.0
@@ -50,6 +58,7 @@ class Fleet:
         self.seq = 0
         self.signer = signer
         self.collector: HeartbeatCollector | None = None
+        self.stats = SecurityStats()
         self.publisher = HeartbeatPublisher(connect(url), KEYS, signer=signer)
 
     def beat(self, worker_id: str, state: LifecycleState = LifecycleState.READY) -> Heartbeat:
@@ -88,7 +97,7 @@ async def following(url: str, clock: Callable[[], float] = time.monotonic, *,
                     signed: bool = False) -> AsyncIterator[Fleet]:
     fleet = Fleet(url, clock, HeartbeatSigner("k1", SECRET) if signed else None)
     gate = HeartbeatGate(keys={"k1": SECRET}, rules=HeartbeatRules,
-                         stats=SecurityStats()) if signed else None
+                         stats=fleet.stats) if signed else None
     collector = HeartbeatCollector(
         redis=connect(url), pubsub_redis=connect_pubsub(url), keys=KEYS, holder=fleet.holder,
         full_read_interval_s=2.0, clock=clock, gate=gate,
@@ -316,4 +325,124 @@ async def test_a_replay_queued_after_the_newest_heartbeat_does_not_hide_it(
         assert fleet.holder.current.workers["a"].heartbeat.state is LifecycleState.DRAINING
         assert set(fleet.holder.current.workers) == {"a"}  # the disguised one is dropped
         assert fleet.collector is not None and fleet.collector.rejected_heartbeats == 1
+    await admin.aclose()
+
+
+def with_load(heartbeat: Heartbeat, running: int) -> Heartbeat:
+    return heartbeat.model_copy(update={"load": Load(running=running, waiting=0,
+                                                     kv_cache_usage=0.5)})
+
+
+async def test_routine_heartbeats_arrive_as_load_records_and_changes_as_messages(
+    valkey: EmbeddedValkey,
+) -> None:
+    watcher = connect_pubsub(valkey.url)
+    async with following(valkey.url) as fleet, Subscription(watcher, KEYS.channel) as channel:
+        collector = fleet.collector
+        assert collector is not None
+        await fleet.publish("a")
+        await until(lambda: fleet.fresh() == {"a"})
+        parsed = collector.parsed_heartbeats
+        for running in range(1, 6):
+            await fleet.publisher.publish(with_load(fleet.beat("a"), running))
+            await until(lambda r=running: fleet.holder.current.workers["a"].running == r)
+        await fleet.publish("a", state=LifecycleState.DRAINING)
+        await until(lambda: fleet.holder.current.workers["a"].heartbeat.state
+                    is LifecycleState.DRAINING)
+        # The channel carried the first heartbeat and the change of state; the five
+        # in between reached the router as load records, parsed as nothing else.
+        messages = await channel.get(1.0)
+        assert [Heartbeat.from_json(m).state for m in messages] == [
+            LifecycleState.READY, LifecycleState.DRAINING]
+        assert collector.applied_records >= 5
+        assert collector.parsed_heartbeats - parsed <= 2  # the draining one, + a full read
+        view = fleet.holder.current.workers["a"]
+        assert (view.running, view.kv_cache_usage) == (0, 0.0)  # the draining heartbeat's
+    await watcher.aclose()
+
+
+async def test_a_change_whose_message_was_lost_is_read_from_the_workers_key(
+    valkey: EmbeddedValkey,
+) -> None:
+    admin = connect(valkey.url)
+    async with following(valkey.url) as fleet:
+        await fleet.publish("a")
+        await until(lambda: fleet.fresh() == {"a"})
+        # What an agent writes, without the messages (lost: the subscription was cut):
+        # "a" starts draining; "b" is new.
+        for heartbeat in (fleet.beat("a", LifecycleState.DRAINING), fleet.beat("b")):
+            async with admin.pipeline(transaction=True) as pipe:
+                pipe.set(KEYS.worker(heartbeat.worker_id), heartbeat.to_json(), px=1000)
+                pipe.hset(KEYS.loads("us-east"), heartbeat.worker_id, load_record(heartbeat))
+                await pipe.execute()
+        # Well before the next full read (every 2 s): from the records' digests.
+        await until(lambda: fleet.fresh() == {"a", "b"}
+                    and fleet.holder.current.workers["a"].heartbeat.state
+                    is LifecycleState.DRAINING, timeout_s=1.5)
+    await admin.aclose()
+
+
+async def test_load_records_that_are_not_the_workers_own_are_dropped(
+    valkey: EmbeddedValkey,
+) -> None:
+    admin = connect(valkey.url)
+    async with following(valkey.url, signed=True) as fleet:
+        collector, signer = fleet.collector, fleet.signer
+        assert collector is not None and signer is not None
+
+        def lasting(worker_id: str, **changes: object) -> Heartbeat:
+            # A TTL that outlasts the test: the workers publish only once here.
+            return fleet.beat(worker_id).model_copy(update={"ttl_s": 30.0, **changes})
+
+        for worker_id in ("a", "b"):
+            await fleet.publisher.publish(lasting(worker_id))
+        await until(lambda: fleet.fresh() == {"a", "b"})
+        await until(lambda: collector.read_records >= 2)
+        rejected = collector.rejected_heartbeats
+
+        async def write(region: str, field: str, record: bytes) -> None:
+            await admin.hset(KEYS.loads(region), field, record)
+            read = collector.read_records
+            await until(lambda: collector.read_records > read)
+
+        busy = with_load(signer.sign(lasting("a")), 8)
+        await write("us-east", "a", load_record(busy))  # unsigned
+        assert fleet.stats.heartbeats_dropped["unsigned"] == 1
+        forged = signer.signed_record(load_record(busy)).replace(b",8,0,", b",7,0,")
+        await write("us-east", "a", forged)
+        assert fleet.stats.heartbeats_dropped["bad_signature"] == 1
+        # Signed, but in another region's hash (read once a full read has found it), or
+        # under another worker's name.
+        await write("eu-west", "a", signer.signed_record(load_record(busy)))
+        await write("us-east", "b", signer.signed_record(load_record(busy)))
+        assert collector.rejected_heartbeats == rejected + 2
+        old = signer.signed_record(load_record(with_load(
+            signer.sign(lasting("a", seq=0, sent_at_s=time.time() - 5)), 8)))
+        await write("us-east", "a", old)  # signed, but older than what the router has
+        assert {w: v.running for w, v in fleet.holder.current.workers.items()} == {
+            "a": 0, "b": 0}
+        # The worker's own next record is taken.
+        await write("us-east", "a", signer.signed_record(load_record(busy)))
+        await until(lambda: fleet.holder.current.workers["a"].running == 8)
+    await admin.aclose()
+
+
+async def test_load_records_of_long_gone_workers_are_deleted(valkey: EmbeddedValkey) -> None:
+    admin = connect(valkey.url)
+    async with following(valkey.url) as fleet:
+        await fleet.publish("a")
+        await until(lambda: fleet.fresh() == {"a"})
+        crashed = fleet.beat("crashed").model_copy(update={"sent_at_s": time.time() - 400})
+        recent = fleet.beat("recent")  # its agent just stopped: its key expires, not this
+        await admin.hset(KEYS.loads("us-east"), mapping={
+            "crashed": load_record(crashed), "recent": load_record(recent)})
+        for _ in range(100):  # up to 5 s: at its next read of the loads, in fact
+            if not await admin.hexists(KEYS.loads("us-east"), "crashed"):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the crashed worker's load record was not deleted")
+        assert await admin.hexists(KEYS.loads("us-east"), "recent")
+        assert await admin.hexists(KEYS.loads("us-east"), "a")
+        assert fleet.fresh() == {"a"}
     await admin.aclose()

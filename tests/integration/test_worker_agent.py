@@ -166,7 +166,7 @@ def is_state(state: LifecycleState) -> Callable[[Heartbeat | str], bool]:
 async def subscribed(redis_url: str, keys: HeartbeatKeys) -> AsyncIterator[HeartbeatChannel]:
     client = connect_pubsub(redis_url)
     pubsub = client.pubsub()
-    await pubsub.subscribe(keys.channel)
+    await pubsub.subscribe(keys.tap)  # every heartbeat (the routers' channel: changes)
     try:
         yield HeartbeatChannel(pubsub)
     finally:

@@ -109,7 +109,7 @@ def test_top_functions_counts_own_time_at_the_leaf() -> None:
 
 def test_the_heartbeat_bench_publishes_what_an_agent_would() -> None:
     from router.benchproxy.hbpublish import Template, worker_heartbeat
-    from worker.schema import HeartbeatKeys
+    from worker.schema import HeartbeatKeys, load_record
     from worker.signing import HeartbeatSigner
 
     heartbeat = worker_heartbeat(42, 10, 1.0)
@@ -120,3 +120,8 @@ def test_the_heartbeat_bench_publishes_what_an_agent_would() -> None:
         assert Template(heartbeat, keys, signer).payload(seq, now_s) == \
             signer.signed_payload(beat)[1]
         assert Template(heartbeat, keys, None).payload(seq, now_s) == beat.to_json().encode()
+        # The load records, as worker.publisher writes them.
+        signed = signer.signed_payload(beat)[0]
+        assert Template(heartbeat, keys, signer).record(seq, now_s) == \
+            signer.signed_record(load_record(signed))
+        assert Template(heartbeat, keys, None).record(seq, now_s) == load_record(beat)

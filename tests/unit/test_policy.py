@@ -301,10 +301,10 @@ def test_large_pools_consider_the_least_loaded_of_each_region() -> None:
                            exclude=frozenset({"us-0"}))
     chosen = filters.eligible(snap, request, 100.0)
     assert len(chosen) == 2 * filters.SAMPLE_PER_REGION
-    assert all(v.heartbeat.load.running == 0 for v in chosen)
+    assert all(v.running == 0 for v in chosen)
     assert "us-0" not in {v.worker_id for v in chosen}
     decision = make_policy().pick(snap, request)
-    assert decision.worker.region == "us-east" and decision.worker.heartbeat.load.running == 0
+    assert decision.worker.region == "us-east" and decision.worker.running == 0
 
 
 def test_large_pools_skip_regions_that_cannot_win_and_choose_as_if_they_had_not() -> None:

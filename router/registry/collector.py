@@ -10,8 +10,10 @@ Three paths feed one table of worker views (worker.schema.HeartbeatKeys names th
   ~15 us to receive and parse: at 10,000 workers heartbeating at 4 Hz that is what lets
   one router keep up;
 - a full read (SCAN + MGET of the heartbeat keys) at start, after every reconnect and
-  every `full_read_interval_s`: repairs anything a lost message left out, and doubles as
-  the liveness check of Redis (a blackholed server shows up as a timeout here).
+  every `full_read_interval_s`: repairs anything a lost message left out (between two
+  reconnects it parses only the keys of workers not heard from since the last one), and
+  doubles as the liveness check of Redis (a blackholed server shows up as a timeout
+  here).
 Agents that predate load records publish every heartbeat on the channel; those are
 followed as before.
 
@@ -59,10 +61,11 @@ from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState, LoadRecord
 log = logging.getLogger("globalpool.registry")
 
 # A new snapshot at most this often: rebuilding per message would cost O(workers) per
-# heartbeat at scale; 20 ms is well below a heartbeat interval. A build costs O(workers)
-# (~30 ms for 10,000), so the interval also grows to REBUILD_COST_FACTOR times the last
-# build's duration, up to MAX_REBUILD_INTERVAL_S: building then takes at most ~1/factor
-# of a core, and a large fleet's view lags its heartbeats by a fraction of a second.
+# heartbeat at scale; 20 ms is well below a heartbeat interval. Taking in the load records
+# and building cost O(workers) (~40 ms for 10,000), so the interval also grows to
+# REBUILD_COST_FACTOR times what the last ones took, up to MAX_REBUILD_INTERVAL_S: keeping
+# the view then takes at most ~1/factor of a core, and a large fleet's view lags its
+# heartbeats by a fraction of a second.
 MIN_REBUILD_INTERVAL_S = 0.02
 MAX_REBUILD_INTERVAL_S = 0.5
 REBUILD_COST_FACTOR = 10.0
@@ -153,6 +156,7 @@ class HeartbeatCollector:
         self._local_inflight = local_inflight
         self._full_read_interval_s = full_read_interval_s
         self._rebuild_every_s = MIN_REBUILD_INTERVAL_S  # see REBUILD_COST_FACTOR
+        self._apply_s = 0.0  # what taking in the last load records took
         self._max_backoff_s = max_backoff_s
         self._views: dict[str, WorkerView] = {}
         self._queued: dict[bytes, _Queued] = {}
@@ -254,6 +258,16 @@ class HeartbeatCollector:
             regions.add(key[loads_at:].decode(errors="replace"))
         self._load_regions = regions
         now = self._clock()
+        if not reconnected:
+            # Workers this router heard from since the last full read (a message or a load
+            # record, which are newer than their key) need not be parsed again: what is
+            # left to repair is a worker it does not know or has not heard from.
+            since_s = now - self._full_read_every_s()
+            views = self._views
+            worker_at = len(self._keys.worker("").encode())
+            keys = [key for key in keys
+                    if (view := views.get(key[worker_at:].decode(errors="replace"))) is None
+                    or view.received_at_s < since_s]
         seen: set[str] = set()
         for start in range(0, len(keys), 500):
             payloads = await self._redis.mget(keys[start : start + 500])
@@ -286,6 +300,7 @@ class HeartbeatCollector:
             for region in regions:
                 pipe.hgetall(self._keys.loads(region))
             replies = await pipe.execute()
+        started = time.perf_counter()
         now = self._clock()
         self._last_ok_at_s = now  # Redis answered: its clock runs (module doc)
         to_read: list[str] = []
@@ -297,6 +312,7 @@ class HeartbeatCollector:
                     continue
                 seen[worker] = payload
                 changed |= self._apply_record(region, worker, payload, now, to_read)
+        self._apply_s = time.perf_counter() - started
         if to_read:
             changed |= await self._read_workers(to_read)
         if self._orphans:
@@ -501,5 +517,6 @@ class HeartbeatCollector:
             redis_connected=self._connected,
             last_redis_ok_at_s=self._last_ok_at_s,
         )
+        cost_s = time.perf_counter() - started + self._apply_s
         self._rebuild_every_s = min(MAX_REBUILD_INTERVAL_S, max(
-            MIN_REBUILD_INTERVAL_S, REBUILD_COST_FACTOR * (time.perf_counter() - started)))
+            MIN_REBUILD_INTERVAL_S, REBUILD_COST_FACTOR * cost_s))

@@ -39,6 +39,7 @@ class WorkerView:
         # Read off the heartbeat once, as plain attributes: a routing decision reads them
         # for every candidate.
         "worker_id", "region", "endpoint", "ready", "ttl_s", "_digest",
+        "served",  # the models and LoRA adapters it serves
         "seq", "sent_at_s", "running", "waiting", "kv_cache_usage", "ttft_ms", "itl_ms",
         "e2e_ms", "prefill_tokens_per_s", "decode_tokens_per_s",
         "expires_at_s",  # fresh while the router's clock is below it
@@ -58,6 +59,7 @@ class WorkerView:
     ready: bool
     ttl_s: float
     _digest: int | None
+    served: tuple[str, ...]
     seq: int
     sent_at_s: float
     running: int
@@ -87,6 +89,7 @@ class WorkerView:
         self.ready = heartbeat.state is LifecycleState.READY
         self.ttl_s = heartbeat.ttl_s
         self._digest = None
+        self.served = (*heartbeat.models, *heartbeat.lora_adapters)
         self.seq = heartbeat.seq
         self.sent_at_s = heartbeat.sent_at_s
         load, performance = heartbeat.load, heartbeat.performance
@@ -135,6 +138,7 @@ class WorkerView:
         view.ready = self.ready
         view.ttl_s = self.ttl_s
         view._digest = self._digest
+        view.served = self.served
         view.slots = self.slots
         (_, view.seq, view.sent_at_s, _, view.running, view.waiting, view.kv_cache_usage,
          view.ttft_ms, view.itl_ms, view.e2e_ms, view.prefill_tokens_per_s,
@@ -233,18 +237,27 @@ class Snapshot:
         last_redis_ok_at_s: float | None,
     ) -> Snapshot:
         workers = {view.worker_id: view for view in views}
+        # One pass: each model's views, and the same by region (for the rankings).
         index: dict[str, list[WorkerView]] = {}
+        by_region: dict[tuple[str, str], list[WorkerView]] = {}
         for view in workers.values():
-            for model in (*view.heartbeat.models, *view.heartbeat.lora_adapters):
-                index.setdefault(model, []).append(view)
-        ranked: dict[str, tuple[RegionRanking, ...]] = {}
-        for model, model_views in index.items():
-            if len(model_views) < RANK_ABOVE_WORKERS:
-                continue
-            regions: dict[str, list[WorkerView]] = {}
-            for view in model_views:
-                regions.setdefault(view.region, []).append(view)
-            ranked[model] = tuple(RegionRanking.of(vs) for vs in regions.values())
+            region = view.region
+            for model in view.served:
+                found = index.get(model)
+                if found is None:
+                    index[model] = [view]
+                else:
+                    found.append(view)
+                found = by_region.get((model, region))
+                if found is None:
+                    by_region[model, region] = [view]
+                else:
+                    found.append(view)
+        rankings: dict[str, list[RegionRanking]] = {}
+        for (model, _), region_views in by_region.items():
+            if len(index[model]) >= RANK_ABOVE_WORKERS:
+                rankings.setdefault(model, []).append(RegionRanking.of(region_views))
+        ranked = {model: tuple(found) for model, found in rankings.items()}
         return cls(
             workers=MappingProxyType(workers),
             by_model=MappingProxyType({m: tuple(vs) for m, vs in index.items()}),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 
 import pytest
@@ -18,7 +20,7 @@ from worker.schema import (
     load_record,
     static_digest,
 )
-from worker.signing import HeartbeatSigner, Verdict, verify_record
+from worker.signing import HeartbeatSigner, Verdict, hmac_sha256_hex, verify_record
 
 SECRET = b"a-test-secret-of-at-least-32-bytes!!"
 
@@ -134,3 +136,10 @@ def test_a_view_takes_a_newer_records_load_and_keeps_its_heartbeat() -> None:
     again = newer.received_again(150.0)
     assert (again.received_at_s, again.expires_at_s, again.running, again.seq) == (
         150.0, 152.0, 3, 8)
+
+
+@pytest.mark.parametrize("secret", [b"k" * 16, b"s" * 64, b"long" * 40, bytes(range(256))])
+def test_the_prepared_hmac_is_hmac_sha256(secret: bytes) -> None:
+    for message in (b"", b"x", bytes(range(256)) * 3):
+        assert hmac_sha256_hex(secret, message) == \
+            hmac.new(secret, message, hashlib.sha256).hexdigest()

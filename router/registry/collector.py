@@ -331,24 +331,25 @@ class HeartbeatCollector:
         except ValueError as exc:
             self._reject(f"load record {worker[:60]!r} in region {region!r}: {exc}")
             return False
-        worker_id = record.worker_id
+        # By position, not by name: this runs for every worker at every read.
+        worker_id, seq, sent_at_s, digest = record[0], record[1], record[2], record[3]
         if worker_id.encode() != worker:
             self._reject(f"load record {worker[:60]!r} in region {region!r} names worker "
                          f"{worker_id[:60]!r}")
             return False
         view = self._views.get(worker_id)
         if view is None:
-            self._orphans[worker] = (region, record.sent_at_s)  # deleted if it stays so
+            self._orphans[worker] = (region, sent_at_s)  # deleted if it stays so
             to_read.append(worker_id)
             return False
         if view.region != region:
             self._reject(f"load record of {worker_id!r} in region {region!r}, but it "
                          f"heartbeats in {view.region!r}")
             return False
-        if record.static_digest != view.static_digest:
+        if digest != (view._digest or view.static_digest):
             to_read.append(worker_id)  # more than its load changed, and no message came
             return False
-        if (record.sent_at_s, record.seq) <= (view.sent_at_s, view.seq):
+        if sent_at_s < view.sent_at_s or (sent_at_s == view.sent_at_s and seq <= view.seq):
             return False  # not newer than what the router has (a replay, or no news)
         if self._gate is not None and self._gate.check_record(record, payload, view):
             return False  # unsigned, forged or stale: counted by the gate

@@ -63,9 +63,10 @@ log = logging.getLogger("globalpool.registry")
 # A new snapshot at most this often: rebuilding per message would cost O(workers) per
 # heartbeat at scale; 20 ms is well below a heartbeat interval. Taking in the load records
 # and building cost O(workers) (~40 ms for 10,000), so the interval also grows to
-# REBUILD_COST_FACTOR times what the last ones took, up to MAX_REBUILD_INTERVAL_S: keeping
-# the view then takes at most ~1/factor of a core, and a large fleet's view lags its
-# heartbeats by a fraction of a second.
+# REBUILD_COST_FACTOR times what the last ones took (CPU time of this thread, so a busy
+# machine does not stretch it), up to MAX_REBUILD_INTERVAL_S: keeping the view then takes
+# at most ~1/factor of a core, and a large fleet's view lags its heartbeats by a fraction
+# of a second.
 MIN_REBUILD_INTERVAL_S = 0.02
 MAX_REBUILD_INTERVAL_S = 0.5
 REBUILD_COST_FACTOR = 10.0
@@ -300,7 +301,7 @@ class HeartbeatCollector:
             for region in regions:
                 pipe.hgetall(self._keys.loads(region))
             replies = await pipe.execute()
-        started = time.perf_counter()
+        started = time.thread_time()
         now = self._clock()
         self._last_ok_at_s = now  # Redis answered: its clock runs (module doc)
         to_read: list[str] = []
@@ -312,7 +313,7 @@ class HeartbeatCollector:
                     continue
                 seen[worker] = payload
                 changed |= self._apply_record(region, worker, payload, now, to_read)
-        self._apply_s = time.perf_counter() - started
+        self._apply_s = time.thread_time() - started
         if to_read:
             changed |= await self._read_workers(to_read)
         if self._orphans:
@@ -510,7 +511,7 @@ class HeartbeatCollector:
         return bool(expired)
 
     def _publish(self) -> None:
-        started = time.perf_counter()
+        started = time.thread_time()
         self._apply_queued()
         self._holder.current = Snapshot.build(
             self._views.values(),
@@ -518,6 +519,6 @@ class HeartbeatCollector:
             redis_connected=self._connected,
             last_redis_ok_at_s=self._last_ok_at_s,
         )
-        cost_s = time.perf_counter() - started + self._apply_s
+        cost_s = time.thread_time() - started + self._apply_s
         self._rebuild_every_s = min(MAX_REBUILD_INTERVAL_S, max(
             MIN_REBUILD_INTERVAL_S, REBUILD_COST_FACTOR * cost_s))

@@ -83,6 +83,7 @@ async def collect(redis_url: str, prefix: str, seconds: float, keys: str) -> dic
     return {"received_per_s": counted["received"], "parsed_per_s": counted["parsed"],
             "records_read_per_s": counted["records_read"],
             "records_applied_per_s": counted["records_applied"],
+            "worker_reads_per_s": counted["worker_reads"],
             "cpu_pct": cpu_s / elapsed * 100,
             "snapshots_per_s": builds / elapsed, "workers": workers, "seconds": elapsed}
 
@@ -90,7 +91,8 @@ async def collect(redis_url: str, prefix: str, seconds: float, keys: str) -> dic
 def _counts(collector: HeartbeatCollector) -> dict[str, int]:
     return {"received": collector.received_heartbeats, "parsed": collector.parsed_heartbeats,
             "records_read": collector.read_records,
-            "records_applied": collector.applied_records}
+            "records_applied": collector.applied_records,
+            "worker_reads": collector.worker_reads}
 
 
 def main() -> None:

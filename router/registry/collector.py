@@ -176,6 +176,7 @@ class HeartbeatCollector:
         self.parsed_heartbeats = 0  # of those and of full reads: parsed and checked
         self.read_records = 0  # load records read that had changed since the last read
         self.applied_records = 0  # of those: taken
+        self.worker_reads = 0  # heartbeat keys read for a record (unknown worker, changed)
         self.synced = asyncio.Event()
 
     async def run(self) -> None:
@@ -294,6 +295,9 @@ class HeartbeatCollector:
     async def _read_loads(self) -> bool:
         """Read every region's load records in one round trip and apply those that
         changed (see the module doc). Whether any view changed."""
+        # Messages first: a new worker's first heartbeat is queued there (its record would
+        # otherwise send the router to read its key).
+        self._apply_queued()
         regions = sorted(self._load_regions.union(view.region for view in self._views.values()))
         if not regions:
             return False
@@ -360,6 +364,7 @@ class HeartbeatCollector:
 
     async def _read_workers(self, worker_ids: list[str]) -> bool:
         """Read these workers' heartbeat keys (see `_apply_record`)."""
+        self.worker_reads += len(worker_ids)
         payloads = await self._redis.mget([self._keys.worker(w) for w in worker_ids])
         now = self._clock()
         changed = False

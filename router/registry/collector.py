@@ -351,7 +351,7 @@ class HeartbeatCollector:
             self._reject(f"load record of {worker_id!r} in region {region!r}, but it "
                          f"heartbeats in {view.region!r}")
             return False
-        if digest != (view._digest or view.static_digest):
+        if digest != view.static_digest:
             to_read.append(worker_id)  # more than its load changed, and no message came
             return False
         if sent_at_s < view.sent_at_s or (sent_at_s == view.sent_at_s and seq <= view.seq):

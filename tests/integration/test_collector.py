@@ -358,6 +358,14 @@ async def test_routine_heartbeats_arrive_as_load_records_and_changes_as_messages
         assert collector.parsed_heartbeats - parsed <= 2  # the draining one, + a full read
         view = fleet.holder.current.workers["a"]
         assert (view.running, view.kv_cache_usage) == (0, 0.0)  # the draining heartbeat's
+        # Leaving removes the key and the load record, and says so on the channel.
+        admin = connect(valkey.url)
+        assert await admin.hexists(KEYS.loads("us-east"), "a")
+        await fleet.publisher.remove("a")
+        assert await channel.get(1.0) == [b"gone:a"]
+        assert not await admin.hexists(KEYS.loads("us-east"), "a")
+        assert not await admin.exists(KEYS.worker("a"))
+        await admin.aclose()
     await watcher.aclose()
 
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import hmac
 import json
 import random
 import signal
@@ -34,7 +32,7 @@ from urllib.parse import urlparse
 from router.benchproxy.decision import fleet
 from router.benchproxy.procs import new_event_loop
 from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState, load_record
-from worker.signing import SIGNATURE_FIELD, HeartbeatSigner
+from worker.signing import SIGNATURE_FIELD, HeartbeatSigner, hmac_sha256_hex
 
 TICK_S = 0.01
 
@@ -99,7 +97,7 @@ class Template:
         if self.signer is None:
             return b'%s"seq":%d,"sent_at_s":%r%s' % (self.before, seq, now_s, self.after)
         canonical = b'%s"sent_at_s":%r,"seq":%d%s' % (self.before, now_s, seq, self.after)
-        signature = hmac.new(self.signer.secret, canonical, hashlib.sha256).hexdigest()
+        signature = hmac_sha256_hex(self.signer.secret, canonical)
         return canonical[:-1] + SIGNATURE_FIELD + signature.encode() + b'"}'
 
 

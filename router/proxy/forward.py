@@ -32,10 +32,10 @@ from router.proxy.outcome import Attempt, Failure
 from router.proxy.upstream import (
     ConnectFailed,
     ConnectionBroken,
+    RequestHead,
     UpstreamConnection,
     UpstreamError,
     UpstreamPool,
-    encode_request,
 )
 
 # Request headers passed to workers. Everything else (Authorization, cookies, hop-by-hop
@@ -168,7 +168,7 @@ def upstream_headers(incoming: Mapping[str, str]) -> dict[str, str]:
 class Target:
     """Where one worker's requests go: address, path prefix and the request's head."""
 
-    __slots__ = ("base_path", "host", "host_header", "port", "ssl")
+    __slots__ = ("_heads", "base_path", "host", "host_header", "port", "ssl")
 
     def __init__(self, endpoint: str) -> None:
         parts = urlsplit(endpoint)
@@ -180,10 +180,15 @@ class Target:
         self.host_header = parts.netloc.rpartition("@")[2]
         self.base_path = parts.path.rstrip("/")
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if secure else None
+        self._heads: dict[str, RequestHead] = {}  # per path: the request line and Host
 
     def request(self, path: str, headers: Mapping[str, str], body: bytes) -> bytes:
-        return encode_request("POST", self.base_path + path, self.host_header,
-                              headers.items(), body)
+        """`encode_request("POST", base_path + path, host_header, headers, body)`."""
+        head = self._heads.get(path)
+        if head is None:
+            head = self._heads[path] = RequestHead("POST", self.base_path + path,
+                                                   self.host_header)
+        return head.encode(headers.items(), body)
 
 
 @functools.lru_cache(maxsize=65536)

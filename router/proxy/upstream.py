@@ -100,17 +100,36 @@ def encode_request(
     writes the framing). A CR or LF in any part raises ValueError (header injection), as
     does a character outside Latin-1.
     """
-    parts = [f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"]
-    for name, value in headers:
-        if name.lower() in ("host", "content-length", "transfer-encoding"):
-            continue
-        parts.append(f"{name}: {value}\r\n")
-    parts.append(f"Content-Length: {len(body)}\r\n\r\n")
-    head = "".join(parts)
-    crlfs = len(parts) + 2  # two in the first part and in the last, one per header
-    if head.count("\r") != crlfs or head.count("\n") != crlfs:
-        raise ValueError(f"CR or LF inside the request line or a header: {head!r}")
-    return head.encode("latin-1") + body
+    return RequestHead(method, path, host).encode(headers, body)
+
+
+# Headers the request's framing writes itself (see `encode_request`).
+_FRAMING_HEADERS = frozenset({"host", "content-length", "transfer-encoding"})
+
+
+class RequestHead:
+    """The request line and Host header of one method, path and host, checked once:
+    `encode(headers, body)` is `encode_request(method, path, host, headers, body)` for the
+    price of the headers alone (the proxy keeps one per worker and path)."""
+
+    __slots__ = ("_line",)
+
+    def __init__(self, method: str, path: str, host: str) -> None:
+        line = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"
+        if line.count("\r") != 2 or line.count("\n") != 2:
+            raise ValueError(f"CR or LF inside the request line or a header: {line!r}")
+        self._line = line
+
+    def encode(self, headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
+        """The request with `headers` (framing headers dropped) and `body`; ValueError for
+        a CR or LF in a header or a character outside Latin-1."""
+        lines = [f"{name}: {value}\r\n" for name, value in headers
+                 if name.lower() not in _FRAMING_HEADERS]
+        block = "".join(lines)
+        head = f"{self._line}{block}Content-Length: {len(body)}\r\n\r\n"
+        if block.count("\r") != len(lines) or block.count("\n") != len(lines):
+            raise ValueError(f"CR or LF inside the request line or a header: {head!r}")
+        return head.encode("latin-1") + body
 
 
 def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:

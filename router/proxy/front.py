@@ -47,33 +47,34 @@ HEAD_GRACE_S = 0.05
 # Bytes of later requests read ahead while one is served; reading pauses beyond.
 READ_AHEAD_BYTES = 256 * 1024
 
-_REASONS = {status.value: status.phrase for status in HTTPStatus}
+# "HTTP/1.1 200 OK\r\n" for every status Python names; others are "Unknown".
+_STATUS_LINES = {status.value: f"HTTP/1.1 {status.value} {status.phrase}\r\n"
+                 for status in HTTPStatus}
 _LAST_CHUNK = b"0\r\n\r\n"
 
 
 class _Clock:
-    """The `Date` header, formatted once per second."""
+    """The `Date` header, with the `Server` header after it, formatted once per second."""
 
     second = 0
     value = ""
 
     @classmethod
     def date(cls) -> str:
+        """`Date: ...\r\nServer: globalpool\r\n` for the current second."""
         now = int(time.time())
         if now != cls.second:
             cls.second = now
-            cls.value = formatdate(now, usegmt=True)
+            cls.value = f"Date: {formatdate(now, usegmt=True)}\r\nServer: globalpool\r\n"
         return cls.value
 
 
 def _head(status: int, headers: Mapping[str, str], framing: str, close: bool) -> bytes:
-    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
-    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
-    lines.append(f"Date: {_Clock.date()}\r\nServer: globalpool\r\n{framing}")
-    if close:
-        lines.append("Connection: close\r\n")
-    lines.append("\r\n")
-    return "".join(lines).encode("latin-1", "replace")
+    status_line = _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n"
+    lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    connection = "Connection: close\r\n" if close else ""
+    return (f"{status_line}{lines}{_Clock.date()}{framing}{connection}\r\n"
+            ).encode("latin-1", "replace")
 
 
 class FrontExchange:

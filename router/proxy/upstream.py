@@ -306,20 +306,32 @@ class UpstreamConnection(asyncio.Protocol):
         if self._sink is not None:
             raise RuntimeError("read_some() on a piped connection")
         while True:
-            body = self._body
-            if body:
-                data = body[0] if len(body) == 1 else b"".join(body)
-                body.clear()
-                self._body_bytes = 0
-                if self._buffer_paused:
-                    self._buffer_paused = False
-                    self._set_reading()
-                return data
+            if self._body:
+                return self._take_body()
             if self._complete:
                 return b""
             if self._error is not None:
                 raise self._broken()
             await self._wait()
+
+    def whole_body(self) -> bytes | None:
+        """The rest of the body, without waiting, when the whole answer has arrived (a
+        small answer usually comes in the read that brought its head); else None, and
+        `read_all` is the way. Saves such an answer the awaits of `read_all`."""
+        if not self._complete or self._sink is not None:
+            return None
+        return self._take_body() if self._body else b""
+
+    def _take_body(self) -> bytes:
+        """The buffered body bytes, taken out (reading resumes if the buffer paused it)."""
+        body = self._body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._body_bytes = 0
+        if self._buffer_paused:
+            self._buffer_paused = False
+            self._set_reading()
+        return data
 
     async def read_all(self, limit: int = 64 * 1024 * 1024) -> bytes:
         """The whole rest of the body. ConnectionBroken (and the connection closed) when it
@@ -353,12 +365,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._pipe_future = future
         self._sink = sink
         self._write_frame = getattr(sink, "write_frame", None)
-        body = self._body
-        if body:
-            data = body[0] if len(body) == 1 else b"".join(body)
-            body.clear()
-            self._body_bytes = 0
-            self._emit(data)
+        if self._body:
+            self._emit(self._take_body())
         if self._buffer_paused:
             self._buffer_paused = False
             self._set_reading()

@@ -185,6 +185,23 @@ def test_a_request_head_encodes_as_encode_request_does() -> None:
         head.encode([("X", "\u20ac")], b"")
 
 
+async def test_the_whole_body_of_an_answer_that_has_arrived(
+        serve: Callable[[list[Reply]], Awaitable[Worker]], pool: UpstreamPool) -> None:
+    worker = await serve([answer(ok(b"hello")), trickle(chunked(b"data: a\n\n"))])
+    connection = await pool.send("127.0.0.1", worker.port, get(worker.port))
+    assert connection.whole_body() is None  # nothing has arrived yet
+    await connection.head()
+    await until(lambda: connection.complete)
+    assert connection.whole_body() == b"hello"
+    assert connection.whole_body() == b""  # taken
+    connection.release()
+    connection = await pool.send("127.0.0.1", worker.port, get(worker.port))
+    await connection.head()
+    assert connection.whole_body() is None  # a stream still arriving: read it
+    assert await connection.read_all() == b"data: a\n\n"
+    connection.release()
+
+
 async def test_a_content_length_answer(serve: Callable[[list[Reply]], Awaitable[Worker]],
                                        pool: UpstreamPool) -> None:
     worker = await serve([answer(ok(b"hello", b"X-A: 1\r\nx-a: 2\r\nContent-Type: text/x\r\n"))])

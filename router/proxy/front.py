@@ -22,10 +22,10 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import cast
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -42,7 +42,7 @@ _SINGLE_HEADERS = frozenset({"content-length", "host", "authorization"})
 # A request head longer than this goes to aiohttp, whose limits answer it.
 MAX_HEAD_BYTES = 16 * 1024
 # A connection whose head is late is closed this long after header_s, once the loop has
-# read the sockets again (see FrontProtocol._head_timed_out).
+# read the sockets again (see FrontProtocol._check_head).
 HEAD_GRACE_S = 0.05
 # Bytes of later requests read ahead while one is served; reading pauses beyond.
 READ_AHEAD_BYTES = 256 * 1024
@@ -90,8 +90,8 @@ class FrontExchange:
         self.content_length = content_length
         self.started = False  # the answer's head has been written
 
-    async def read_body(self, timeout_s: float) -> bytes:
-        return await self._protocol.read_body(self.content_length, timeout_s)
+    def read_body(self, timeout_s: float) -> Coroutine[Any, Any, bytes]:
+        return self._protocol.read_body(self.content_length, timeout_s)  # one await less
 
     async def relay(
         self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection
@@ -145,7 +145,9 @@ class FrontProtocol(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._body_waiter: asyncio.Future[None] | None = None
         self._body_left = 0  # bytes of the current request's body not yet taken
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # see _await_head
+        self._head_due_s = 0.0  # the next request head must have come by then
+        self._head_grace = False  # past _head_due_s, looking once more
         self._reading_paused = False
         self.writing_paused = False
         self.relaying: UpstreamConnection | None = None
@@ -211,7 +213,6 @@ class FrontProtocol(asyncio.Protocol):
             self._hand_over()
             return
         del buffer[: end + 4]
-        self._cancel_timer()
         path, headers, length, close = request
         self._body_left = length
         self.closing = close or self._site.stopping
@@ -302,21 +303,30 @@ class FrontProtocol(asyncio.Protocol):
 
     # -- connection upkeep --
     def _await_head(self) -> None:
-        """Close a connection whose next request head does not arrive in time."""
-        self._cancel_timer()
-        self._timer = self._loop.call_later(self._site.header_timeout_s, self._head_timed_out)
+        """Close a connection whose next request head does not arrive within header_s.
 
-    def _head_timed_out(self) -> None:
-        # After the host stalled this process, the loop runs expired timers before it
-        # reads the sockets: a head that arrived meanwhile is not seen yet. Look again
-        # after the next read of the sockets before closing.
-        self._timer = None
-        if self._task is None:
-            self._timer = self._loop.call_later(HEAD_GRACE_S, self._head_still_missing)
+        One timer per connection, not one per request: it is moved forward only when it
+        fires early (the connection served requests meanwhile), which saves creating
+        and cancelling a timer for every request."""
+        self._head_due_s = self._loop.time() + self._site.header_timeout_s
+        self._head_grace = False
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._head_due_s, self._check_head)
 
-    def _head_still_missing(self) -> None:
+    def _check_head(self) -> None:
         self._timer = None
-        if self._task is None:
+        if self._task is not None:
+            return  # a request is being served: its end calls _await_head
+        now = self._loop.time()
+        if now < self._head_due_s:
+            self._timer = self._loop.call_at(self._head_due_s, self._check_head)
+        elif not self._head_grace:
+            # After the host stalled this process, the loop runs expired timers before it
+            # reads the sockets: a head that arrived meanwhile is not seen yet. Look again
+            # after the next read of the sockets before closing.
+            self._head_grace = True
+            self._timer = self._loop.call_later(HEAD_GRACE_S, self._check_head)
+        else:
             self.transport.close()
 
     def _cancel_timer(self) -> None:

@@ -110,8 +110,8 @@ class Deadline:
     __slots__ = ("_cancelled", "_handle", "_loop", "_task", "expired", "upstream")
 
     def __init__(self, delay_s: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
+        self._loop = loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task(loop)
         self.upstream: UpstreamConnection | None = None
         self.expired = False
         self._cancelled = False  # it cancelled the task

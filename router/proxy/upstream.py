@@ -25,6 +25,7 @@ import socket
 import ssl as ssl_module
 import typing
 from collections.abc import Iterable
+from http import HTTPStatus
 from typing import cast
 
 MAX_HEAD_BYTES = 64 * 1024  # the status line and headers (and, apart, a chunked trailer)
@@ -132,6 +133,12 @@ class RequestHead:
         return head.encode("latin-1") + body
 
 
+# The status lines of HTTP/1.1 answers with their usual reason phrases, parsed: most
+# answers' status line is one of these.
+_STATUS_LINES = {f"HTTP/1.1 {status.value} {status.phrase}": (status.value, True)
+                 for status in HTTPStatus if status.value >= 100}
+
+
 def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
     """(status, HTTP/1.1?, headers) of a response head without its final CRLF CRLF."""
     text = head.decode("latin-1")  # one decode, then string operations (cheaper per line)
@@ -139,7 +146,10 @@ def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
     if text.count("\n") != len(lines) - 1 or text.count("\r") != len(lines) - 1:
         raise _Malformed("a bare CR or LF in the head")
     line = lines[0]
-    if (
+    known = _STATUS_LINES.get(line)  # "HTTP/1.1 200 OK" and the like: checked already
+    if known is not None:
+        status, http_11 = known
+    elif (
         len(line) < 12
         or not line.startswith("HTTP/1.")
         or line[7] not in "01"
@@ -149,10 +159,11 @@ def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
         or (len(line) > 12 and line[12] != " ")
     ):
         raise _Malformed(f"status line {line[:100]!r}")
-    status = int(line[9:12])
-    http_11 = line[7] == "1"
-    if status < 100:
-        raise _Malformed(f"status {status}")
+    else:
+        status = int(line[9:12])
+        http_11 = line[7] == "1"
+        if status < 100:
+            raise _Malformed(f"status {status}")
     headers: dict[str, str] = {}
     for field in lines[1:]:
         name, colon, value = field.partition(":")
@@ -167,6 +178,8 @@ def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
 
 def _content_length(value: str) -> int:
     """Content-Length's value; a list of equal values (a repeated header) is allowed."""
+    if value.isdigit() and value.isascii() and len(value) <= 18:
+        return int(value)  # the usual single value
     first, *others = (part.strip() for part in value.split(","))
     if not first.isdigit() or not first.isascii() or len(first) > 18:
         raise _Malformed(f"Content-Length {value[:40]!r}")

@@ -142,7 +142,12 @@ class FrontProtocol(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self._buffer = bytearray()
+        # One task serves the connection's requests one after another (see
+        # _serve_requests); `_exchange` is the request it serves now (None: idle).
         self._task: asyncio.Task[None] | None = None
+        self._exchange: FrontExchange | None = None
+        self._next_head: asyncio.Future[None] | None = None  # the idle task waits on it
+        self._handed_over = False  # to aiohttp: the task ends
         self._body_waiter: asyncio.Future[None] | None = None
         self._body_left = 0  # bytes of the current request's body not yet taken
         self._timer: asyncio.TimerHandle | None = None  # see _await_head
@@ -166,14 +171,14 @@ class FrontProtocol(asyncio.Protocol):
         self._site.closed(self)
         self._cancel_timer()
         if self._task is not None:
-            self._task.cancel()  # the client went away: so does its request
+            self._task.cancel()  # the client went away: so does its request, if any
         waiter = self._body_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(ConnectionResetError("the client went away"))
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
-        if self._task is None:
+        if self._exchange is None:
             self._next_request()
             return
         waiter = self._body_waiter
@@ -216,8 +221,11 @@ class FrontProtocol(asyncio.Protocol):
         path, headers, length, close = request
         self._body_left = length
         self.closing = close or self._site.stopping
-        exchange = FrontExchange(self, path, headers, length)
-        self._task = self._loop.create_task(self._serve(exchange))
+        self._exchange = FrontExchange(self, path, headers, length)
+        if self._task is None:
+            self._task = self._loop.create_task(self._serve_requests())
+        else:
+            self._wake_task()  # unless it is the task itself, at a request's end
 
     @staticmethod
     def _parse_head(head: bytes) -> tuple[str, dict[str, str], int, bool] | None:
@@ -269,6 +277,29 @@ class FrontProtocol(asyncio.Protocol):
         self._body_left = 0
         return body
 
+    async def _serve_requests(self) -> None:
+        """The connection's requests, one after another, in one task: a task per request
+        cost several microseconds more (making it, registering it in asyncio's set of
+        tasks and out again). Ends when the connection closes or is handed over."""
+        while True:
+            exchange = self._exchange
+            if exchange is not None:
+                await self._serve(exchange)
+                continue
+            if self._handed_over or self.transport.is_closing():
+                return
+            waiter = self._next_head = self._loop.create_future()
+            try:
+                await waiter  # a request came, or the connection was handed over
+            finally:
+                self._next_head = None
+
+    def _wake_task(self) -> None:
+        """Wake the idle task: a request is there, or the connection was handed over."""
+        waiter = self._next_head
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     async def _serve(self, exchange: FrontExchange) -> None:
         try:
             reply = await self._site.handler(exchange)
@@ -281,7 +312,7 @@ class FrontProtocol(asyncio.Protocol):
                 return
             reply = error_reply(500, "internal error in the router")
         finally:
-            self._task = None
+            self._exchange = None
         if self._body_left:  # not read (refused first): drop it, or the connection
             if len(self._buffer) >= self._body_left:
                 del self._buffer[: self._body_left]
@@ -315,7 +346,7 @@ class FrontProtocol(asyncio.Protocol):
 
     def _check_head(self) -> None:
         self._timer = None
-        if self._task is not None:
+        if self._exchange is not None:
             return  # a request is being served: its end calls _await_head
         now = self._loop.time()
         if now < self._head_due_s:
@@ -342,12 +373,14 @@ class FrontProtocol(asyncio.Protocol):
     def close_when_idle(self) -> None:
         """Shutting down: close now if no request is being served, else after it."""
         self.closing = True
-        if self._task is None:
+        if self._exchange is None:
             self.transport.close()
 
     def _hand_over(self) -> None:
         """From here on aiohttp serves this connection, starting with the unread bytes."""
         self._cancel_timer()
+        self._handed_over = True
+        self._wake_task()
         self._site.closed(self)
         handler = self._site.aiohttp_protocol()
         transport, data = self.transport, bytes(self._buffer)

@@ -182,7 +182,8 @@ class Backlog(Generic[T]):
 
 
 class RouterQueue:
-    """The proxy's side: `await turn(...)` returns the decision to dispatch.
+    """The proxy's side: `goes_now(...)` says whether a request is dispatched at once;
+    if not, `await turn(...)` returns the decision to dispatch.
 
     A returned decision has already been counted in the router's open requests
     (`InFlight.started`); the caller finishes it as usual.
@@ -198,10 +199,20 @@ class RouterQueue:
         self._pump: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
-    async def turn(self, pick: Callable[[], Decision], *, model: str, traffic_class: str,
-                   arrived_s: float, budget_ms: float | None) -> tuple[Decision, float]:
-        """(decision, seconds waited). Raises NoRoute (from `pick`) and QueueFull."""
-        first = pick()
+    def goes_now(self, model: str, first: Decision) -> bool:
+        """For a request that routing just sent to `first`: True when it goes there now
+        (nothing of its model waits and that worker has room; it is then counted in the
+        open requests), without the machinery of `turn`. False: `await turn(first, ...)`."""
+        if self.backlog.must_wait(model, first):
+            return False
+        self._inflight.started(first.worker.worker_id)
+        return True
+
+    async def turn(self, first: Decision, pick: Callable[[], Decision], *, model: str,
+                   traffic_class: str, arrived_s: float,
+                   budget_ms: float | None) -> tuple[Decision, float]:
+        """(decision, seconds waited) for a request that routing sent to `first` on
+        arrival; `pick` routes it again. Raises NoRoute (from `pick`) and QueueFull."""
         backlog = self.backlog
         item = backlog.admit(model, traffic_class, first, pick,
                              asyncio.get_running_loop().create_future, arrived_s=arrived_s,

@@ -32,10 +32,10 @@ from router.proxy.outcome import Attempt, Failure
 from router.proxy.upstream import (
     ConnectFailed,
     ConnectionBroken,
+    RequestHead,
     UpstreamConnection,
     UpstreamError,
     UpstreamPool,
-    encode_request,
 )
 
 # Request headers passed to workers. Everything else (Authorization, cookies, hop-by-hop
@@ -110,8 +110,8 @@ class Deadline:
     __slots__ = ("_cancelled", "_handle", "_loop", "_task", "expired", "upstream")
 
     def __init__(self, delay_s: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
+        self._loop = loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task(loop)
         self.upstream: UpstreamConnection | None = None
         self.expired = False
         self._cancelled = False  # it cancelled the task
@@ -168,7 +168,7 @@ def upstream_headers(incoming: Mapping[str, str]) -> dict[str, str]:
 class Target:
     """Where one worker's requests go: address, path prefix and the request's head."""
 
-    __slots__ = ("base_path", "host", "host_header", "port", "ssl")
+    __slots__ = ("_heads", "base_path", "host", "host_header", "port", "ssl")
 
     def __init__(self, endpoint: str) -> None:
         parts = urlsplit(endpoint)
@@ -180,10 +180,15 @@ class Target:
         self.host_header = parts.netloc.rpartition("@")[2]
         self.base_path = parts.path.rstrip("/")
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if secure else None
+        self._heads: dict[str, RequestHead] = {}  # per path: the request line and Host
 
     def request(self, path: str, headers: Mapping[str, str], body: bytes) -> bytes:
-        return encode_request("POST", self.base_path + path, self.host_header,
-                              headers.items(), body)
+        """`encode_request("POST", base_path + path, host_header, headers, body)`."""
+        head = self._heads.get(path)
+        if head is None:
+            head = self._heads[path] = RequestHead("POST", self.base_path + path,
+                                                   self.host_header)
+        return head.encode(headers.items(), body)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -193,13 +198,14 @@ def target_of(endpoint: str) -> Target:
 
 
 def _answer_headers(
-    base: Mapping[str, str], upstream: UpstreamConnection, attempt: Attempt
+    headers: dict[str, str], upstream: UpstreamConnection, attempt: Attempt
 ) -> dict[str, str]:
-    """Headers for the client: ours, the upstream's content type, upstream TTFB in timing."""
-    headers = {**base, "Content-Type": upstream.headers.get("content-type", "application/json")}
+    """`headers` (ours) completed in place for the client: the upstream's content type,
+    and the upstream's TTFB added to `server-timing`."""
+    headers["Content-Type"] = upstream.headers.get("content-type", "application/json")
     ttfb_s = attempt.ttfb_s
     if ttfb_s is not None:
-        timing = base.get("server-timing")
+        timing = headers.get("server-timing")
         upstream_timing = f"upstream;dur={ttfb_s * 1000:.3f}"
         headers["server-timing"] = f"{timing}, {upstream_timing}" if timing else upstream_timing
     return headers
@@ -288,16 +294,21 @@ async def forward_unary(
     target: Target,
     payload: bytes,
     timeouts: Timeouts,
-    response_headers: Mapping[str, str],
+    response_headers: dict[str, str],
     attempt: Attempt,
 ) -> Reply:
-    """A non-streaming request: the whole answer, or UpstreamFailure."""
+    """A non-streaming request: the whole answer (with `response_headers`, completed),
+    or UpstreamFailure."""
     deadline = Deadline(timeouts.total_s)
     try:
         upstream = await _send(pool, target, payload, deadline)
-        answer = await _refuse_if_failed(upstream)
-        if answer is None:
-            answer = await _read_all(upstream)
+        answer = upstream.whole_body() if upstream.status == 200 else None
+        if answer is not None:
+            upstream.release()
+        else:
+            answer = await _refuse_if_failed(upstream)
+            if answer is None:
+                answer = await _read_all(upstream)
     except ConnectionBroken as exc:
         if deadline.expired:
             raise UpstreamFailure(f"no answer within {timeouts.total_s:g} s", Failure.TIMEOUT,
@@ -321,10 +332,11 @@ async def forward_stream(
     target: Target,
     payload: bytes,
     timeouts: Timeouts,
-    response_headers: Mapping[str, str],
+    response_headers: dict[str, str],
     attempt: Attempt,
 ) -> Reply:
-    """A streaming request, passed through as it arrives without parsing the events."""
+    """A streaming request, passed through as it arrives without parsing the events
+    (`response_headers` are completed for the client)."""
     deadline = attempt.first_byte_deadline = Deadline(timeouts.first_byte_s)
     try:
         upstream = await _send(pool, target, payload, deadline)
@@ -362,7 +374,8 @@ async def forward_stream(
             status=status)
     attempt.first_byte_s = time.monotonic()
     attempt.status = 200
-    headers = {**_answer_headers(response_headers, upstream, attempt), "Cache-Control": "no-cache"}
+    headers = _answer_headers(response_headers, upstream, attempt)
+    headers["Cache-Control"] = "no-cache"
     watchdog = _IdleWatchdog(upstream, timeouts.idle_s, timeouts.total_s)
     try:
         broken = await exchange.relay(headers, first, upstream)

@@ -22,10 +22,10 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import cast
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -42,38 +42,39 @@ _SINGLE_HEADERS = frozenset({"content-length", "host", "authorization"})
 # A request head longer than this goes to aiohttp, whose limits answer it.
 MAX_HEAD_BYTES = 16 * 1024
 # A connection whose head is late is closed this long after header_s, once the loop has
-# read the sockets again (see FrontProtocol._head_timed_out).
+# read the sockets again (see FrontProtocol._check_head).
 HEAD_GRACE_S = 0.05
 # Bytes of later requests read ahead while one is served; reading pauses beyond.
 READ_AHEAD_BYTES = 256 * 1024
 
-_REASONS = {status.value: status.phrase for status in HTTPStatus}
+# "HTTP/1.1 200 OK\r\n" for every status Python names; others are "Unknown".
+_STATUS_LINES = {status.value: f"HTTP/1.1 {status.value} {status.phrase}\r\n"
+                 for status in HTTPStatus}
 _LAST_CHUNK = b"0\r\n\r\n"
 
 
 class _Clock:
-    """The `Date` header, formatted once per second."""
+    """The `Date` header, with the `Server` header after it, formatted once per second."""
 
     second = 0
     value = ""
 
     @classmethod
     def date(cls) -> str:
+        """`Date: ...\r\nServer: globalpool\r\n` for the current second."""
         now = int(time.time())
         if now != cls.second:
             cls.second = now
-            cls.value = formatdate(now, usegmt=True)
+            cls.value = f"Date: {formatdate(now, usegmt=True)}\r\nServer: globalpool\r\n"
         return cls.value
 
 
 def _head(status: int, headers: Mapping[str, str], framing: str, close: bool) -> bytes:
-    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
-    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
-    lines.append(f"Date: {_Clock.date()}\r\nServer: globalpool\r\n{framing}")
-    if close:
-        lines.append("Connection: close\r\n")
-    lines.append("\r\n")
-    return "".join(lines).encode("latin-1", "replace")
+    status_line = _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n"
+    lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    connection = "Connection: close\r\n" if close else ""
+    return (f"{status_line}{lines}{_Clock.date()}{framing}{connection}\r\n"
+            ).encode("latin-1", "replace")
 
 
 class FrontExchange:
@@ -89,8 +90,8 @@ class FrontExchange:
         self.content_length = content_length
         self.started = False  # the answer's head has been written
 
-    async def read_body(self, timeout_s: float) -> bytes:
-        return await self._protocol.read_body(self.content_length, timeout_s)
+    def read_body(self, timeout_s: float) -> Coroutine[Any, Any, bytes]:
+        return self._protocol.read_body(self.content_length, timeout_s)  # one await less
 
     async def relay(
         self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection
@@ -141,10 +142,17 @@ class FrontProtocol(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self._buffer = bytearray()
+        # One task serves the connection's requests one after another (see
+        # _serve_requests); `_exchange` is the request it serves now (None: idle).
         self._task: asyncio.Task[None] | None = None
+        self._exchange: FrontExchange | None = None
+        self._next_head: asyncio.Future[None] | None = None  # the idle task waits on it
+        self._handed_over = False  # to aiohttp: the task ends
         self._body_waiter: asyncio.Future[None] | None = None
         self._body_left = 0  # bytes of the current request's body not yet taken
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # see _await_head
+        self._head_due_s = 0.0  # the next request head must have come by then
+        self._head_grace = False  # past _head_due_s, looking once more
         self._reading_paused = False
         self.writing_paused = False
         self.relaying: UpstreamConnection | None = None
@@ -163,14 +171,14 @@ class FrontProtocol(asyncio.Protocol):
         self._site.closed(self)
         self._cancel_timer()
         if self._task is not None:
-            self._task.cancel()  # the client went away: so does its request
+            self._task.cancel()  # the client went away: so does its request, if any
         waiter = self._body_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(ConnectionResetError("the client went away"))
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
-        if self._task is None:
+        if self._exchange is None:
             self._next_request()
             return
         waiter = self._body_waiter
@@ -210,12 +218,14 @@ class FrontProtocol(asyncio.Protocol):
             self._hand_over()
             return
         del buffer[: end + 4]
-        self._cancel_timer()
         path, headers, length, close = request
         self._body_left = length
         self.closing = close or self._site.stopping
-        exchange = FrontExchange(self, path, headers, length)
-        self._task = self._loop.create_task(self._serve(exchange))
+        self._exchange = FrontExchange(self, path, headers, length)
+        if self._task is None:
+            self._task = self._loop.create_task(self._serve_requests())
+        else:
+            self._wake_task()  # unless it is the task itself, at a request's end
 
     @staticmethod
     def _parse_head(head: bytes) -> tuple[str, dict[str, str], int, bool] | None:
@@ -267,6 +277,29 @@ class FrontProtocol(asyncio.Protocol):
         self._body_left = 0
         return body
 
+    async def _serve_requests(self) -> None:
+        """The connection's requests, one after another, in one task: a task per request
+        cost several microseconds more (making it, registering it in asyncio's set of
+        tasks and out again). Ends when the connection closes or is handed over."""
+        while True:
+            exchange = self._exchange
+            if exchange is not None:
+                await self._serve(exchange)
+                continue
+            if self._handed_over or self.transport.is_closing():
+                return
+            waiter = self._next_head = self._loop.create_future()
+            try:
+                await waiter  # a request came, or the connection was handed over
+            finally:
+                self._next_head = None
+
+    def _wake_task(self) -> None:
+        """Wake the idle task: a request is there, or the connection was handed over."""
+        waiter = self._next_head
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     async def _serve(self, exchange: FrontExchange) -> None:
         try:
             reply = await self._site.handler(exchange)
@@ -279,7 +312,7 @@ class FrontProtocol(asyncio.Protocol):
                 return
             reply = error_reply(500, "internal error in the router")
         finally:
-            self._task = None
+            self._exchange = None
         if self._body_left:  # not read (refused first): drop it, or the connection
             if len(self._buffer) >= self._body_left:
                 del self._buffer[: self._body_left]
@@ -301,21 +334,30 @@ class FrontProtocol(asyncio.Protocol):
 
     # -- connection upkeep --
     def _await_head(self) -> None:
-        """Close a connection whose next request head does not arrive in time."""
-        self._cancel_timer()
-        self._timer = self._loop.call_later(self._site.header_timeout_s, self._head_timed_out)
+        """Close a connection whose next request head does not arrive within header_s.
 
-    def _head_timed_out(self) -> None:
-        # After the host stalled this process, the loop runs expired timers before it
-        # reads the sockets: a head that arrived meanwhile is not seen yet. Look again
-        # after the next read of the sockets before closing.
-        self._timer = None
-        if self._task is None:
-            self._timer = self._loop.call_later(HEAD_GRACE_S, self._head_still_missing)
+        One timer per connection, not one per request: it is moved forward only when it
+        fires early (the connection served requests meanwhile), which saves creating
+        and cancelling a timer for every request."""
+        self._head_due_s = self._loop.time() + self._site.header_timeout_s
+        self._head_grace = False
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._head_due_s, self._check_head)
 
-    def _head_still_missing(self) -> None:
+    def _check_head(self) -> None:
         self._timer = None
-        if self._task is None:
+        if self._exchange is not None:
+            return  # a request is being served: its end calls _await_head
+        now = self._loop.time()
+        if now < self._head_due_s:
+            self._timer = self._loop.call_at(self._head_due_s, self._check_head)
+        elif not self._head_grace:
+            # After the host stalled this process, the loop runs expired timers before it
+            # reads the sockets: a head that arrived meanwhile is not seen yet. Look again
+            # after the next read of the sockets before closing.
+            self._head_grace = True
+            self._timer = self._loop.call_later(HEAD_GRACE_S, self._check_head)
+        else:
             self.transport.close()
 
     def _cancel_timer(self) -> None:
@@ -331,12 +373,14 @@ class FrontProtocol(asyncio.Protocol):
     def close_when_idle(self) -> None:
         """Shutting down: close now if no request is being served, else after it."""
         self.closing = True
-        if self._task is None:
+        if self._exchange is None:
             self.transport.close()
 
     def _hand_over(self) -> None:
         """From here on aiohttp serves this connection, starting with the unread bytes."""
         self._cancel_timer()
+        self._handed_over = True
+        self._wake_task()
         self._site.closed(self)
         handler = self._site.aiohttp_protocol()
         transport, data = self.transport, bytes(self._buffer)

@@ -100,7 +100,7 @@ class Proxy:
             body = await exchange.read_body(router_config.client_timeouts.body_s)
             kind = _KIND_BY_PATH[exchange.path]
             parsed = parse_body(body, kind, router_config.max_json_depth)
-            if admission is not None:
+            if admission is not None and principal is not None:  # else nothing to check
                 rate_headers = await admission.admit(principal, parsed, config.auth)  # 403, 429
             origin = self._origin_region(exchange.headers)
             hints = _routing_hints(exchange.headers)
@@ -141,35 +141,37 @@ class Proxy:
         failure: UpstreamFailure | None = None
         self.retry_budget.request_arrived()
         free_retry = False
+        route = RouteRequest(
+            model=parsed.model,
+            origin_region=record.origin_region,
+            prompt_tokens=parsed.prompt_tokens,
+            stream=parsed.stream,
+            drained=self.drains.current,
+            allowed_regions=allowed,
+            session_id=session_id,
+            prefix_key=parsed.prefix_key,
+            prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,
+            traffic_class=traffic_class,
+            ttft_budget_ms=budget_ms,
+        )
         for attempt_number in range(router_config.max_attempts):
-            if attempt_number > 0 and not free_retry and not self.retry_budget.try_spend():
-                log.warning("retry budget exhausted; not retrying %s", parsed.model)
-                break
-            route = RouteRequest(
-                model=parsed.model,
-                origin_region=record.origin_region,
-                prompt_tokens=parsed.prompt_tokens,
-                stream=parsed.stream,
-                exclude=frozenset(tried),
-                drained=self.drains.current,
-                avoid_regions=frozenset(avoid_regions),
-                allowed_regions=allowed,
-                session_id=session_id,
-                prefix_key=parsed.prefix_key,
-                prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,
-                traffic_class=traffic_class,
-                ttft_budget_ms=budget_ms,
-            )
+            if attempt_number > 0:
+                if not free_retry and not self.retry_budget.try_spend():
+                    log.warning("retry budget exhausted; not retrying %s", parsed.model)
+                    break
+                route = route._replace(exclude=frozenset(tried), drained=self.drains.current,
+                                       avoid_regions=frozenset(avoid_regions))
             counted = False  # in the open-request counts already (the queue did it)
             try:
-                if attempt_number == 0 and self.queue is not None:
-                    decision, record.queued_s = await self.queue.turn(
-                        functools.partial(self._pick, route),
-                        model=parsed.model, traffic_class=traffic_class,
-                        arrived_s=record.received_s, budget_ms=budget_ms)
+                decision = self.policy.pick(self.holder.current, route)
+                queue = self.queue
+                if attempt_number == 0 and queue is not None:
                     counted = True
-                else:
-                    decision = self.policy.pick(self.holder.current, route)
+                    if not queue.goes_now(parsed.model, decision):
+                        decision, record.queued_s = await queue.turn(
+                            decision, functools.partial(self._pick, route),
+                            model=parsed.model, traffic_class=traffic_class,
+                            arrived_s=record.received_s, budget_ms=budget_ms)
             except NoRoute as exc:
                 if failure is not None:
                     log.warning("no retry for %s: %s", parsed.model, exc.reason)

@@ -25,6 +25,7 @@ import socket
 import ssl as ssl_module
 import typing
 from collections.abc import Iterable
+from http import HTTPStatus
 from typing import cast
 
 MAX_HEAD_BYTES = 64 * 1024  # the status line and headers (and, apart, a chunked trailer)
@@ -100,17 +101,42 @@ def encode_request(
     writes the framing). A CR or LF in any part raises ValueError (header injection), as
     does a character outside Latin-1.
     """
-    parts = [f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"]
-    for name, value in headers:
-        if name.lower() in ("host", "content-length", "transfer-encoding"):
-            continue
-        parts.append(f"{name}: {value}\r\n")
-    parts.append(f"Content-Length: {len(body)}\r\n\r\n")
-    head = "".join(parts)
-    crlfs = len(parts) + 2  # two in the first part and in the last, one per header
-    if head.count("\r") != crlfs or head.count("\n") != crlfs:
-        raise ValueError(f"CR or LF inside the request line or a header: {head!r}")
-    return head.encode("latin-1") + body
+    return RequestHead(method, path, host).encode(headers, body)
+
+
+# Headers the request's framing writes itself (see `encode_request`).
+_FRAMING_HEADERS = frozenset({"host", "content-length", "transfer-encoding"})
+
+
+class RequestHead:
+    """The request line and Host header of one method, path and host, checked once:
+    `encode(headers, body)` is `encode_request(method, path, host, headers, body)` for the
+    price of the headers alone (the proxy keeps one per worker and path)."""
+
+    __slots__ = ("_line",)
+
+    def __init__(self, method: str, path: str, host: str) -> None:
+        line = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"
+        if line.count("\r") != 2 or line.count("\n") != 2:
+            raise ValueError(f"CR or LF inside the request line or a header: {line!r}")
+        self._line = line
+
+    def encode(self, headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
+        """The request with `headers` (framing headers dropped) and `body`; ValueError for
+        a CR or LF in a header or a character outside Latin-1."""
+        lines = [f"{name}: {value}\r\n" for name, value in headers
+                 if name.lower() not in _FRAMING_HEADERS]
+        block = "".join(lines)
+        head = f"{self._line}{block}Content-Length: {len(body)}\r\n\r\n"
+        if block.count("\r") != len(lines) or block.count("\n") != len(lines):
+            raise ValueError(f"CR or LF inside the request line or a header: {head!r}")
+        return head.encode("latin-1") + body
+
+
+# The status lines of HTTP/1.1 answers with their usual reason phrases, parsed: most
+# answers' status line is one of these.
+_STATUS_LINES = {f"HTTP/1.1 {status.value} {status.phrase}": (status.value, True)
+                 for status in HTTPStatus if status.value >= 100}
 
 
 def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
@@ -120,7 +146,10 @@ def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
     if text.count("\n") != len(lines) - 1 or text.count("\r") != len(lines) - 1:
         raise _Malformed("a bare CR or LF in the head")
     line = lines[0]
-    if (
+    known = _STATUS_LINES.get(line)  # "HTTP/1.1 200 OK" and the like: checked already
+    if known is not None:
+        status, http_11 = known
+    elif (
         len(line) < 12
         or not line.startswith("HTTP/1.")
         or line[7] not in "01"
@@ -130,10 +159,11 @@ def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
         or (len(line) > 12 and line[12] != " ")
     ):
         raise _Malformed(f"status line {line[:100]!r}")
-    status = int(line[9:12])
-    http_11 = line[7] == "1"
-    if status < 100:
-        raise _Malformed(f"status {status}")
+    else:
+        status = int(line[9:12])
+        http_11 = line[7] == "1"
+        if status < 100:
+            raise _Malformed(f"status {status}")
     headers: dict[str, str] = {}
     for field in lines[1:]:
         name, colon, value = field.partition(":")
@@ -148,6 +178,8 @@ def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
 
 def _content_length(value: str) -> int:
     """Content-Length's value; a list of equal values (a repeated header) is allowed."""
+    if value.isdigit() and value.isascii() and len(value) <= 18:
+        return int(value)  # the usual single value
     first, *others = (part.strip() for part in value.split(","))
     if not first.isdigit() or not first.isascii() or len(first) > 18:
         raise _Malformed(f"Content-Length {value[:40]!r}")
@@ -287,20 +319,32 @@ class UpstreamConnection(asyncio.Protocol):
         if self._sink is not None:
             raise RuntimeError("read_some() on a piped connection")
         while True:
-            body = self._body
-            if body:
-                data = body[0] if len(body) == 1 else b"".join(body)
-                body.clear()
-                self._body_bytes = 0
-                if self._buffer_paused:
-                    self._buffer_paused = False
-                    self._set_reading()
-                return data
+            if self._body:
+                return self._take_body()
             if self._complete:
                 return b""
             if self._error is not None:
                 raise self._broken()
             await self._wait()
+
+    def whole_body(self) -> bytes | None:
+        """The rest of the body, without waiting, when the whole answer has arrived (a
+        small answer usually comes in the read that brought its head); else None, and
+        `read_all` is the way. Saves such an answer the awaits of `read_all`."""
+        if not self._complete or self._sink is not None:
+            return None
+        return self._take_body() if self._body else b""
+
+    def _take_body(self) -> bytes:
+        """The buffered body bytes, taken out (reading resumes if the buffer paused it)."""
+        body = self._body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._body_bytes = 0
+        if self._buffer_paused:
+            self._buffer_paused = False
+            self._set_reading()
+        return data
 
     async def read_all(self, limit: int = 64 * 1024 * 1024) -> bytes:
         """The whole rest of the body. ConnectionBroken (and the connection closed) when it
@@ -334,12 +378,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._pipe_future = future
         self._sink = sink
         self._write_frame = getattr(sink, "write_frame", None)
-        body = self._body
-        if body:
-            data = body[0] if len(body) == 1 else b"".join(body)
-            body.clear()
-            self._body_bytes = 0
-            self._emit(data)
+        if self._body:
+            self._emit(self._take_body())
         if self._buffer_paused:
             self._buffer_paused = False
             self._set_reading()

@@ -366,6 +366,85 @@ async def test_an_idle_or_half_sent_head_is_closed_after_header_s(
         writer.close()
 
 
+async def test_header_s_counts_from_the_last_answer_on_a_busy_connection() -> None:
+    """The head timer is one per connection, moved forward only when it fires early: a
+    connection kept busy past header_s stays open, and closes header_s after its last
+    answer."""
+
+    async def ok(exchange: Exchange) -> Reply:
+        await exchange.read_body(5.0)
+        await asyncio.sleep(0.05)
+        return Reply(200, {"Content-Type": "text/plain"}, b"ok")
+
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    site = FrontSite(runner, "127.0.0.1", 0, handler=ok, header_timeout_s=0.4)
+    await site.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+        started = time.monotonic()
+        while time.monotonic() - started < 1.2:  # three header_s of requests, 0.3 s apart
+            writer.write(_post("/v1/chat/completions", b"{}"))
+            assert (await _read_answer(reader)).status == 200
+            await asyncio.sleep(0.3)
+        writer.write(_post("/v1/chat/completions", b"{}"))
+        assert (await _read_answer(reader)).status == 200
+        answered = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert 0.35 < time.monotonic() - answered < 2
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_one_task_serves_a_connection_and_ends_with_it() -> None:
+    """A connection's requests run one after another in one task, which ends when the
+    connection is handed over to aiohttp or closed (none is left behind)."""
+
+    async def ok(exchange: Exchange) -> Reply:
+        await exchange.read_body(5.0)
+        return Reply(200, {"Content-Type": "text/plain"}, b"ok")
+
+    def front_tasks() -> list[asyncio.Task[object]]:
+        return [task for task in asyncio.all_tasks() if not task.done()
+                and getattr(task.get_coro(), "__qualname__", "")
+                == "FrontProtocol._serve_requests"]
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = FrontSite(runner, "127.0.0.1", 0, handler=ok, header_timeout_s=5.0)
+    await site.start()
+    try:
+        handed, handed_writer = await asyncio.open_connection("127.0.0.1", site.port)
+        closed, closed_writer = await asyncio.open_connection("127.0.0.1", site.port)
+        for reader, writer in ((handed, handed_writer), (closed, closed_writer)):
+            for _ in range(3):
+                writer.write(_post("/v1/chat/completions", b"{}"))
+                assert (await _read_answer(reader)).body == b"ok"
+        assert len(front_tasks()) == 2  # one per connection, idle between requests
+        # Pipelined behind a request: handed over from the task itself.
+        handed_writer.write(_post("/v1/chat/completions", b"{}")
+                            + b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+        assert (await _read_answer(handed)).body == b"ok"
+        assert (await _read_answer(handed)).body == b"ok"
+        closed_writer.close()
+        for _ in range(100):
+            if not front_tasks():
+                break
+            await asyncio.sleep(0.01)
+        assert front_tasks() == []
+        handed_writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")  # still served
+        assert (await _read_answer(handed)).status == 200
+        handed_writer.close()
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_body_larger_than_the_read_ahead_is_read_whole(
     fleet_factory: FleetFactory,
 ) -> None:

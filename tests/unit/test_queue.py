@@ -3,9 +3,11 @@ on literal worker views and an injected clock."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from router.admission.queue import ENGINE_QUEUE, Backlog, QueueFull
+from router.admission.queue import ENGINE_QUEUE, Backlog, QueueFull, RouterQueue
 from router.policy import Decision, NoRoute
 from router.policy.inflight import InFlight
 from router.registry.snapshot import WorkerView
@@ -114,3 +116,26 @@ def test_a_client_leaving_after_its_request_left_the_queue_changes_no_count() ->
     assert [i.payload for i, _ in backlog.due()] == ["late"]
     backlog.leave(item)  # its client went away just as it was sent
     assert len(backlog) == 1
+
+
+async def test_a_request_goes_at_once_only_while_its_worker_has_room_and_none_waits() -> None:
+    inflight, clock = InFlight(), Clock()
+    queue = RouterQueue(inflight, max_requests=3, max_wait_s=10.0, clock=clock)
+    idle, full = to(view("idle")), to(view("w", running=SLOTS + ENGINE_QUEUE))
+    assert queue.goes_now("m", idle) and inflight.own_of("idle") == 1  # counted at once
+    assert not queue.goes_now("m", full) and inflight.own_of("w") == 0
+    routed = [full]
+    waiting = asyncio.create_task(queue.turn(
+        full, lambda: routed[0], model="m", traffic_class="interactive",
+        arrived_s=clock.now_s, budget_ms=None))
+    try:
+        await asyncio.sleep(0.05)
+        assert len(queue.backlog) == 1
+        assert not queue.goes_now("m", idle)  # it does not overtake the one waiting
+        routed[0] = idle
+        queue.capacity_freed()
+        decision, _ = await asyncio.wait_for(waiting, 2)
+        assert decision is idle and inflight.own_of("idle") == 2
+    finally:
+        waiting.cancel()
+        await queue.close()

@@ -12,6 +12,7 @@ import uvloop
 from router.proxy.upstream import (
     ConnectFailed,
     ConnectionBroken,
+    RequestHead,
     UpstreamConnection,
     UpstreamPool,
     encode_request,
@@ -167,6 +168,38 @@ def test_encode_request_frames_the_body_and_refuses_injection() -> None:
                        b"Content-Length: 2\r\n\r\n{}")
     with pytest.raises(ValueError, match="CR or LF"):
         encode_request("GET", "/", "w1", [("X", "a\r\nEvil: 1")], b"")
+
+
+def test_a_request_head_encodes_as_encode_request_does() -> None:
+    head = RequestHead("POST", "/v1/completions", "w1:8000")
+    headers = [("X-Id", "7"), ("content-length", "99"), ("Host", "x")]
+    assert head.encode(headers, b"{}") == encode_request("POST", "/v1/completions", "w1:8000",
+                                                         headers, b"{}")
+    assert head.encode([], b"") == b"POST /v1/completions HTTP/1.1\r\nHost: w1:8000\r\n" \
+        b"Content-Length: 0\r\n\r\n"
+    with pytest.raises(ValueError, match="CR or LF"):
+        head.encode([("X", "a\r\nEvil: 1")], b"")
+    with pytest.raises(ValueError, match="CR or LF"):
+        RequestHead("POST", "/v1\r\nEvil: 1", "w1")
+    with pytest.raises(ValueError):  # outside Latin-1
+        head.encode([("X", "\u20ac")], b"")
+
+
+async def test_the_whole_body_of_an_answer_that_has_arrived(
+        serve: Callable[[list[Reply]], Awaitable[Worker]], pool: UpstreamPool) -> None:
+    worker = await serve([answer(ok(b"hello")), trickle(chunked(b"data: a\n\n"))])
+    connection = await pool.send("127.0.0.1", worker.port, get(worker.port))
+    assert connection.whole_body() is None  # nothing has arrived yet
+    await connection.head()
+    await until(lambda: connection.complete)
+    assert connection.whole_body() == b"hello"
+    assert connection.whole_body() == b""  # taken
+    connection.release()
+    connection = await pool.send("127.0.0.1", worker.port, get(worker.port))
+    await connection.head()
+    assert connection.whole_body() is None  # a stream still arriving: read it
+    assert await connection.read_all() == b"data: a\n\n"
+    connection.release()
 
 
 async def test_a_content_length_answer(serve: Callable[[list[Reply]], Awaitable[Worker]],

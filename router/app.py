@@ -224,7 +224,7 @@ async def _operations(app: web.Application) -> AsyncIterator[None]:
     operations = app[OPERATIONS]
     await operations.start(app, redis_url=app[SETTINGS].redis_url, proxy=app[PROXY],
                            snapshots=app[HOLDER], inflight=app[_INFLIGHT],
-                           security=app[SECURITY_STATS])
+                           security=app[SECURITY_STATS], heartbeat_counts=app[COLLECTOR].counts)
     yield
     await operations.stop()
 

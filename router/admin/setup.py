@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,7 +95,8 @@ class Operations:
 
     async def start(self, app: web.Application, *, redis_url: str, proxy: Proxy,
                     snapshots: SnapshotHolder, inflight: InFlight,
-                    security: SecurityStats | None = None) -> None:
+                    security: SecurityStats | None = None,
+                    heartbeat_counts: Callable[[], Mapping[str, int]] | None = None) -> None:
         """Begin following drain flags and the config file; expose the admin context."""
         config = self.configs.current
         self.drains.set_configured(_configured_drains(config))
@@ -115,7 +117,7 @@ class Operations:
             snapshots=snapshots, configs=self.configs, drains=self.drains, inflight=inflight,
             health=proxy.health, retry_budget=proxy.retry_budget,
             queue=proxy.queue.backlog if proxy.queue is not None else None,
-            upstream_stats=proxy.upstreams.stats))
+            upstream_stats=proxy.upstreams.stats, heartbeat_counts=heartbeat_counts))
         if security is not None:
             self.registry.register(SecurityCollector(security))
         app[ADMIN] = AdminContext(

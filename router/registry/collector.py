@@ -179,6 +179,15 @@ class HeartbeatCollector:
         self.worker_reads = 0  # heartbeat keys read for a record (unknown worker, changed)
         self.synced = asyncio.Event()
 
+    def counts(self) -> dict[str, int]:
+        """What it has taken in so far (exported as globalpool_* counters)."""
+        return {"heartbeat_messages": self.received_heartbeats,
+                "heartbeats_parsed": self.parsed_heartbeats,
+                "heartbeats_malformed": self.rejected_heartbeats,
+                "load_records_read": self.read_records,
+                "load_records_applied": self.applied_records,
+                "heartbeat_key_reads": self.worker_reads}
+
     async def run(self) -> None:
         """Run until cancelled; never raises for Redis trouble."""
         backoff_s = 0.05

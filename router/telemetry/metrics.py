@@ -132,6 +132,8 @@ class FleetCollector:
     queue: Backlog[Any] | None = None
     # The upstream pool's {"opened", "reused", "idle"} (router.proxy.upstream.UpstreamPool).
     upstream_stats: Callable[[], Mapping[str, int]] | None = None
+    # The heartbeat collector's counts (router.registry.HeartbeatCollector.counts).
+    heartbeat_counts: Callable[[], Mapping[str, int]] | None = None
     clock: Callable[[], float] = time.monotonic
 
     def collect(self) -> Iterator[Metric]:
@@ -191,6 +193,11 @@ class FleetCollector:
             yield _gauge("globalpool_upstream_idle_connections",
                          "Kept-alive connections to workers waiting for a request.",
                          float(stats["idle"]))
+        if self.heartbeat_counts is not None:
+            for name, value in self.heartbeat_counts().items():
+                documentation = _HEARTBEAT_COUNTS.get(name)
+                if documentation is not None:
+                    yield _counter(f"globalpool_{name}", documentation, float(value))
 
     def _workers(self, now_s: float) -> Iterator[Metric]:
         snapshot = self.snapshots.current
@@ -244,6 +251,17 @@ class FleetCollector:
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
+
+
+_HEARTBEAT_COUNTS = {
+    "heartbeat_messages": "Messages received on the routers' heartbeat channel.",
+    "heartbeats_parsed": "Full heartbeats parsed and checked (messages, full reads, keys).",
+    "heartbeats_malformed": "Heartbeats and load records refused as malformed or misplaced.",
+    "load_records_read": "Load records read that had changed since the last read.",
+    "load_records_applied": "Load records taken into the fleet view.",
+    "heartbeat_key_reads": "Worker keys read because a load record named an unknown worker "
+                           "or a changed heartbeat.",
+}
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

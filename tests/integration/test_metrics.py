@@ -77,6 +77,26 @@ async def test_metrics_move_under_load(fleet: OpsFleet) -> None:
     assert value(after, "globalpool_config_info") == 1
 
 
+async def test_the_fleet_views_intake_is_counted(fleet: OpsFleet) -> None:
+    await fleet.start({"a": "us-east", "b": "eu-west"})
+    before = await scrape(fleet.url)
+    assert value(before, "globalpool_heartbeats_parsed_total") >= 2  # the first full read
+    await fleet.publish("a", running=3)  # only its load changed: a load record, no message
+
+    async def a_reads_three() -> bool:
+        return value(await scrape(fleet.url), "globalpool_worker_load_seqs", worker="a") == 3
+
+    await wait_for(a_reads_three)
+    after = await scrape(fleet.url)
+    assert value(after, "globalpool_load_records_applied_total") > value(
+        before, "globalpool_load_records_applied_total")
+    assert value(after, "globalpool_load_records_read_total") >= value(
+        after, "globalpool_load_records_applied_total")
+    assert value(after, "globalpool_heartbeat_messages_total") == value(
+        before, "globalpool_heartbeat_messages_total")
+    assert value(after, "globalpool_heartbeats_malformed_total") == 0
+
+
 async def test_retries_failures_drains_and_reload_errors_show(fleet: OpsFleet,
                                                               redis_url: str,
                                                               key_prefix: str) -> None:

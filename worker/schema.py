@@ -200,15 +200,17 @@ _COUNT = core_schema.int_schema(ge=0, strict=True)
 _FIGURE = core_schema.nullable_schema(_number(ge=0))
 _RECORD_ITEMS: list[core_schema.CoreSchema] = [
     core_schema.literal_schema([LOAD_RECORD_VERSION]),
-    core_schema.str_schema(min_length=1, max_length=200, strict=True),  # worker id
+    core_schema.str_schema(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$",
+                           strict=True),  # worker id, as in Heartbeat
     _COUNT, _number(), _COUNT, _COUNT, _COUNT,  # seq, sent_at_s, digest, running, waiting
     core_schema.nullable_schema(_number(ge=0, le=1)),  # kv_cache_usage
     _FIGURE, _FIGURE, _FIGURE, _FIGURE, _FIGURE,
 ]
 _RECORD = SchemaValidator(core_schema.tuple_schema(_RECORD_ITEMS))
 _SIGNED_RECORD = SchemaValidator(core_schema.tuple_schema([
-    *_RECORD_ITEMS, core_schema.str_schema(max_length=64, strict=True),
-    core_schema.str_schema(max_length=128, strict=True)]))
+    *_RECORD_ITEMS,
+    core_schema.str_schema(max_length=64, pattern=r"^[A-Za-z0-9._-]+$", strict=True),  # key id
+    core_schema.str_schema(max_length=128, pattern=r"^[0-9a-f]+$", strict=True)]))  # HMAC
 _RECORD_ITEM_NAMES = ("version", *LoadRecord._fields)
 
 

@@ -229,6 +229,6 @@ def verify_record(payload: bytes, record: LoadRecord, keys: Mapping[str, bytes])
     if not payload.endswith(tail):
         return Verdict.BAD_SIGNATURE
     expected = hmac_sha256_hex(secret, payload[:-len(tail)])
-    if not hmac.compare_digest(expected, signature):
+    if not hmac.compare_digest(expected.encode(), signature.encode()):  # bytes: any content
         return Verdict.BAD_SIGNATURE
     return None

@@ -423,7 +423,10 @@ async def test_load_records_that_are_not_the_workers_own_are_dropped(
         # under another worker's name.
         await write("eu-west", "a", signer.signed_record(load_record(busy)))
         await write("us-east", "b", signer.signed_record(load_record(busy)))
-        assert collector.rejected_heartbeats == rejected + 2
+        # A signature no signer writes (not hex; raw UTF-8): refused as malformed, and the
+        # collector goes on (comparing it as a str would raise).
+        await write("us-east", "a", load_record(busy)[:-1] + ',"k1","éz"]'.encode())
+        assert collector.rejected_heartbeats == rejected + 3
         old = signer.signed_record(load_record(with_load(
             signer.sign(lasting("a", seq=0, sent_at_s=time.time() - 5)), 8)))
         await write("us-east", "a", old)  # signed, but older than what the router has

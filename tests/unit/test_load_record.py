@@ -77,6 +77,13 @@ def test_the_digest_changes_with_anything_but_order_and_load() -> None:
     ([1, "w", 1, 1.0, 1, 0, 0, None, None, None, None, "fast", None], "prefill_tokens_per_s"),
     ([1, "w", 1, 1.0, 1, 0, 0, None, None, None, None, None, None, 5, "ab"], "key_id: Input"),
     ([1, "w", 1, 1.0, 1, 0, 0, None, None, None, None, None, None, 1], "load record: Tuple"),
+    # Strings a heartbeat could not carry either (and compare_digest would raise on).
+    ([1, "w\u00e9", 1, 1.0, 1, 0, 0, None, None, None, None, None, None], "worker_id: String"),
+    ([1, "w\ud800", 1, 1.0, 1, 0, 0, None, None, None, None, None, None], "load record: Invalid"),
+    ([1, "w", 1, 1.0, 1, 0, 0, None, None, None, None, None, None, "k1", "\u00e9" * 64],
+     "signature: String should match"),
+    ([1, "w", 1, 1.0, 1, 0, 0, None, None, None, None, None, None, "k 1", "ab"],
+     "key_id: String should match"),
 ])
 def test_a_malformed_record_is_refused_with_a_reason(fields: object, message: str) -> None:
     with pytest.raises(ValueError, match=f"^{message}"):

@@ -146,7 +146,7 @@ class HeartbeatKeys:
 # Between two changes of anything else, what changes from one heartbeat to the next is its
 # order (seq, send time) and the engine's load and recent performance. Agents write those
 # as a load record, a JSON array routers read for a whole region at once (HeartbeatKeys.
-# loads) and parse in about a microsecond, instead of one full heartbeat message per worker:
+# loads) and parse in about two microseconds, not one full heartbeat message per worker:
 #   [1, worker_id, seq, sent_at_s, static_digest, running, waiting, kv_cache_usage,
 #    ttft_ms, itl_ms, e2e_ms, prefill_tokens_per_s, decode_tokens_per_s]
 # followed, when signed, by key_id and signature (worker.signing.HeartbeatSigner.

@@ -6,9 +6,9 @@ Three paths feed one table of worker views (worker.schema.HeartbeatKeys names th
 - the regions' load records, read in one round trip every `LOAD_READ_INTERVAL_S` or,
   for a large fleet, every snapshot build: each worker's newest load and order, applied
   onto the full heartbeat it was taken with (the record names it by a digest; when they
-  differ, the worker's key is read). ~2 us a record, where a full heartbeat message cost
-  ~15 us to receive and parse: at 10,000 workers heartbeating at 4 Hz that is what lets
-  one router keep up;
+  differ, the worker's key is read). ~4 us a record taken in (read, parsed, checked, a
+  new view), where a heartbeat message cost ~20 us: at 10,000 workers heartbeating at
+  4 Hz, ~22% of a core instead of ~78% (BENCHMARKS.md, "Heartbeat plane");
 - a full read (SCAN + MGET of the heartbeat keys) at start, after every reconnect and
   every `full_read_interval_s`: repairs anything a lost message left out (between two
   reconnects it parses only the keys of workers not heard from since the last one), and

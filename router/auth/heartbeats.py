@@ -102,19 +102,24 @@ class HeartbeatGate:
         heartbeat (region, endpoint) was checked when `view` was."""
         if not self._keys:
             return None
-        reason = verify_record(payload, record, self._keys)
+        reason = (verify_record(payload, record, self._keys)
+                  or self._untimely(record.sent_at_s, view.ttl_s, self._rules()))
         if reason is None:
-            sent_at_s, now = record.sent_at_s, self._clock()
-            skew_s = self._rules().max_clock_skew_s
-            if sent_at_s > now + skew_s:
-                reason = "future"
-            elif sent_at_s + view.ttl_s + skew_s < now:
-                reason = "expired"
-            else:
-                self._stats.heartbeats_verified += 1
-                return None
+            self._stats.heartbeats_verified += 1
+            return None
         self._dropped(reason, "load record", view.worker_id, view.region)
         return reason
+
+    def _untimely(self, sent_at_s: float, ttl_s: float, rules: HeartbeatRules) -> str | None:
+        """"future" if sent more than the allowed skew ahead of this router's clock,
+        "expired" if older than `ttl_s` plus the skew, else None."""
+        now = self._clock()
+        skew_s = rules.max_clock_skew_s
+        if not math.isfinite(sent_at_s) or sent_at_s > now + skew_s:
+            return "future"
+        if sent_at_s + ttl_s + skew_s < now:
+            return "expired"
+        return None
 
     def _dropped(self, reason: str, what: str, worker_id: str, region: str) -> None:
         self._stats.heartbeats_dropped[reason] += 1
@@ -140,16 +145,12 @@ class HeartbeatGate:
                    else verify_payload(payload, heartbeat, self._keys))
         if verdict is not None:
             return verdict
-        sent_at_s = heartbeat.sent_at_s
-        now = self._clock()
-        skew_s = rules.max_clock_skew_s
-        if not math.isfinite(sent_at_s) or sent_at_s > now + skew_s:
-            return "future"
-        if sent_at_s + heartbeat.ttl_s + skew_s < now:
-            return "expired"
+        untimely = self._untimely(heartbeat.sent_at_s, heartbeat.ttl_s, rules)
+        if untimely is not None:
+            return untimely
         if via_pubsub:
             latest = self._latest.get(heartbeat.worker_id)
-            if latest is not None and (sent_at_s, heartbeat.seq) < latest:
+            if latest is not None and (heartbeat.sent_at_s, heartbeat.seq) < latest:
                 return "replayed"
         return None
 

@@ -121,7 +121,7 @@ class WorkerView:
 
     def _copy(self) -> WorkerView:
         view = WorkerView.__new__(WorkerView)
-        for name in _VIEW_FIELDS:
+        for name in WorkerView.__slots__:
             setattr(view, name, getattr(self, name))
         return view
 
@@ -173,8 +173,6 @@ class WorkerView:
                 f"load={self.running}+{self.waiting}/{self.slots}, "
                 f"received_at_s={self.received_at_s:.3f})")
 
-
-_VIEW_FIELDS = tuple(name for name in WorkerView.__slots__)
 
 
 # Models with at least this many workers get a per-region ranking (see Snapshot.ranked).

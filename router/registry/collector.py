@@ -3,12 +3,13 @@
 Three paths feed one table of worker views (worker.schema.HeartbeatKeys names them):
 - pub/sub on the heartbeat channel: full heartbeats, which agents publish when anything
   but their load changed (a new worker, a state, models...), within milliseconds;
-- the regions' load records, read in one round trip every `LOAD_READ_INTERVAL_S` or,
-  for a large fleet, every snapshot build: each worker's newest load and order, applied
-  onto the full heartbeat it was taken with (the record names it by a digest; when they
-  differ, the worker's key is read). ~4 us a record taken in (read, parsed, checked, a
-  new view), where a heartbeat message cost ~20 us: at 10,000 workers heartbeating at
-  4 Hz, ~22% of a core instead of ~78% (BENCHMARKS.md, "Heartbeat plane");
+- the regions' load records, read in one round trip as often as the snapshot may be
+  rebuilt (every 20 ms for a small fleet, up to 0.5 s for a large one): each worker's
+  newest load and order, applied onto the full heartbeat it was taken with (the record
+  names it by a digest; when they differ, the worker's key is read). ~4 us a record
+  taken in (read, parsed, checked, a new view), where a heartbeat message cost ~20 us:
+  at 10,000 workers heartbeating at 4 Hz, ~22% of a core instead of ~78% (BENCHMARKS.md,
+  "Heartbeat plane");
 - a full read (SCAN + MGET of the heartbeat keys) at start, after every reconnect and
   every `full_read_interval_s`: repairs anything a lost message left out (between two
   reconnects it parses only the keys of workers not heard from since the last one), and
@@ -76,9 +77,6 @@ EXPIRY_CHECK_S = 0.25
 STALL_TOLERANCE_S = 1.0
 # A full read of N workers happens at most every N / this many seconds.
 FULL_READ_WORKERS_PER_S = 1000.0
-# The regions' load records are read this often, or once per snapshot build if builds
-# are further apart (a large fleet).
-LOAD_READ_INTERVAL_S = 0.1
 # A load record of a worker no router knows (its agent crashed: its key expired, the
 # record stayed) is deleted once it is this old.
 ORPHAN_RECORD_AGE_S = 300.0
@@ -240,7 +238,9 @@ class HeartbeatCollector:
                 if now >= next_load_read:
                     dirty |= await self._read_loads()
                     now = self._clock()
-                    next_load_read = now + max(LOAD_READ_INTERVAL_S, self._rebuild_every_s)
+                    # As often as a snapshot may be built: load must reach the view as
+                    # fast as messages did (passive health's stall evidence reads it).
+                    next_load_read = now + self._rebuild_every_s
                 if now >= next_full_read:
                     self._apply_queued()  # older than what the full read finds
                     await self._full_read()

@@ -224,8 +224,15 @@ class Twin:
 
     def _dispatch(self, request: TraceRequest, body: bytes, parsed: ParsedRequest,
                   worker: TwinWorker, reason: str) -> None:
-        """Send to `worker` (already counted in its router's open requests)."""
+        """Send to `worker` (already counted in its router's open requests), remembered
+        for affinity as the proxy does when it sends."""
         worker.in_transit += 1
+        policy = self._routers[request.origin][0]
+        prefix_key = parsed.prefix_key
+        if policy is not None and (request.session_id or prefix_key is not None):
+            policy.context.affinity.remember(
+                request.session_id, prefix_key, worker.name, prompt_tokens=parsed.prompt_tokens,
+                prefix_tokens=PREFIX_TOKENS if prefix_key is not None else 0)
         outcome = Outcome(index=request.index, origin=request.origin,
                           traffic_class=request.traffic_class, scheduled_s=request.at_s,
                           sent_s=request.at_s, status=200, region=worker.region,
@@ -259,7 +266,7 @@ class Twin:
         self._pending[seq.request_id] = (request, worker, parsed)
 
     def _finished(self, seq: EngineSequence) -> None:
-        request, worker, parsed = self._pending.pop(seq.request_id)
+        request, worker, _ = self._pending.pop(seq.request_id)
         worker.finished.append(seq)
         half_rtt_s = self.scenario.rtt_ms(request.origin, worker.region) / 2000.0
         outcome = self.outcomes[request.index]
@@ -268,19 +275,13 @@ class Twin:
             outcome.last_token_s = (seq.last_token_s or seq.first_token_s) + half_rtt_s
         outcome.tokens = len(seq.output)
         outcome.end_s = (seq.finished_s or self.clock.now_s) + half_rtt_s
-        policy, inflight, _ = self._routers[request.origin]
+        inflight = self._routers[request.origin][1]
 
         def client_end() -> None:
             self._open -= 1
             inflight.finished(worker.name)
             if self._backlogs:
                 self._poll_backlogs()  # as RouterQueue.capacity_freed
-            prefix_key = parsed.prefix_key
-            if policy is not None and (request.session_id or prefix_key is not None):
-                policy.context.affinity.remember(
-                    request.session_id, prefix_key, worker.name,
-                    prompt_tokens=parsed.prompt_tokens,
-                    prefix_tokens=PREFIX_TOKENS if prefix_key is not None else 0)
 
         self._at(outcome.end_s, client_end)
 

@@ -326,3 +326,30 @@ async def test_redis_outage_fails_static_and_recovers(fleet_factory: FleetFactor
             await asyncio.sleep(0.1)
     finally:
         server.stop()
+
+
+async def test_affinity_holds_while_the_first_request_is_still_streaming(
+        fleet_factory: FleetFactory) -> None:
+    """A request is remembered for affinity when it is sent: others sharing its long prefix
+    (or its session) that arrive while it streams go to the worker that has it cached."""
+    fleet = await fleet_factory({"a": "us-east", "b": "us-east"}, decode_step_ms=40.0)
+    system = {"role": "system", "content": "You are a careful assistant. " * 50}  # a prefix key
+    first = {**CHAT, "stream": True, "max_tokens": 40,
+             "messages": [system, {"role": "user", "content": "first question"}]}
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{fleet.router_url}/v1/chat/completions", json=first,
+            headers={"x-globalpool-session-id": "s-1"}) as streaming:
+        assert streaming.status == 200
+        worker = streaming.headers["x-globalpool-worker"]
+        await streaming.content.readline()  # the first token: it is being served
+        for body, headers in (
+                ({**first, "messages": [system, {"role": "user", "content": "another user"}]},
+                 {}),
+                ({**first, "max_tokens": 4}, {"x-globalpool-session-id": "s-1"})):
+            async with session.post(f"{fleet.router_url}/v1/chat/completions",
+                                    json={**body, "stream": False, "max_tokens": 4},
+                                    headers=headers) as response:
+                assert response.status == 200
+                assert response.headers["x-globalpool-route"] == "affinity"
+                assert response.headers["x-globalpool-worker"] == worker
+        assert not streaming.content.at_eof()  # all of that while the first one streamed

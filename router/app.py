@@ -224,7 +224,8 @@ async def _operations(app: web.Application) -> AsyncIterator[None]:
     operations = app[OPERATIONS]
     await operations.start(app, redis_url=app[SETTINGS].redis_url, proxy=app[PROXY],
                            snapshots=app[HOLDER], inflight=app[_INFLIGHT],
-                           security=app[SECURITY_STATS], heartbeat_counts=app[COLLECTOR].counts)
+                           security=app[SECURITY_STATS], heartbeat_counts=app[COLLECTOR].counts,
+                           heartbeat_upkeep=app[COLLECTOR].upkeep)
     yield
     await operations.stop()
 

@@ -96,7 +96,8 @@ class Operations:
     async def start(self, app: web.Application, *, redis_url: str, proxy: Proxy,
                     snapshots: SnapshotHolder, inflight: InFlight,
                     security: SecurityStats | None = None,
-                    heartbeat_counts: Callable[[], Mapping[str, int]] | None = None) -> None:
+                    heartbeat_counts: Callable[[], Mapping[str, int]] | None = None,
+                    heartbeat_upkeep: Callable[[], Mapping[str, float]] | None = None) -> None:
         """Begin following drain flags and the config file; expose the admin context."""
         config = self.configs.current
         self.drains.set_configured(_configured_drains(config))
@@ -117,7 +118,8 @@ class Operations:
             snapshots=snapshots, configs=self.configs, drains=self.drains, inflight=inflight,
             health=proxy.health, retry_budget=proxy.retry_budget,
             queue=proxy.queue.backlog if proxy.queue is not None else None,
-            upstream_stats=proxy.upstreams.stats, heartbeat_counts=heartbeat_counts))
+            upstream_stats=proxy.upstreams.stats, heartbeat_counts=heartbeat_counts,
+            heartbeat_upkeep=heartbeat_upkeep))
         if security is not None:
             self.registry.register(SecurityCollector(security))
         app[ADMIN] = AdminContext(

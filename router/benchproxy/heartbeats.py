@@ -122,17 +122,27 @@ async def _disconnections(valkey: Any) -> int:
     return int(stats.get("client_output_buffer_limit_disconnections", 0))
 
 
-async def _verified(session: aiohttp.ClientSession, port: int) -> float | None:
-    """The router's count of heartbeats whose signature it checked (signed runs only)."""
+async def _router_counts(session: aiohttp.ClientSession, port: int) -> dict[str, float]:
+    """From the router's /metrics: heartbeats whose signature it checked (signed runs
+    only) and its own account of the CPU spent keeping the fleet view."""
     try:
         async with session.get(f"http://127.0.0.1:{port}/metrics") as answer:
             text = await answer.text()
     except (aiohttp.ClientError, TimeoutError):
-        return None
+        return {}
+    found = {}
     for line in text.splitlines():
-        if line.startswith("globalpool_heartbeats_verified"):
-            return float(line.split()[-1])
-    return None
+        for name in ("globalpool_heartbeats_verified", "globalpool_fleet_view_cpu_seconds"):
+            if line.startswith(name):
+                found[name] = float(line.split()[-1])
+    return found
+
+
+def _rate(before: dict[str, float], after: dict[str, float], name: str,
+          elapsed: float) -> float | None:
+    if name not in before or name not in after:
+        return None
+    return (after[name] - before[name]) / elapsed
 
 
 async def main(*, workers: int, hz: float, seconds: float, publishers: int, signed: bool,
@@ -199,7 +209,7 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
             cpu_before, started = tree_cpu_s(router.pid), time.monotonic()
             valkey_before = tree_cpu_s(valkey.pid)
             drops_before = await _disconnections(redis)
-            verified_before = await _verified(session, port)
+            counts_before = await _router_counts(session, port)
             samples = []
             timeline = []
             last_cpu = cpu_before
@@ -215,7 +225,7 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
             cpu_after, elapsed = tree_cpu_s(router.pid), time.monotonic() - started
             valkey_after = tree_cpu_s(valkey.pid)
             drops = await _disconnections(redis) - drops_before
-            verified_after = await _verified(session, port)
+            counts_after = await _router_counts(session, port)
         procs.stop(router)
         # The collector alone, under the same heartbeats (router.benchproxy.hbcollect).
         collector = procs.start(
@@ -242,6 +252,7 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
         print(f"the router exited: {procs.log_tail(work / 'hb-router.log')}")
         return 1
     rate = sum(a["achieved_per_s"] for a in achieved)
+    view_cpu = _rate(counts_before, counts_after, "globalpool_fleet_view_cpu_seconds", elapsed)
     cpu_pct = (cpu_after - cpu_before) / elapsed * 100
     alone = result["collector_alone"]
     if "cpu_pct" in alone:  # per heartbeat published, whichever way it reached the router
@@ -256,8 +267,10 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
         publishers_detail=achieved, timeline=timeline,
         subscriber_disconnections=drops,
         keeps_up=drops == 0 and min(s[0] for s in samples) >= 0.95 * workers,
-        router_verified_per_s=(None if verified_before is None or verified_after is None
-                               else (verified_after - verified_before) / elapsed),
+        router_verified_per_s=_rate(counts_before, counts_after,
+                                    "globalpool_heartbeats_verified", elapsed),
+        # The router's own account (globalpool_fleet_view_cpu_seconds_total), as a share.
+        router_fleet_view_cpu_pct=None if view_cpu is None else view_cpu * 100,
         extrapolated_cpu_pct_at_target=(cpu_pct * workers * hz / rate
                                         if rate < 0.95 * workers * hz else None),
     )
@@ -282,7 +295,10 @@ def render(r: dict[str, Any]) -> str:
         "core)",
         f"  router CPU: {r['router_cpu_pct']:.1f}% of one core over {r['seconds']:g} s "
         f"({r['router_cpu_us_per_heartbeat']:.1f} us per heartbeat); Valkey "
-        f"{r['valkey_cpu_pct']:.0f}%",
+        f"{r['valkey_cpu_pct']:.0f}%"
+        + ("" if r.get("router_fleet_view_cpu_pct") is None else
+           f"; of the router's, keeping the fleet view by its own account "
+           f"(globalpool_fleet_view_cpu_seconds_total): {r['router_fleet_view_cpu_pct']:.1f}%"),
         f"  workers in the router's snapshot: {r['workers_seen_min']}..{r['workers_seen_max']}; "
         f"subscriber backlog in Valkey: max {r['subscriber_queue_bytes_max']:,} B, "
         f"last {r['subscriber_queue_bytes_last']:,} B; disconnected by Valkey "

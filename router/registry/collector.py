@@ -175,6 +175,10 @@ class HeartbeatCollector:
         self.read_records = 0  # load records read that had changed since the last read
         self.applied_records = 0  # of those: taken
         self.worker_reads = 0  # heartbeat keys read for a record (unknown worker, changed)
+        # Thread CPU seconds spent parsing, checking and applying what was read, and
+        # building snapshots (not the Redis client's reads), and snapshots built.
+        self.upkeep_cpu_s = 0.0
+        self.builds = 0
         self.synced = asyncio.Event()
 
     def counts(self) -> dict[str, int]:
@@ -185,6 +189,18 @@ class HeartbeatCollector:
                 "load_records_read": self.read_records,
                 "load_records_applied": self.applied_records,
                 "heartbeat_key_reads": self.worker_reads}
+
+    def upkeep(self) -> dict[str, float]:
+        """What keeping the fleet view costs (exported as globalpool_fleet_view_*): CPU
+        seconds so far, snapshots built, and the current least interval between builds."""
+        return {"cpu_seconds": self.upkeep_cpu_s, "builds": self.builds,
+                "rebuild_interval_seconds": self._rebuild_every_s}
+
+    def _spent(self, started: float) -> float:
+        """Thread CPU since `started`, counted as upkeep."""
+        spent = time.thread_time() - started
+        self.upkeep_cpu_s += spent
+        return spent
 
     async def run(self) -> None:
         """Run until cancelled; never raises for Redis trouble."""
@@ -242,13 +258,17 @@ class HeartbeatCollector:
                     # fast as messages did (passive health's stall evidence reads it).
                     next_load_read = now + self._rebuild_every_s
                 if now >= next_full_read:
+                    started = time.thread_time()
                     self._apply_queued()  # older than what the full read finds
+                    self._spent(started)
                     await self._full_read()
                     now = self._clock()
                     next_full_read = now + self._full_read_every_s()
                     dirty = True
                 if now >= next_expiry_check:
+                    started = time.thread_time()
                     dirty |= self._expired_any()
+                    self._spent(started)
                     next_expiry_check = now + EXPIRY_CHECK_S
                 if dirty and now - published_at >= self._rebuild_every_s:
                     self._publish()
@@ -282,6 +302,7 @@ class HeartbeatCollector:
         seen: set[str] = set()
         for start in range(0, len(keys), 500):
             payloads = await self._redis.mget(keys[start : start + 500])
+            started = time.thread_time()
             for payload in payloads:
                 if payload is None:
                     continue
@@ -289,6 +310,7 @@ class HeartbeatCollector:
                 if view is not None:
                     seen.add(view.worker_id)
                     self._store(view, force=True)
+            self._spent(started)
         # A worker whose key is missing is not dropped here: a deleted one said `gone:`,
         # and any other ages out by its TTL on this collector's clock (see the module
         # doc). Redis's own key expiry cannot be trusted for that: after Redis restarts
@@ -306,7 +328,9 @@ class HeartbeatCollector:
         changed (see the module doc). Whether any view changed."""
         # Messages first: a new worker's first heartbeat is queued there (its record would
         # otherwise send the router to read its key).
+        started = time.thread_time()
         self._apply_queued()
+        self._spent(started)
         regions = sorted(self._load_regions.union(view.region for view in self._views.values()))
         if not regions:
             return False
@@ -326,7 +350,7 @@ class HeartbeatCollector:
                     continue
                 seen[worker] = payload
                 changed |= self._apply_record(region, worker, payload, now, to_read)
-        self._apply_s = time.thread_time() - started
+        self._apply_s = self._spent(started)
         if to_read:
             changed |= await self._read_workers(to_read)
         if self._orphans:
@@ -375,12 +399,14 @@ class HeartbeatCollector:
         """Read these workers' heartbeat keys (see `_apply_record`)."""
         self.worker_reads += len(worker_ids)
         payloads = await self._redis.mget([self._keys.worker(w) for w in worker_ids])
+        started = time.thread_time()
         now = self._clock()
         changed = False
         for payload in payloads:
             if payload is not None:
                 view = self._parse(payload, now)
                 changed |= view is not None and self._store(view, force=False)
+        self._spent(started)
         return changed
 
     async def _delete_orphans(self) -> None:
@@ -533,6 +559,7 @@ class HeartbeatCollector:
             redis_connected=self._connected,
             last_redis_ok_at_s=self._last_ok_at_s,
         )
-        cost_s = time.thread_time() - started + self._apply_s
+        self.builds += 1
+        cost_s = self._spent(started) + self._apply_s
         self._rebuild_every_s = min(MAX_REBUILD_INTERVAL_S, max(
             MIN_REBUILD_INTERVAL_S, REBUILD_COST_FACTOR * cost_s))

@@ -134,6 +134,8 @@ class FleetCollector:
     upstream_stats: Callable[[], Mapping[str, int]] | None = None
     # The heartbeat collector's counts (router.registry.HeartbeatCollector.counts).
     heartbeat_counts: Callable[[], Mapping[str, int]] | None = None
+    # What keeping the fleet view costs (router.registry.HeartbeatCollector.upkeep).
+    heartbeat_upkeep: Callable[[], Mapping[str, float]] | None = None
     clock: Callable[[], float] = time.monotonic
 
     def collect(self) -> Iterator[Metric]:
@@ -198,6 +200,19 @@ class FleetCollector:
                 documentation = _HEARTBEAT_COUNTS.get(name)
                 if documentation is not None:
                     yield _counter(f"globalpool_{name}", documentation, float(value))
+        if self.heartbeat_upkeep is not None:
+            upkeep = self.heartbeat_upkeep()
+            yield _counter("globalpool_fleet_view_cpu_seconds",
+                           "CPU seconds spent parsing, checking and applying heartbeats and "
+                           "load records and building fleet snapshots (its rate is the share "
+                           "of a core that keeping the view takes; Redis reads not included).",
+                           upkeep["cpu_seconds"])
+            yield _counter("globalpool_fleet_view_builds", "Fleet snapshots built.",
+                           upkeep["builds"])
+            yield _gauge("globalpool_fleet_view_rebuild_interval_seconds",
+                         "Least time between two snapshot builds and load record reads now: "
+                         "20 ms, up to 0.5 s for a fleet whose view costs more to build.",
+                         upkeep["rebuild_interval_seconds"])
 
     def _workers(self, now_s: float) -> Iterator[Metric]:
         snapshot = self.snapshots.current

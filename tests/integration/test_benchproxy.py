@@ -65,3 +65,25 @@ def test_workloads_picks_which_are_measured_and_refuses_unknown_names(tmp_path: 
     )
     assert wrong.returncode == 2
     assert "unknown workload(s) bursty (known: unary, stream, paced)" in wrong.stdout
+
+
+@pytest.mark.timeout(90)
+def test_heartbeat_plane_bench_runs_small_and_reports_what_keeping_the_view_costs(
+        tmp_path: Path) -> None:
+    """`globalpool bench-heartbeats` at 300 workers, signed: the router keeps up, checks
+    every record it takes, and its own account of the fleet view's CPU
+    (globalpool_fleet_view_cpu_seconds_total) is a part of its process CPU."""
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench-heartbeats", "--workers", "300",
+         "--seconds", "3", "--signed", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=80,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "heartbeats.json").read_text())
+    assert result["keeps_up"] and result["workers_seen_min"] == 300
+    assert result["achieved_per_s"] > 0.9 * 1200
+    assert result["router_verified_per_s"] > 0.5 * 1200
+    assert 0 < result["router_fleet_view_cpu_pct"] < result["router_cpu_pct"]
+    alone = result["collector_alone"]
+    assert alone["records_applied_per_s"] > 0.5 * 1200 and alone["cpu_pct"] > 0
+    assert "keeping the fleet view by its own account" in done.stdout

@@ -95,6 +95,13 @@ async def test_the_fleet_views_intake_is_counted(fleet: OpsFleet) -> None:
     assert value(after, "globalpool_heartbeat_messages_total") == value(
         before, "globalpool_heartbeat_messages_total")
     assert value(after, "globalpool_heartbeats_malformed_total") == 0
+    # What keeping the view cost: CPU spent, snapshots built, the pace of builds now.
+    assert value(after, "globalpool_fleet_view_builds_total") > value(
+        before, "globalpool_fleet_view_builds_total")
+    assert value(after, "globalpool_fleet_view_cpu_seconds_total") > value(
+        before, "globalpool_fleet_view_cpu_seconds_total") >= 0
+    # Two workers cost almost nothing: the fastest pace (20 ms).
+    assert value(after, "globalpool_fleet_view_rebuild_interval_seconds") == 0.02
 
 
 async def test_retries_failures_drains_and_reload_errors_show(fleet: OpsFleet,

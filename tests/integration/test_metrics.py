@@ -100,8 +100,9 @@ async def test_the_fleet_views_intake_is_counted(fleet: OpsFleet) -> None:
         before, "globalpool_fleet_view_builds_total")
     assert value(after, "globalpool_fleet_view_cpu_seconds_total") > value(
         before, "globalpool_fleet_view_cpu_seconds_total") >= 0
-    # Two workers cost almost nothing: the fastest pace (20 ms).
-    assert value(after, "globalpool_fleet_view_rebuild_interval_seconds") == 0.02
+    # Within its bounds (two workers cost almost nothing: 20 ms, unless a garbage
+    # collection of this test process happened to fall into a build).
+    assert 0.02 <= value(after, "globalpool_fleet_view_rebuild_interval_seconds") <= 0.5
 
 
 async def test_retries_failures_drains_and_reload_errors_show(fleet: OpsFleet,

@@ -60,6 +60,8 @@ async def _client(target: tuple[str, int], payload: bytes, workload: Workload, p
     stream = workload.stream
     # The fake backends send one event per token, a final (usage) event and [DONE].
     events = workload.tokens + 2 if stream else 0
+    if workload.stagger_s:
+        await asyncio.sleep(slot / workload.concurrency * workload.stagger_s)
     while phase.take():
         connection = pool[slot]
         try:

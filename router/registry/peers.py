@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import json
 import logging
@@ -43,6 +42,7 @@ from router.admission.stats import SecurityStats
 from router.policy.inflight import InFlight
 from router.registry.subscriber import Subscription
 from worker.redis_client import raise_if_cancelling
+from worker.signing import hmac_sha256_hex
 
 log = logging.getLogger("globalpool.peers")
 
@@ -71,7 +71,7 @@ def encode_report(router: str, open_: Mapping[str, int],
     if key is None:
         return b"v1 - - " + body
     key_id, secret = key
-    signature = hmac.new(secret, body, hashlib.sha256).hexdigest()
+    signature = hmac_sha256_hex(secret, body)
     return b" ".join((_VERSION, key_id.encode(), signature.encode(), body))
 
 
@@ -99,7 +99,7 @@ def decode_report(payload: bytes, keys: Mapping[str, bytes]) -> tuple[str, dict[
             if key_id == _UNSIGNED:
                 raise ReportError("unsigned", "unsigned")
             raise ReportError("unknown_key", "unknown key id")
-        expected = hmac.new(secret, body, hashlib.sha256).hexdigest().encode()
+        expected = hmac_sha256_hex(secret, body).encode()
         if not hmac.compare_digest(expected, signature):
             raise ReportError("bad_signature", "bad signature")
     try:

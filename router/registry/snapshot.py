@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from worker.schema import Heartbeat, LifecycleState, LoadRecord, static_digest
+from worker.schema import Heartbeat, LifecycleState, RecordItems, static_digest
 
 # Used until a worker has reported its own figures (no traffic yet).
 DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
@@ -125,9 +125,10 @@ class WorkerView:
             setattr(view, name, getattr(self, name))
         return view
 
-    def with_load(self, record: LoadRecord, received_at_s: float,
+    def with_load(self, record: RecordItems, received_at_s: float,
                   inflight_at_receipt: int) -> WorkerView:
-        """This worker as a newer load record of the same heartbeat describes it."""
+        """This worker as a newer load record of the same heartbeat describes it
+        (`record`: its items, as worker.schema.record_items returns them)."""
         view = WorkerView.__new__(WorkerView)
         view.heartbeat = self.heartbeat
         view.received_at_s = received_at_s
@@ -140,9 +141,9 @@ class WorkerView:
         view._digest = self._digest
         view.served = self.served
         view.slots = self.slots
-        (_, view.seq, view.sent_at_s, _, view.running, view.waiting, view.kv_cache_usage,
+        (_, _, view.seq, view.sent_at_s, _, view.running, view.waiting, view.kv_cache_usage,
          view.ttft_ms, view.itl_ms, view.e2e_ms, view.prefill_tokens_per_s,
-         view.decode_tokens_per_s, _, _) = record
+         view.decode_tokens_per_s, *_) = record
         view._derive()
         return view
 
@@ -235,26 +236,37 @@ class Snapshot:
         last_redis_ok_at_s: float | None,
     ) -> Snapshot:
         workers = {view.worker_id: view for view in views}
-        # One pass: each model's views, and the same by region (for the rankings).
-        index: dict[str, list[WorkerView]] = {}
-        by_region: dict[tuple[str, str], list[WorkerView]] = {}
+        # Workers grouped by what they serve and where: a fleet has few such groups (one
+        # per region and set of models), so most of the work below is per group, and a
+        # region's ranking of a model is usually one group's, sorted once for all the
+        # models the group serves.
+        groups: dict[tuple[tuple[str, ...], str], list[WorkerView]] = {}
         for view in workers.values():
-            region = view.region
-            for model in view.served:
-                found = index.get(model)
-                if found is None:
-                    index[model] = [view]
-                else:
-                    found.append(view)
-                found = by_region.get((model, region))
-                if found is None:
-                    by_region[model, region] = [view]
-                else:
-                    found.append(view)
+            key = (view.served, view.region)
+            found = groups.get(key)
+            if found is None:
+                groups[key] = [view]
+            else:
+                found.append(view)
+        index: dict[str, list[WorkerView]] = {}
+        in_region: dict[tuple[str, str], list[tuple[tuple[str, ...], str]]] = {}
+        for key, members in groups.items():
+            served, region = key
+            for model in served:
+                index.setdefault(model, []).extend(members)
+                in_region.setdefault((model, region), []).append(key)
         rankings: dict[str, list[RegionRanking]] = {}
-        for (model, _), region_views in by_region.items():
-            if len(index[model]) >= RANK_ABOVE_WORKERS:
-                rankings.setdefault(model, []).append(RegionRanking.of(region_views))
+        of_group: dict[tuple[tuple[str, ...], str], RegionRanking] = {}
+        for (model, _), keys in in_region.items():
+            if len(index[model]) < RANK_ABOVE_WORKERS:
+                continue
+            if len(keys) == 1:
+                ranking = of_group.get(keys[0])
+                if ranking is None:
+                    ranking = of_group[keys[0]] = RegionRanking.of(groups[keys[0]])
+            else:
+                ranking = RegionRanking.of([view for key in keys for view in groups[key]])
+            rankings.setdefault(model, []).append(ranking)
         ranked = {model: tuple(found) for model, found in rankings.items()}
         return cls(
             workers=MappingProxyType(workers),

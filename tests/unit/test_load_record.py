@@ -18,6 +18,7 @@ from worker.schema import (
     LoadRecord,
     Performance,
     load_record,
+    record_items,
     static_digest,
 )
 from worker.signing import HeartbeatSigner, Verdict, hmac_sha256_hex, verify_record
@@ -124,7 +125,7 @@ def test_a_signed_record_verifies_and_any_change_breaks_it() -> None:
 def test_a_view_takes_a_newer_records_load_and_keeps_its_heartbeat() -> None:
     heartbeat = beat(load=Load(running=0, waiting=0, kv_cache_usage=0.1))
     view = WorkerView(heartbeat, received_at_s=100.0, inflight_at_receipt=2)
-    record = parsed(load_record(beat(seq=8, sent_at_s=1_764_500_000.5)))
+    record = record_items(load_record(beat(seq=8, sent_at_s=1_764_500_000.5)))
     newer = view.with_load(record, 101.0, 5)
     assert newer.heartbeat is heartbeat and newer.static_digest == view.static_digest
     assert (newer.seq, newer.sent_at_s, newer.running, newer.waiting) == (
@@ -143,6 +144,20 @@ def test_a_view_takes_a_newer_records_load_and_keeps_its_heartbeat() -> None:
     again = newer.received_again(150.0)
     assert (again.received_at_s, again.expires_at_s, again.running, again.seq) == (
         150.0, 152.0, 3, 8)
+    # A signed record's items (key id and signature after the load) make the same view.
+    signed = record_items(HeartbeatSigner("k1", SECRET).signed_record(
+        load_record(beat(seq=8, sent_at_s=1_764_500_000.5))))
+    assert len(signed) == len(record) + 2 and LoadRecord.of(signed).key_id == "k1"
+    from_signed = view.with_load(signed, 101.0, 5)
+    for name in WorkerView.__slots__:
+        assert getattr(from_signed, name) == getattr(newer, name), name
+
+
+def test_record_items_are_the_arrays_items_and_a_load_record_names_them() -> None:
+    payload = load_record(beat())
+    items = record_items(payload)
+    assert items == tuple(json.loads(payload))
+    assert LoadRecord.of(items) == LoadRecord.from_json(payload) == LoadRecord(*items[1:])
 
 
 @pytest.mark.parametrize("secret", [b"k" * 16, b"s" * 64, b"long" * 40, bytes(range(256))])

@@ -457,3 +457,38 @@ async def test_load_records_of_long_gone_workers_are_deleted(valkey: EmbeddedVal
         assert await admin.hexists(KEYS.loads("us-east"), "a")
         assert fleet.fresh() == {"a"}
     await admin.aclose()
+
+
+async def test_a_large_fleets_records_are_taken_in_with_other_tasks_running_between(
+    valkey: EmbeddedValkey,
+) -> None:
+    """1,600 changed load records read at once are taken in RECORDS_PER_TURN at a time,
+    with the event loop running in between (taking all of 10,000 in one go held every
+    request ~50 ms): a task running meanwhile sees part of them taken."""
+    workers = [f"w{i:04d}" for i in range(1_600)]
+    async with following(valkey.url) as fleet:
+        collector = fleet.collector
+        assert collector is not None
+        beats = [fleet.beat(w).model_copy(update={"ttl_s": 30.0}) for w in workers]
+        await asyncio.gather(*(fleet.publisher.publish(beat) for beat in beats))
+        await until(lambda: len(fleet.fresh()) == len(workers))
+        taken_from = collector.applied_records
+        seen: set[int] = set()
+
+        async def watch() -> None:
+            while True:
+                seen.add(collector.applied_records - taken_from)
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        admin = connect(valkey.url)
+        newer = [with_load(beat, 3).model_copy(update={"seq": beat.seq + 10_000})
+                 for beat in beats]
+        # One HSET: every record changes between two reads of the collector.
+        await admin.hset(KEYS.loads("us-east"), mapping={
+            beat.worker_id: load_record(beat) for beat in newer})
+        await until(lambda: collector.applied_records - taken_from == len(workers))
+        watcher.cancel()
+        await admin.aclose()
+        assert {view.running for view in fleet.holder.current.workers.values()} == {3}
+        assert {n for n in seen if 0 < n < len(workers)}, sorted(seen)

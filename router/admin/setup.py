@@ -61,6 +61,7 @@ class Operations:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _store: DrainStore | None = None
     _redis: Redis | None = None
+    _fleet: FleetCollector | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.registry, lambda: self.configs.current.models)
@@ -91,7 +92,7 @@ class Operations:
     def add_routes(self, app: web.Application) -> None:
         auth = AdminAuth(lambda: self.configs.current.admin.token_env)
         add_admin_routes(app, auth)
-        app.router.add_get("/metrics", metrics_handler(self.registry))
+        app.router.add_get("/metrics", metrics_handler(self.registry, self._worker_exposition))
 
     async def start(self, app: web.Application, *, redis_url: str, proxy: Proxy,
                     snapshots: SnapshotHolder, inflight: InFlight,
@@ -114,12 +115,13 @@ class Operations:
             self._tasks.append(asyncio.create_task(watcher.run(), name="config-watcher"))
         self.configs.on_swap(lambda old, new: self._swapped(proxy, old, new))
         self.configs.on_refused(self._refused)
-        self.registry.register(FleetCollector(
+        self._fleet = FleetCollector(
             snapshots=snapshots, configs=self.configs, drains=self.drains, inflight=inflight,
             health=proxy.health, retry_budget=proxy.retry_budget,
             queue=proxy.queue.backlog if proxy.queue is not None else None,
             upstream_stats=proxy.upstreams.stats, heartbeat_counts=heartbeat_counts,
-            heartbeat_upkeep=heartbeat_upkeep))
+            heartbeat_upkeep=heartbeat_upkeep)
+        self.registry.register(self._fleet)
         if security is not None:
             self.registry.register(SecurityCollector(security))
         app[ADMIN] = AdminContext(
@@ -128,6 +130,10 @@ class Operations:
             events=self.events, drains=store, health=proxy.health,
             reload=watcher.reload if watcher is not None else None,
             queue=proxy.queue.backlog if proxy.queue is not None else None)
+
+    async def _worker_exposition(self) -> bytes:
+        """The fleet's gauges by worker, once the fleet is followed (`start`)."""
+        return await self._fleet.worker_exposition() if self._fleet is not None else b""
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from router.admin.auth import AdminAuth
 from router.admin.drains import DrainError, TargetKind
-from router.admin.status import AdminContext, fleet_status
+from router.admin.status import AdminContext, status_json
 from router.proxy.errors import ApiError
 
 audit = logging.getLogger("globalpool.audit")
@@ -51,7 +51,8 @@ def _authorized(request: web.Request) -> AdminContext:
 
 async def _status(request: web.Request) -> web.Response:
     context = _authorized(request)
-    return web.json_response(fleet_status(context), headers={"Cache-Control": "no-store"})
+    return web.Response(body=await status_json(context), content_type="application/json",
+                        headers={"Cache-Control": "no-store"})
 
 
 async def _page(request: web.Request) -> web.Response:

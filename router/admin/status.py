@@ -7,6 +7,8 @@ and says so (`redis.connected`, `redis.snapshot_age_s`).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
@@ -21,6 +23,10 @@ from router.telemetry.window import TrafficWindow
 from worker.schema import LifecycleState
 
 MAX_EVENTS = 50
+# Workers described, and encoded, between two turns of the event loop (~5 ms): a fleet of
+# 10,000 took ~0.3 s in one go (the status page asks every second), and every request
+# the router had waited for it.
+WORKERS_PER_TURN = 250
 
 
 class HealthEventView(Protocol):
@@ -155,22 +161,32 @@ def _events(context: AdminContext, now_s: float, now_unix_s: float) -> list[dict
     return events[:MAX_EVENTS]
 
 
-def fleet_status(context: AdminContext) -> dict[str, Any]:
+async def fleet_status(context: AdminContext) -> dict[str, Any]:
+    """The document; workers are described WORKERS_PER_TURN at a time, with the event loop
+    running in between (all of one snapshot; their breakers and open requests as they
+    are when each is described)."""
     now_s = context.clock()
     now_unix_s = time.time()
     snapshot = context.snapshots.current
     freshness_now = snapshot.freshness_now(now_s)
     views = sorted(snapshot.workers.values(), key=lambda v: (v.region, v.worker_id))
-    workers = [_worker(context, view, freshness_now, now_s) for view in views]
+    workers: list[dict[str, Any]] = []
+    for start in range(0, len(views), WORKERS_PER_TURN):
+        if start:
+            await asyncio.sleep(0)
+        workers += [_worker(context, view, freshness_now, now_s)
+                    for view in views[start:start + WORKERS_PER_TURN]]
+    in_region: dict[str, list[dict[str, Any]]] = {}
+    for worker in workers:
+        in_region.setdefault(worker["region"], []).append(worker)
     configs = context.configs
     drained = context.drain_holder.current
     names = list(configs.current.regions)
-    names += sorted({w["region"] for w in workers} - set(names))
+    names += sorted(set(in_region) - set(names))
     traffic = context.window.summary()
     regions = []
     for name in names:
-        region = _region(context, name, [w for w in workers if w["region"] == name],
-                         name in drained.regions)
+        region = _region(context, name, in_region.get(name, []), name in drained.regions)
         seen = traffic.get(name)
         region["traffic"] = None if seen is None else {
             "requests": seen.requests, "errors": seen.errors, "share": seen.share,
@@ -216,3 +232,17 @@ def fleet_status(context: AdminContext) -> dict[str, Any]:
         ],
         "events": _events(context, now_s, now_unix_s),
     }
+
+
+async def status_json(context: AdminContext) -> bytes:
+    """`fleet_status` as JSON, its workers encoded WORKERS_PER_TURN at a time (with the
+    event loop running in between) and written last."""
+    status = await fleet_status(context)
+    workers = status.pop("workers")
+    encoded = []
+    while workers:
+        await asyncio.sleep(0)
+        encoded.append(json.dumps(workers[:WORKERS_PER_TURN])[1:-1])
+        del workers[:WORKERS_PER_TURN]  # freed as they go, not all at once (~10 ms)
+    head = json.dumps(status)
+    return f'{head[:-1]}, "workers": [{", ".join(encoded)}]}}'.encode()

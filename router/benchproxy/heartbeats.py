@@ -8,9 +8,12 @@ router.cli router`, its collector as in production) on its own core, serving no
 requests. Once the router sees (nearly) every worker, its process CPU time is read over
 `--seconds`; meanwhile its worker count (GET /health) and the subscriber's output buffer
 in Valkey (CLIENT LIST) are sampled: a buffer that grows means the router falls behind
-the heartbeats. Then the router's collector alone (router.benchproxy.hbcollect). If the
-publishers cannot reach the target rate on this machine, the router's CPU at the target
-is extrapolated linearly and marked so.
+the heartbeats. Then what keeping the view does to requests: /health asked every 20 ms for
+`WAITS_S` (how long a request waits for the router's event loop, which a heartbeat cycle
+or a scrape can hold), and a /metrics scrape and an /admin/status read timed with the
+same probe running. Then the router's collector alone (router.benchproxy.hbcollect). If
+the publishers cannot reach the target rate on this machine, the router's CPU at the
+target is extrapolated linearly and marked so.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from router.benchproxy.cpu import tree_cpu_s
 from router.benchproxy.decision import REGIONS, ten_regions
 
 WARM_TIMEOUT_S = 30.0
+WAITS_S = 10.0  # the request-wait probe's window (at most `--seconds`)
+PROBE_EVERY_S = 0.02
 
 
 def router_config(redis_url: str, prefix: str, port: int) -> dict[str, Any]:
@@ -117,6 +122,60 @@ def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict
     }
 
 
+async def _waits(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> list[float]:
+    """Milliseconds each GET of `url` (/health: ~1 ms when the router is free) took, one
+    every PROBE_EVERY_S until `stop`; a failed one counts as the session's timeout."""
+    waits = []
+    while not stop.is_set():
+        started = time.perf_counter()
+        try:
+            async with session.get(url) as answer:
+                await answer.read()
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        waits.append((time.perf_counter() - started) * 1000)
+        await asyncio.sleep(PROBE_EVERY_S)
+    return waits
+
+
+def _spread_ms(waits: list[float]) -> dict[str, float]:
+    ordered = sorted(waits)
+    return {"n": len(ordered), "p50": ordered[len(ordered) // 2],
+            "p99": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+            "max": ordered[-1]}
+
+
+async def _request_waits(session: aiohttp.ClientSession, port: int, token: str,
+                         seconds: float) -> dict[str, Any]:
+    """/health's latency while the router keeps its view (`seconds`), then during one
+    /metrics scrape and one /admin/status read (their time, size and the longest wait)."""
+    base = f"http://127.0.0.1:{port}"
+    stop = asyncio.Event()
+    probe = asyncio.create_task(_waits(session, f"{base}/health", stop))
+    await asyncio.sleep(seconds)
+    stop.set()
+    result: dict[str, Any] = {"idle": _spread_ms(await probe)}
+    for path in ("/metrics", "/admin/status"):
+        stop = asyncio.Event()
+        probe = asyncio.create_task(_waits(session, f"{base}/health", stop))
+        await asyncio.sleep(0.2)
+        started = time.perf_counter()
+        status: int | str
+        try:
+            async with session.get(f"{base}{path}",
+                                   headers={"Authorization": f"Bearer {token}"}) as answer:
+                body = await answer.read()
+                status = answer.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            body, status = b"", str(exc) or type(exc).__name__
+        took_ms = (time.perf_counter() - started) * 1000
+        await asyncio.sleep(0.2)
+        stop.set()
+        result[path] = {"status": status, "bytes": len(body), "ms": took_ms,
+                        "longest_wait_ms": max(await probe)}
+    return result
+
+
 async def _disconnections(valkey: Any) -> int:
     """Clients Valkey cut off for an output buffer over its limit: a subscriber that
     fell too far behind the heartbeats (pub/sub limit: 32 MB, or 8 MB for 60 s)."""
@@ -172,6 +231,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
     env.pop("REDIS_URL", None)
     if signed:
         env["GLOBALPOOL_HEARTBEAT_KEYS"] = key
+    admin_token = secrets.token_hex(16)
+    env["GLOBALPOOL_ADMIN_TOKEN"] = admin_token
     run_s = WARM_TIMEOUT_S + 2 * seconds + 30.0  # stopped early with SIGTERM
     share = -(-workers // publishers)
     publisher_processes = []
@@ -228,6 +289,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
             valkey_after = tree_cpu_s(valkey.pid)
             drops = await _disconnections(redis) - drops_before
             counts_after = await _router_counts(session, port)
+            result["request_waits"] = await _request_waits(session, port, admin_token,
+                                                           min(WAITS_S, seconds))
         procs.stop(router)
         # The collector alone, under the same heartbeats (router.benchproxy.hbcollect).
         collector = procs.start(
@@ -335,6 +398,16 @@ def render(r: dict[str, Any]) -> str:
             f"  per load record without Redis: parse {units['record_parse_us']:.2f} us "
             f"({units['record_bytes']} B) + gate {units['record_gate_us']:.2f} us + view "
             f"{units['record_view_us']:.2f} us = {per:.2f} us")
+    waits = r.get("request_waits")
+    if waits:
+        idle = waits["idle"]
+        lines.append(
+            f"  requests meanwhile (/health every {PROBE_EVERY_S * 1000:.0f} ms, "
+            f"{idle['n']} times): p50 {idle['p50']:.1f} ms, p99 {idle['p99']:.1f} ms, max "
+            f"{idle['max']:.1f} ms; "
+            + "; ".join(f"{path}: {w['bytes'] / 1e6:.1f} MB in {w['ms']:.0f} ms (status "
+                        f"{w['status']}; longest /health meanwhile {w['longest_wait_ms']:.0f} ms)"
+                        for path, w in waits.items() if path != "idle"))
     if r.get("router_verified_per_s") is not None:
         lines.append(f"  heartbeats verified by the router: {r['router_verified_per_s']:,.0f}/s")
     if r.get("extrapolated_cpu_pct_at_target") is not None:

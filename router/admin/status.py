@@ -23,8 +23,8 @@ from router.telemetry.window import TrafficWindow
 from worker.schema import LifecycleState
 
 MAX_EVENTS = 50
-# Workers described, and encoded, between two turns of the event loop (~5 ms): a fleet of
-# 10,000 took ~0.3 s in one go (the status page asks every second), and every request
+# Workers described, and encoded, between two turns of the event loop (~2-4 ms): a fleet
+# of 10,000 took ~0.3 s in one go (the status page asks every second), and every request
 # the router had waited for it.
 WORKERS_PER_TURN = 250
 

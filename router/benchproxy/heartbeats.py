@@ -124,7 +124,7 @@ def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict
 
 async def _waits(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> list[float]:
     """Milliseconds each GET of `url` (/health: ~1 ms when the router is free) took, one
-    every PROBE_EVERY_S until `stop`; a failed one counts as the session's timeout."""
+    every PROBE_EVERY_S until `stop` (a failed one: the time it took to fail)."""
     waits = []
     while not stop.is_set():
         started = time.perf_counter()

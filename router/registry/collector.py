@@ -47,14 +47,14 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Generator
+from typing import Protocol
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView
+from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView, finish
 from router.registry.subscriber import Subscription
 from worker.redis_client import raise_if_cancelling
 from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState, LoadRecord, record_items
@@ -576,9 +576,10 @@ class HeartbeatCollector:
         while it follows the fleet, `_publish_in_turns`)."""
         started = time.thread_time()
         self._apply_queued()
-        snapshot = Snapshot.build(self._views.values(), **self._state())
-        self._replace(snapshot, self._spent(started))
+        self._replace(finish(self._build_steps()), self._spent(started))
+        started = time.thread_time()
         self._retired = None
+        self._released_s = self._spent(started)
 
     async def _publish_in_turns(self) -> None:
         """Build and publish a snapshot with the event loop running between the build's
@@ -587,7 +588,7 @@ class HeartbeatCollector:
         thread CPU of the parts is summed (not the other tasks' in between)."""
         started = time.thread_time()
         self._apply_queued()
-        steps = Snapshot.build_in_steps(self._views.values(), **self._state())
+        steps = self._build_steps()
         cost_s = 0.0
         while True:
             try:
@@ -604,10 +605,11 @@ class HeartbeatCollector:
         self._retired = None
         self._released_s = self._spent(started)
 
-    def _state(self) -> dict[str, Any]:
-        """What a snapshot says of the collector besides its workers."""
-        return {"built_at_s": self._clock(), "redis_connected": self._connected,
-                "last_redis_ok_at_s": self._last_ok_at_s}
+    def _build_steps(self) -> Generator[None, None, Snapshot]:
+        """The build of a snapshot of the table as it is now (Snapshot.build_in_steps)."""
+        return Snapshot.build_in_steps(self._views.values(), built_at_s=self._clock(),
+                                       redis_connected=self._connected,
+                                       last_redis_ok_at_s=self._last_ok_at_s)
 
     def _replace(self, snapshot: Snapshot, cost_s: float) -> None:
         """Make `snapshot` current (the one it replaces is kept in `_retired`, for the

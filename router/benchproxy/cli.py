@@ -16,7 +16,10 @@ def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="small workloads (a CI smoke test: < 60 s without peers)")
     parser.add_argument("--only", default=None,
                         help="comma-separated routers: globalpool,aiohttp,vllm-router,"
-                             "sglang-router,envoy (default: all; `direct` always runs)")
+                             "sglang-router,envoy (default: all; `direct` always runs), and "
+                             "globalpool-fleet (globalpool following 10,000 more workers "
+                             "heartbeating at 4 Hz) and its control globalpool-fleet-elsewhere "
+                             "(the same heartbeats, not followed), only when named")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the whole comparison this many times (default 1)")
     parser.add_argument("--peers-dir", type=Path, default=None,
@@ -25,6 +28,8 @@ def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=None,
                         help="comma-separated workloads to measure: unary,stream,paced "
                              "(default: all three)")
+    parser.add_argument("--fleet-workers", type=int, default=10_000,
+                        help="workers globalpool-fleet follows (default 10,000, at 4 Hz)")
     parser.add_argument("--profile", default="",
                         help="comma-separated workloads (unary,stream,paced) to profile "
                              "globalpool under with py-spy, after the measurements")
@@ -38,7 +43,7 @@ def run_bench_proxy(args: argparse.Namespace) -> int:
         out=args.out, quick=args.quick, rounds=max(1, args.rounds), peers_dir=args.peers_dir,
         only=_names(args.only),
         profile=[w.strip() for w in args.profile.split(",") if w.strip()],
-        workloads=_names(args.workloads),
+        workloads=_names(args.workloads), fleet_workers=args.fleet_workers,
     )
     loop = new_event_loop()
     try:

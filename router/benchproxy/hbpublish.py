@@ -55,6 +55,11 @@ def worker_heartbeat(index: int, regions: int, ttl_s: float) -> Heartbeat:
     })
 
 
+def _serving(heartbeat: Heartbeat, models: tuple[str, ...]) -> Heartbeat:
+    """`heartbeat` serving `models` instead, when given."""
+    return heartbeat.model_copy(update={"models": models}) if models else heartbeat
+
+
 class Template:
     """One worker's heartbeat JSON, split around its `seq` and `sent_at_s` (side by side
     in both forms: `"seq":0,"sent_at_s":0.0` as pydantic writes it, `"sent_at_s":0.0,
@@ -120,8 +125,9 @@ async def publish(args: argparse.Namespace) -> dict[str, float]:
     if args.sign:
         key_id, _, secret = args.sign.partition(":")
         signer = HeartbeatSigner(key_id=key_id, secret=secret.encode())
-    templates = [Template(worker_heartbeat(i, args.regions, args.ttl_s), keys, signer)
-                 for i in range(args.first, args.last)]
+    models = tuple(m for m in args.models.split(",") if m)
+    templates = [Template(_serving(worker_heartbeat(i, args.regions, args.ttl_s), models),
+                          keys, signer) for i in range(args.first, args.last)]
     loop = asyncio.get_running_loop()
     transport, replies = await loop.create_connection(Replies, url.hostname, url.port or 6379)
     channel, tap = keys.channel.encode(), keys.tap.encode()
@@ -184,6 +190,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--max-outstanding", type=int, default=20_000)
     parser.add_argument("--sign", default="", help="key_id:secret to sign with")
+    parser.add_argument("--models", default="",
+                        help="comma-separated models the workers serve (default: varied)")
     parser.add_argument("--legacy", action="store_true",
                         help="every heartbeat on the routers' channel, no load records")
     args = parser.parse_args()

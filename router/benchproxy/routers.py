@@ -27,6 +27,8 @@ from router.benchproxy.workloads import MODEL, PACED_MODEL
 
 READY_TIMEOUT_S = 60.0
 ROUTER_NAMES = ("globalpool", "aiohttp", "vllm-router", "sglang-router", "envoy")
+# Run only when asked for by name (`--only`).
+OPTIONAL = frozenset({"globalpool-fleet", "globalpool-fleet-elsewhere"})
 
 
 class Unavailable(Exception):
@@ -43,6 +45,7 @@ class Context:
     peers: PeerEnv
     redis_url: Callable[[], str]  # starts the embedded Valkey on first use
     host: str = "127.0.0.1"
+    fleet_workers: int = 10_000  # what globalpool-fleet follows besides the backends
 
     @property
     def backend_urls(self) -> list[str]:
@@ -217,12 +220,34 @@ def globalpool_config(redis_url: str, prefix: str, port: int) -> dict[str, objec
 
 
 async def start_globalpool(ctx: Context) -> Running:
+    return await _start_globalpool(ctx, "globalpool")
+
+
+async def start_globalpool_fleet(ctx: Context) -> Running:
+    """globalpool following `fleet_workers` more workers heartbeating at 4 Hz (signed, as
+    `globalpool bench-heartbeats` writes them) that serve FLEET_MODEL, so that every
+    request still goes to the backends: what keeping a large fleet's view does to the
+    requests a router proxies. Not in the default run (`--only globalpool-fleet`)."""
+    return await _start_globalpool(ctx, "globalpool-fleet", fleet=ctx.fleet_workers)
+
+
+async def start_globalpool_fleet_elsewhere(ctx: Context) -> Running:
+    """The control for globalpool-fleet: the same publishers writing the same fleet on the
+    other cores, but under a key prefix this router does not read (its view: the backends
+    only). What globalpool-fleet shows beyond this is the view's doing, not the bench
+    machine's."""
+    return await _start_globalpool(ctx, "globalpool-fleet-elsewhere",
+                                   fleet=ctx.fleet_workers, followed=False)
+
+
+async def _start_globalpool(ctx: Context, name: str, fleet: int = 0,
+                            followed: bool = True) -> Running:
     from router.benchproxy.fleet import publish_heartbeats
 
     redis_url = ctx.redis_url()
     port = procs.free_port()
     prefix = f"gpbench-{secrets.token_hex(4)}"
-    config_path = ctx.out_dir / "logs" / "globalpool-regions.yaml"
+    config_path = ctx.out_dir / "logs" / f"{name}-regions.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(globalpool_config(redis_url, prefix, port)))
     signing_keys = f"bench:{secrets.token_hex(16)}"
@@ -231,18 +256,72 @@ async def start_globalpool(ctx: Context) -> Running:
     env.pop("REDIS_URL", None)
     stop_heartbeats = await publish_heartbeats(redis_url, prefix, ctx.backend_urls,
                                                signing_keys, models=(MODEL, PACED_MODEL))
+    publishers = _fleet_publishers(ctx, name, redis_url,
+                                   prefix if followed else f"{prefix}-elsewhere",
+                                   signing_keys, fleet)
+
+    async def stop_publishers() -> None:
+        for publisher in publishers:
+            await asyncio.to_thread(procs.stop, publisher)
+
     args = [sys.executable, "-m", "router.cli", "router", "--config", str(config_path),
             "--port", str(port)]
-    process, log = _start(ctx, "globalpool", args, env=env)
-    running = Running("globalpool", [(ctx.host, port)], process, log,
-                      version="globalpool (this tree), policy predicted_ttft",
-                      on_stop=[stop_heartbeats])
+    process, log = _start(ctx, name, args, env=env)
+    running = Running(name, [(ctx.host, port)], process, log,
+                      version="globalpool (this tree), policy predicted_ttft"
+                      + (f", following {fleet:,} more workers at 4 Hz" if fleet and followed
+                         else f", {fleet:,} workers at 4 Hz published elsewhere" if fleet
+                         else ""),
+                      on_stop=[stop_heartbeats, stop_publishers])
     try:
         await wait_ready(running)
+        if fleet and followed:
+            await _until_seen(running, port, fleet)
     except Unavailable:
         await stop_heartbeats()
+        await stop_publishers()
         raise
     return running
+
+
+# What the fleet of `globalpool-fleet` serves: never a bench model.
+FLEET_MODEL = "fleet-other"
+
+
+def _fleet_publishers(ctx: Context, name: str, redis_url: str, prefix: str,
+                      signing_keys: str, workers: int) -> list[subprocess.Popen[bytes]]:
+    """Two hbpublish processes for `workers` workers, off the router's core, for at most an
+    hour (stopped with the router)."""
+    if not workers:
+        return []
+    cores = (set(procs.usable_cores()) - ctx.router_cores) if ctx.router_cores else None
+    share = -(-workers // 2)
+    return [procs.start(
+        [sys.executable, "-m", "router.benchproxy.hbpublish", "--redis-url", redis_url,
+         "--prefix", prefix, "--first", str(n * share),
+         "--last", str(min(workers, (n + 1) * share)),
+         "--hz", "4", "--seconds", "3600", "--sign", signing_keys, "--models", FLEET_MODEL],
+        cores=cores or None, log_path=ctx.out_dir / "logs" / f"{name}-publisher-{n}.log",
+        stdout_pipe=True) for n in range(2)]
+
+
+async def _until_seen(running: Running, port: int, workers: int,
+                      timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Until the router's view holds 95% of the fleet (GET /health), or Unavailable."""
+    deadline = time.monotonic() + timeout_s
+    seen = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/health") as answer:
+                    seen = int((await answer.json())["workers"])
+            except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
+                pass
+            if seen >= 0.95 * workers:
+                return
+            await asyncio.sleep(0.5)
+    await running.stop()
+    raise Unavailable(f"saw {seen:,} of {workers:,} fleet workers within {timeout_s:g} s")
 
 
 async def start_direct(ctx: Context) -> Running:
@@ -254,6 +333,8 @@ async def start_direct(ctx: Context) -> Running:
 STARTERS: dict[str, Callable[[Context], Awaitable[Running]]] = {
     "direct": start_direct,
     "globalpool": start_globalpool,
+    "globalpool-fleet": start_globalpool_fleet,
+    "globalpool-fleet-elsewhere": start_globalpool_fleet_elsewhere,
     "aiohttp": start_aiohttp,
     "vllm-router": start_vllm_router,
     "sglang-router": start_sglang_router,

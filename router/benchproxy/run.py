@@ -26,7 +26,7 @@ from typing import Any
 from router.benchproxy import procs
 from router.benchproxy.peers import PEERS, PeerEnv
 from router.benchproxy.profile import Profiler
-from router.benchproxy.routers import STARTERS, Context, Running, Unavailable
+from router.benchproxy.routers import OPTIONAL, STARTERS, Context, Running, Unavailable
 from router.benchproxy.workloads import PACED_DELAY_MS, PACED_MODEL, Workload, workloads
 
 BACKEND_PORTS = 4
@@ -42,6 +42,7 @@ class Options:
     peers_dir: Path | None = None
     profile: list[str] = field(default_factory=list)  # workloads to profile globalpool under
     workloads: list[str] | None = None  # workload names to measure; None: all three
+    fleet_workers: int = 10_000  # globalpool-fleet's fleet (routers.start_globalpool_fleet)
     say: Callable[[str], None] = print
 
 
@@ -168,7 +169,8 @@ async def bench_proxy(options: Options) -> dict[str, Any]:
     router_cores, load_cores, pinning = _cores()
     if load_cores:
         os.sched_setaffinity(0, load_cores)
-    names = ["direct", *(options.only or [n for n in STARTERS if n != "direct"])]
+    names = ["direct", *(options.only or [n for n in STARTERS
+                                          if n != "direct" and n not in OPTIONAL])]
     unknown = [n for n in names if n not in STARTERS]
     if unknown:
         raise ValueError(f"unknown router(s) {', '.join(unknown)} (known: "
@@ -185,6 +187,7 @@ async def bench_proxy(options: Options) -> dict[str, Any]:
     ports = [procs.free_port() for _ in range(BACKEND_PORTS)]
     backends = await _start_backends(ports, load_cores, log_dir)
     context = Context(backend_ports=ports, out_dir=out, router_cores=router_cores,
+                      fleet_workers=options.fleet_workers,
                       peers=peers, redis_url=valkey.url)
     rows: list[dict[str, Any]] = []
     profiles: dict[str, Any] = {}

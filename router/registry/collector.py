@@ -73,8 +73,10 @@ MAX_REBUILD_INTERVAL_S = 0.5
 REBUILD_COST_FACTOR = 10.0
 # Load records taken in one go before the event loop gets a turn: taking in 10,000 at once
 # kept every request waiting ~50 ms (a router's /health answered in up to 63 ms during the
-# heartbeat bench); 500 take ~2-4 ms.
-RECORDS_PER_TURN = 500
+# heartbeat bench); 200 take ~1-2 ms (signed: ~2 ms). A request needs several turns, so
+# the chunk counts several times (bench-proxy --only globalpool-fleet: paced TTFT p99 over
+# its control +23 ms with 500 a turn, +7 ms with 200).
+RECORDS_PER_TURN = 200
 # How often workers past their TTL are looked for.
 EXPIRY_CHECK_S = 0.25
 # Waiting for pub/sub this much longer than asked means this process was not scheduled.

@@ -180,8 +180,8 @@ class WorkerView:
 # Models with at least this many workers get a per-region ranking (see Snapshot.ranked).
 RANK_ABOVE_WORKERS = 48
 # About this many views are grouped or ranked between two pauses of
-# Snapshot.build_in_steps (~2-5 ms).
-VIEWS_PER_STEP = 2_500
+# Snapshot.build_in_steps (~1-2 ms).
+VIEWS_PER_STEP = 1_000
 
 
 T = TypeVar("T")

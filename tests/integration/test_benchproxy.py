@@ -15,6 +15,30 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(90)
+def test_the_fleet_contender_proxies_while_following_a_fleet_next_to_its_control(
+        tmp_path: Path) -> None:
+    """`--only globalpool-fleet,globalpool-fleet-elsewhere`: one router follows the
+    published fleet (serving another model: every request still reaches a backend), the
+    other sees none of it."""
+    out = tmp_path / "bench"
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench-proxy", "--out", str(out), "--quick",
+         "--only", "globalpool-fleet,globalpool-fleet-elsewhere", "--workloads", "unary",
+         "--fleet-workers", "300"],
+        cwd=ROOT, capture_output=True, text=True, timeout=80,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    document = json.loads((out / "results.json").read_text())
+    rows = {r["router"]: r for r in document["results"]}
+    for name in ("globalpool-fleet", "globalpool-fleet-elsewhere"):
+        assert rows[name]["status"] == "ok" and rows[name]["errors"] == 0, rows[name]
+        assert rows[name]["completed"] > 0 and rows[name]["cpu_us_per_request"] > 0
+    versions = json.dumps(document)
+    assert "following 300 more workers at 4 Hz" in versions
+    assert "300 workers at 4 Hz published elsewhere" in versions
+
+
+@pytest.mark.timeout(90)
 def test_quick_run_writes_numbers_for_globalpool_and_aiohttp(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     done = subprocess.run(

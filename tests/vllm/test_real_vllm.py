@@ -68,7 +68,12 @@ def test_chat_through_the_router_non_streaming_and_streaming(pool: RealPool) -> 
         chunks = list(response.parse())
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text
-    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1
+    # Server-sent events as vLLM wrote them: the role's, the tokens', the usage's. How many
+    # carry tokens is vLLM's doing: its API server merges the engine's outputs into one
+    # delta when it falls behind (RequestOutputCollector; all 24 tokens in one event on a
+    # busy CI machine once). That the router relays each event as it comes is
+    # test_proxy.py's test_stream_passes_through_chunk_by_chunk.
+    assert len(chunks) >= 3
     assert [c.choices[0].finish_reason for c in chunks if c.choices and
             c.choices[0].finish_reason] == ["length"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24

@@ -34,6 +34,7 @@ import yaml
 from router.benchproxy import procs
 from router.benchproxy.cpu import tree_cpu_s
 from router.benchproxy.decision import REGIONS, ten_regions
+from router.benchproxy.stats import summarize
 
 WARM_TIMEOUT_S = 30.0
 WAITS_S = 10.0  # the request-wait probe's window (at most `--seconds`)
@@ -138,13 +139,6 @@ async def _waits(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) 
     return waits
 
 
-def _spread_ms(waits: list[float]) -> dict[str, float]:
-    ordered = sorted(waits)
-    return {"n": len(ordered), "p50": ordered[len(ordered) // 2],
-            "p99": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
-            "max": ordered[-1]}
-
-
 async def _request_waits(session: aiohttp.ClientSession, port: int, token: str,
                          seconds: float) -> dict[str, Any]:
     """/health's latency while the router keeps its view (`seconds`), then during one
@@ -154,7 +148,7 @@ async def _request_waits(session: aiohttp.ClientSession, port: int, token: str,
     probe = asyncio.create_task(_waits(session, f"{base}/health", stop))
     await asyncio.sleep(seconds)
     stop.set()
-    result: dict[str, Any] = {"idle": _spread_ms(await probe)}
+    result: dict[str, Any] = {"idle": summarize(await probe)}
     for path in ("/metrics", "/admin/status"):
         stop = asyncio.Event()
         probe = asyncio.create_task(_waits(session, f"{base}/health", stop))
@@ -403,7 +397,7 @@ def render(r: dict[str, Any]) -> str:
         idle = waits["idle"]
         lines.append(
             f"  requests meanwhile (/health every {PROBE_EVERY_S * 1000:.0f} ms, "
-            f"{idle['n']} times): p50 {idle['p50']:.1f} ms, p99 {idle['p99']:.1f} ms, max "
+            f"{idle['count']} times): p50 {idle['p50']:.1f} ms, p99 {idle['p99']:.1f} ms, max "
             f"{idle['max']:.1f} ms; "
             + "; ".join(f"{path}: {w['bytes'] / 1e6:.1f} MB in {w['ms']:.0f} ms (status "
                         f"{w['status']}; longest /health meanwhile {w['longest_wait_ms']:.0f} ms)"

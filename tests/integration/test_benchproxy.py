@@ -113,7 +113,7 @@ def test_heartbeat_plane_bench_runs_small_and_reports_what_keeping_the_view_cost
     assert "keeping the fleet view by its own account" in done.stdout
     # What keeping the view, a scrape and a status read do to requests: measured.
     waits = result["request_waits"]
-    assert waits["idle"]["n"] > 10 and 0 < waits["idle"]["p50"] <= waits["idle"]["max"]
+    assert waits["idle"]["count"] > 10 and 0 < waits["idle"]["p50"] <= waits["idle"]["max"]
     assert waits["/metrics"]["status"] == 200 and waits["/metrics"]["bytes"] > 300 * 100
     assert waits["/admin/status"]["status"] == 200 and waits["/admin/status"]["bytes"] > 0
     assert "longest /health meanwhile" in done.stdout

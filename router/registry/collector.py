@@ -4,12 +4,12 @@ Three paths feed one table of worker views (worker.schema.HeartbeatKeys names th
 - pub/sub on the heartbeat channel: full heartbeats, which agents publish when anything
   but their load changed (a new worker, a state, models...), within milliseconds;
 - the regions' load records, read in one round trip as often as the snapshot may be
-  rebuilt (every 20 ms for a small fleet, up to 0.5 s for a large one): each worker's
+  rebuilt (every 20 ms for a small fleet, ~1 s for 10,000 workers): each worker's
   newest load and order, applied onto the full heartbeat it was taken with (the record
-  names it by a digest; when they differ, the worker's key is read). ~4 us a record
-  taken in (read, parsed, checked, a new view), where a heartbeat message cost ~20 us:
-  at 10,000 workers heartbeating at 4 Hz, ~22% of a core instead of ~78% (BENCHMARKS.md,
-  "Heartbeat plane");
+  names it by a digest; when they differ, the worker's key is read). ~5-7 us a record
+  taken in, in place (read, parsed, checked, a new view), where a heartbeat message cost
+  ~20 us: at 10,000 workers heartbeating at 4 Hz, read about once a second, ~10% of a
+  core instead of ~78% (BENCHMARKS.md, "Heartbeat plane");
 - a full read (SCAN + MGET of the heartbeat keys) at start, after every reconnect and
   every `full_read_interval_s`: repairs anything a lost message left out (between two
   reconnects it parses only the keys of workers not heard from since the last one), and
@@ -63,21 +63,35 @@ log = logging.getLogger("globalpool.registry")
 
 # A new snapshot at most this often: rebuilding per message would cost O(workers) per
 # heartbeat at scale; 20 ms is well below a heartbeat interval. Taking in the load records
-# and building cost O(workers) (~40 ms for 10,000), so the interval also grows to
+# and building cost O(workers) (~60-80 ms for 10,000), so the interval also grows to
 # REBUILD_COST_FACTOR times what the last ones took (CPU time of this thread, so a busy
 # machine does not stretch it), up to MAX_REBUILD_INTERVAL_S: keeping the view then takes
-# at most ~1/factor of a core, and a large fleet's view lags its heartbeats by a fraction
-# of a second.
+# about a tenth of a core, and a 10,000-worker fleet's view lags its heartbeats by about a
+# second (BENCHMARKS.md, "Heartbeat plane"). What is measured so (taking in, building,
+# freeing) is ~80% of what a cycle costs; reading the records (the Redis client parsing
+# the reply, ~1 us a record) is the rest, and cannot be told apart from what other tasks
+# run while the reply comes in: the factor counts it (12.5: 8% of a core measured, ~10%
+# in all).
 MIN_REBUILD_INTERVAL_S = 0.02
-MAX_REBUILD_INTERVAL_S = 0.5
-REBUILD_COST_FACTOR = 10.0
+MAX_REBUILD_INTERVAL_S = 2.0
+REBUILD_COST_FACTOR = 12.5
+# A worker's next load record is taken at the next read, one interval after this one ends:
+# a view stays fresh until then, with this margin (twice the interval plus the slack, for
+# reading and taking in 10,000 records between requests), when that is longer than its
+# TTL (snapshot.fresh_for_s): a live worker must not go stale between two reads. Small
+# fleets (20 ms) keep their TTL; at 10,000 workers (~1.1 s) a dead worker with a 1 s TTL
+# goes stale within ~3.5-4.5 s of its last record instead of ~1.5-2 s.
+NEXT_READ_INTERVALS = 2.0
+NEXT_READ_SLACK_S = 0.1
 # Load records taken in one go before the event loop gets a turn: taking in 10,000 at once
 # kept every request waiting ~50 ms (a router's /health answered in up to 63 ms during the
 # heartbeat bench); 200 take ~1-2 ms (signed: ~2 ms). A request needs several turns, so
 # the chunk counts several times (bench-proxy --only globalpool-fleet: paced TTFT p99 over
 # its control +23 ms with 500 a turn, +7 ms with 200).
 RECORDS_PER_TURN = 200
-# How often workers past their TTL are looked for.
+# How often workers past their TTL are looked for, or once per reading interval when that
+# is longer (a scan is ~2-5 ms at 10,000 workers; routing skips a stale view before the
+# scan takes it out: router.policy.filters).
 EXPIRY_CHECK_S = 0.25
 # Waiting for pub/sub this much longer than asked means this process was not scheduled.
 STALL_TOLERANCE_S = 1.0
@@ -280,11 +294,15 @@ class HeartbeatCollector:
                     started = time.thread_time()
                     dirty |= self._expired_any()
                     self._spent(started)
-                    next_expiry_check = now + EXPIRY_CHECK_S
+                    next_expiry_check = now + max(EXPIRY_CHECK_S, self._rebuild_every_s)
                 if dirty and now - published_at >= self._rebuild_every_s:
                     await self._publish_in_turns()
                     published_at = now
                     dirty = False
+
+    def _next_read_s(self) -> float:
+        """The longest until the load records are read again (see NEXT_READ_INTERVALS)."""
+        return NEXT_READ_INTERVALS * self._rebuild_every_s + NEXT_READ_SLACK_S
 
     def _full_read_every_s(self) -> float:
         """Large fleets are read in full less often: pub/sub carries the updates anyway."""
@@ -331,7 +349,8 @@ class HeartbeatCollector:
             # Redis may have come back empty: a worker that has not re-published yet keeps
             # its place for one TTL from now; its next heartbeat, or expiry, settles it.
             for worker_id in [w for w in self._views if w not in seen]:
-                self._views[worker_id] = self._views[worker_id].received_again(now)
+                self._views[worker_id] = self._views[worker_id].received_again(
+                    now, self._next_read_s())
         self._last_ok_at_s = self._clock()
 
     async def _read_loads(self) -> bool:
@@ -356,6 +375,7 @@ class HeartbeatCollector:
         changed = False
         gate = self._gate  # asked once a read: whether records go to it (HeartbeatCheck)
         check = gate.check_record if gate is not None and gate.signing else None
+        next_read_s = self._next_read_s()
         self._apply_s = 0.0
         taken = 0
         for region, records in zip(regions, replies, strict=True):
@@ -364,7 +384,8 @@ class HeartbeatCollector:
                 if seen.get(worker) == payload:
                     continue
                 seen[worker] = payload
-                changed |= self._apply_record(region, worker, payload, now, to_read, check)
+                changed |= self._apply_record(region, worker, payload, now, to_read, check,
+                                              next_read_s)
                 taken += 1
                 if taken % RECORDS_PER_TURN == 0:
                     # Requests wait while this runs: let them through (see RECORDS_PER_TURN).
@@ -379,14 +400,15 @@ class HeartbeatCollector:
         return changed
 
     def _apply_record(self, region: str, worker: bytes, payload: bytes, now: float,
-                      to_read: list[str], check: RecordCheck | None) -> bool:
+                      to_read: list[str], check: RecordCheck | None,
+                      next_read_s: float) -> bool:
         """Take one changed load record if it is valid, newer and of the heartbeat the
         router has, and `check` (the gate's, when it signs) passes it; a record of a
         worker the router does not know (a new one whose message was lost, one that aged
         out while Redis was out of reach) or whose heartbeat has changed goes in
         `to_read`: its heartbeat key is read next. Runs for every worker at every read:
         the record stays the tuple of its items (by position: worker.schema.
-        RecordItems)."""
+        RecordItems). `next_read_s`: see NEXT_READ_INTERVALS."""
         self.read_records += 1
         try:
             record = record_items(payload)
@@ -414,7 +436,8 @@ class HeartbeatCollector:
             return False  # not newer than what the router has (a replay, or no news)
         if check is not None and check(LoadRecord.of(record), payload, view):
             return False  # unsigned, forged or stale: counted by the gate
-        self._views[worker_id] = view.with_load(record, now, self._local_inflight(worker_id))
+        self._views[worker_id] = view.with_load(record, now, self._local_inflight(worker_id),
+                                                next_read_s)
         self.applied_records += 1
         return True
 
@@ -433,12 +456,22 @@ class HeartbeatCollector:
         return changed
 
     async def _delete_orphans(self) -> None:
-        """Delete records of unknown workers that are ORPHAN_RECORD_AGE_S old."""
+        """Delete records of unknown workers that are ORPHAN_RECORD_AGE_S old; forget the
+        ones whose workers are known now (a router started beside a running fleet reads
+        every record before it knows their workers: kept, they were scanned at every read
+        for ORPHAN_RECORD_AGE_S, ~5 ms a read at 10,000 workers)."""
         cutoff = self._wall_clock() - ORPHAN_RECORD_AGE_S
-        old = [(worker, region) for worker, (region, sent_at_s) in self._orphans.items()
-               if sent_at_s < cutoff and worker.decode(errors="replace") not in self._views]
-        self._orphans = {worker: entry for worker, entry in self._orphans.items()
-                         if entry[1] >= cutoff}
+        views = self._views
+        old: list[tuple[bytes, str]] = []
+        unknown: dict[bytes, tuple[str, float]] = {}
+        for worker, (region, sent_at_s) in self._orphans.items():
+            if worker.decode(errors="replace") in views:
+                continue
+            if sent_at_s < cutoff:
+                old.append((worker, region))
+            else:
+                unknown[worker] = (region, sent_at_s)
+        self._orphans = unknown
         if old:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for worker, region in old:
@@ -528,6 +561,7 @@ class HeartbeatCollector:
             heartbeat=heartbeat,
             received_at_s=now,
             inflight_at_receipt=self._local_inflight(heartbeat.worker_id),
+            next_read_s=self._next_read_s(),  # its records come at the reads
         )
 
     def _reject(self, why: str) -> None:
@@ -558,7 +592,7 @@ class HeartbeatCollector:
         now = self._clock()
         for worker_id, view in self._views.items():
             self._views[worker_id] = view.received_again(
-                min(now, view.received_at_s + stalled_s))
+                min(now, view.received_at_s + stalled_s), self._next_read_s())
         return bool(self._views)
 
     def _expired_any(self) -> bool:

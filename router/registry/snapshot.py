@@ -17,6 +17,16 @@ DEFAULT_SERVICE_MS = 2000.0
 KV_PRESSURE_START = 0.9
 
 
+def fresh_for_s(ttl_s: float, next_read_s: float) -> float:
+    """How long a worker stays fresh after the router last heard of it: its TTL, or, when
+    the router reads the load records only every so often, until the next read could take
+    the worker's next record (`next_read_s`: the longest until then, ~2.3 s for 10,000
+    workers; router.registry.collector). A live agent writes a record at least every half
+    TTL (worker.cli checks), so reads that far apart always find a newer one: a live
+    worker must not go stale between two of them."""
+    return max(ttl_s, next_read_s)
+
+
 class WorkerView:
     """One worker as this router last heard of it. Never changed once made: a new
     heartbeat or load record makes a new view (`with_load`).
@@ -26,7 +36,9 @@ class WorkerView:
     attributes, from that heartbeat or from a newer load record (worker.schema.
     load_record) taken with it. `received_at_s` is the router's monotonic clock when the
     latest of those arrived; the worker counts as fresh until `received_at_s +
-    heartbeat.ttl_s`. `inflight_at_receipt` is how many requests this router had open on
+    heartbeat.ttl_s`, or longer when the router reads load records less often than every
+    half TTL (`next_read_s`, see `fresh_for_s`). `inflight_at_receipt` is how many requests
+    this router had open on
     the worker at that moment, so that the policy can add what changed since (see
     router.policy.inflight).
 
@@ -80,7 +92,7 @@ class WorkerView:
     utilisation: float
 
     def __init__(self, heartbeat: Heartbeat, received_at_s: float,
-                 inflight_at_receipt: int = 0) -> None:
+                 inflight_at_receipt: int = 0, next_read_s: float = 0.0) -> None:
         self.heartbeat = heartbeat
         self.received_at_s = received_at_s
         self.inflight_at_receipt = inflight_at_receipt
@@ -103,16 +115,16 @@ class WorkerView:
         self.prefill_tokens_per_s = performance.prefill_tokens_per_s
         self.decode_tokens_per_s = performance.decode_tokens_per_s
         self.slots = heartbeat.capacity.max_num_seqs
-        self._derive()
+        self._derive(next_read_s)
 
-    def _derive(self) -> None:
+    def _derive(self, next_read_s: float) -> None:
         slots = self.slots
         service_ms = self.e2e_ms or DEFAULT_SERVICE_MS
         kv_usage = self.kv_cache_usage
         pressure = 0.0
         if kv_usage is not None and kv_usage > KV_PRESSURE_START:
             pressure = (kv_usage - KV_PRESSURE_START) / (1.0 - KV_PRESSURE_START)
-        self.expires_at_s = self.received_at_s + self.ttl_s
+        self.expires_at_s = self.received_at_s + fresh_for_s(self.ttl_s, next_read_s)
         self.reported_load = load = self.running + self.waiting
         self.utilisation = load / slots
         self.queue_ms_per_request = service_ms / slots
@@ -127,9 +139,10 @@ class WorkerView:
         return view
 
     def with_load(self, record: RecordItems, received_at_s: float,
-                  inflight_at_receipt: int) -> WorkerView:
+                  inflight_at_receipt: int, next_read_s: float = 0.0) -> WorkerView:
         """This worker as a newer load record of the same heartbeat describes it
-        (`record`: its items, as worker.schema.record_items returns them)."""
+        (`record`: its items, as worker.schema.record_items returns them), read at
+        `received_at_s`; `next_read_s`: see `fresh_for_s`."""
         view = WorkerView.__new__(WorkerView)
         view.heartbeat = self.heartbeat
         view.received_at_s = received_at_s
@@ -145,14 +158,14 @@ class WorkerView:
         (_, _, view.seq, view.sent_at_s, _, view.running, view.waiting, view.kv_cache_usage,
          view.ttft_ms, view.itl_ms, view.e2e_ms, view.prefill_tokens_per_s,
          view.decode_tokens_per_s, *_) = record
-        view._derive()
+        view._derive(next_read_s)
         return view
 
-    def received_again(self, received_at_s: float) -> WorkerView:
+    def received_again(self, received_at_s: float, next_read_s: float = 0.0) -> WorkerView:
         """The same report, as if received at `received_at_s` (see the collector)."""
         view = self._copy()
         view.received_at_s = received_at_s
-        view.expires_at_s = received_at_s + self.ttl_s
+        view.expires_at_s = received_at_s + fresh_for_s(self.ttl_s, next_read_s)
         return view
 
     @property

@@ -18,6 +18,7 @@ from router.admission.stats import SecurityStats
 from router.auth.heartbeats import HeartbeatGate, HeartbeatRules
 from router.devstack.valkey import EmbeddedValkey
 from router.registry import HeartbeatCollector, SnapshotHolder
+from router.registry import collector as collector_module
 from router.registry.subscriber import Subscription
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect, connect_pubsub
@@ -456,6 +457,14 @@ async def test_load_records_of_long_gone_workers_are_deleted(valkey: EmbeddedVal
         assert await admin.hexists(KEYS.loads("us-east"), "recent")
         assert await admin.hexists(KEYS.loads("us-east"), "a")
         assert fleet.fresh() == {"a"}
+        # A record read before its worker was known (a router started beside a running
+        # fleet reads them all so) is no longer an orphan once the worker is: not looked
+        # at again at every read.
+        collector = fleet.collector
+        assert collector is not None and b"recent" in collector._orphans
+        await fleet.publish("recent")
+        await until(lambda: "recent" in fleet.fresh())
+        await until(lambda: b"recent" not in collector._orphans, timeout_s=2.0)
     await admin.aclose()
 
 
@@ -493,3 +502,46 @@ async def test_a_large_fleets_records_are_taken_in_with_other_tasks_running_betw
         assert {n for n in seen if 0 < n < len(workers)}, sorted(seen)
         await until(lambda: {view.running for view in fleet.holder.current.workers.values()}
                     == {3})  # in the next snapshot
+
+
+async def test_records_read_less_often_than_a_ttl_keep_live_workers_and_age_out_silent_ones(
+    valkey: EmbeddedValkey, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large fleet's load records are read about once a second (the interval is ten
+    times what keeping the view costs), which can be longer than the workers' TTL: a worker
+    whose records keep changing stays fresh from one read to the next, even while
+    messages of other workers move the router's clock on in between (it is never dropped
+    from the table, to be read back from its key); a silent one still goes stale."""
+    monkeypatch.setattr(collector_module, "MIN_REBUILD_INTERVAL_S", 1.5)  # > TTL_S
+    # The scans for expired workers fall between two reads, more than a TTL after the first.
+    monkeypatch.setattr(collector_module, "EXPIRY_CHECK_S", 1.2)
+    async with following(valkey.url) as fleet:
+        collector = fleet.collector
+        assert collector is not None
+        async def change_state() -> None:  # a message on the channel every 0.2 s
+            for n in range(100):
+                await fleet.publish("m", state=(LifecycleState.READY,
+                                                LifecycleState.DRAINING)[n % 2])
+                await asyncio.sleep(0.2)
+
+        quiet = asyncio.create_task(fleet.keep_publishing("quiet"))
+        tasks = [quiet, asyncio.create_task(fleet.keep_publishing("a")),
+                 asyncio.create_task(change_state())]
+        try:
+            await until(lambda: {"a", "quiet"} <= fleet.fresh())
+            quiet.cancel()  # silent from now on
+            started = time.monotonic()
+            quiet_gone_s = None
+            while time.monotonic() - started < 8.0:
+                fresh = fleet.fresh()
+                assert "a" in fresh and "a" in collector._views, time.monotonic() - started
+                if quiet_gone_s is None and "quiet" not in fresh:
+                    quiet_gone_s = time.monotonic() - started
+                await asyncio.sleep(0.05)
+            # Stale within the reads' margin (2 x 1.5 s + 0.1 s: longer than its TTL) of
+            # the last read that took its record, and one more read.
+            assert quiet_gone_s is not None and quiet_gone_s < 1.5 + 3.1 + 1.5 + 0.5
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -141,6 +141,12 @@ def test_a_view_takes_a_newer_records_load_and_keeps_its_heartbeat() -> None:
     assert newer.kv_pressure_ms == pytest.approx(0.5 * 800.0)
     # The view it came from is unchanged.
     assert (view.running, view.seq, view.received_at_s) == (0, 7, 100.0)
+    # Records read so rarely that the next read may come later than the TTL (2 s here):
+    # fresh until that read could take the agent's next record.
+    assert view.with_load(record, 101.0, 5, next_read_s=1.0).expires_at_s == 103.0
+    assert view.with_load(record, 101.0, 5, next_read_s=2.5).expires_at_s == 103.5
+    assert WorkerView(heartbeat, 101.0, 5, next_read_s=2.5).expires_at_s == 103.5
+    assert view.received_again(150.0, next_read_s=2.5).expires_at_s == 152.5
     again = newer.received_again(150.0)
     assert (again.received_at_s, again.expires_at_s, again.running, again.seq) == (
         150.0, 152.0, 3, 8)

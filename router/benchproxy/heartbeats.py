@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import secrets
 import sys
 import tempfile
@@ -39,6 +40,10 @@ from router.benchproxy.stats import summarize
 WARM_TIMEOUT_S = 30.0
 WAITS_S = 10.0  # the request-wait probe's window (at most `--seconds`)
 PROBE_EVERY_S = 0.02
+# The view's age: this many /admin/status reads (after the windows above), 0.1-0.6 s apart
+# at random, so that they do not fall in step with the router's reads of the records.
+VIEW_AGE_READS = 8
+AGE_BIN_MS = 100  # the plot's bars
 
 
 def router_config(redis_url: str, prefix: str, port: int) -> dict[str, Any]:
@@ -170,6 +175,74 @@ async def _request_waits(session: aiohttp.ClientSession, port: int, token: str,
     return result
 
 
+async def _view_ages(session: aiohttp.ClientSession, port: int, token: str,
+                     reads: int = VIEW_AGE_READS) -> dict[str, Any]:
+    """How old the router's view of its workers is: every worker's `heartbeat_age_s` (since
+    the router took its latest heartbeat or load record) in `reads` /admin/status reads
+    over a few seconds, in ms; a worker's record was up to one heartbeat interval old
+    already when the router read it."""
+    ages: list[float] = []
+    spacing = random.Random(reads)
+    for n in range(reads):
+        if n:
+            await asyncio.sleep(spacing.uniform(0.1, 0.6))
+        try:
+            async with session.get(f"http://127.0.0.1:{port}/admin/status",
+                                   headers={"Authorization": f"Bearer {token}"}) as answer:
+                document = await answer.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            continue
+        ages += [worker["heartbeat_age_s"] * 1000 for worker in document.get("workers", ())]
+    if not ages:
+        return {"count": 0}
+    bins: dict[int, int] = {}
+    for age in ages:
+        start = int(age // AGE_BIN_MS * AGE_BIN_MS)
+        bins[start] = bins.get(start, 0) + 1
+    return {**summarize(ages), "histogram": dict(sorted(bins.items()))}
+
+
+def chart(result: dict[str, Any], path: Path) -> bool:
+    """The router's CPU second by second against the goal, and how old its views were;
+    False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, (cpu, ages) = plt.subplots(1, 2, figsize=(11, 4))
+    timeline = [t for t in result["timeline"] if t["router_cpu_pct"] is not None]
+    cpu.plot([t["t_s"] for t in timeline], [t["router_cpu_pct"] for t in timeline],
+             marker="o", label="router")
+    cpu.axhline(result["router_cpu_pct"], color="tab:blue", linestyle=":",
+                label=f"router, over the window ({result['router_cpu_pct']:.1f}%)")
+    cpu.axhline(10, color="grey", linestyle="--", label="goal: 10% of a core")
+    cpu.set_ylim(bottom=0)
+    cpu.set_xlabel("s into the window")
+    cpu.set_ylabel("% of one core")
+    cpu.set_title(f"{result['workers']:,} workers x {result['hz']:g} Hz "
+                  f"({'signed' if result['signed'] else 'unsigned'}): router CPU")
+    cpu.legend(fontsize=8)
+    histogram = (result.get("view_age_ms") or {}).get("histogram") or {}
+    if histogram:
+        ages.bar([float(start) for start in histogram], list(histogram.values()),
+                 width=AGE_BIN_MS, align="edge")
+    interval = result.get("router_rebuild_interval_s")
+    if interval is not None:
+        ages.axvline(interval * 1000, color="grey", linestyle="--",
+                     label=f"reading interval at the end ({interval:.2f} s)")
+        ages.legend(fontsize=8)
+    ages.set_xlabel("age of a worker's view (ms since the router took its record)")
+    ages.set_ylabel("worker views")
+    ages.set_title(f"How old the router's view was ({VIEW_AGE_READS} status reads)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
+
+
 async def _disconnections(valkey: Any) -> int:
     """Clients Valkey cut off for an output buffer over its limit: a subscriber that
     fell too far behind the heartbeats (pub/sub limit: 32 MB, or 8 MB for 60 s)."""
@@ -187,7 +260,8 @@ async def _router_counts(session: aiohttp.ClientSession, port: int) -> dict[str,
         return {}
     found = {}
     for line in text.splitlines():
-        for name in ("globalpool_heartbeats_verified", "globalpool_fleet_view_cpu_seconds"):
+        for name in ("globalpool_heartbeats_verified", "globalpool_fleet_view_cpu_seconds",
+                     "globalpool_fleet_view_rebuild_interval_seconds"):
             if line.startswith(name):
                 found[name] = float(line.split()[-1])
     return found
@@ -285,6 +359,7 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
             counts_after = await _router_counts(session, port)
             result["request_waits"] = await _request_waits(session, port, admin_token,
                                                            min(WAITS_S, seconds))
+            result["view_age_ms"] = await _view_ages(session, port, admin_token)
         procs.stop(router)
         # The collector alone, under the same heartbeats (router.benchproxy.hbcollect).
         collector = procs.start(
@@ -326,6 +401,9 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
         publishers_detail=achieved, timeline=timeline,
         subscriber_disconnections=drops,
         keeps_up=drops == 0 and min(s[0] for s in samples) >= 0.95 * workers,
+        # How often the router reads the load records and rebuilds (at the window's end).
+        router_rebuild_interval_s=counts_after.get(
+            "globalpool_fleet_view_rebuild_interval_seconds"),
         router_verified_per_s=_rate(counts_before, counts_after,
                                     "globalpool_heartbeats_verified", elapsed),
         # The router's own account (globalpool_fleet_view_cpu_seconds_total), as a share.
@@ -337,6 +415,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
     print(render(result))
     if out is not None:
         (out / "heartbeats.json").write_text(json.dumps(result, indent=1))
+        if not chart(result, out / "heartbeats.png"):
+            print("(no plot: matplotlib is not installed)")
     return 0
 
 
@@ -402,6 +482,16 @@ def render(r: dict[str, Any]) -> str:
             + "; ".join(f"{path}: {w['bytes'] / 1e6:.1f} MB in {w['ms']:.0f} ms (status "
                         f"{w['status']}; longest /health meanwhile {w['longest_wait_ms']:.0f} ms)"
                         for path, w in waits.items() if path != "idle"))
+    ages = r.get("view_age_ms")
+    if ages and ages.get("count"):
+        interval = r.get("router_rebuild_interval_s")
+        lines.append(
+            "  the router's view: "
+            + ("" if interval is None else f"records read and snapshot rebuilt every "
+               f"{interval:.2f} s; ")
+            + f"age of its {ages['count']:,} worker views ({VIEW_AGE_READS} status reads): "
+            f"p50 {ages['p50']:.0f} ms, p99 {ages['p99']:.0f} ms, max {ages['max']:.0f} ms "
+            f"(plus up to {1000 / r['hz']:.0f} ms the record had waited in Redis)")
     if r.get("router_verified_per_s") is not None:
         lines.append(f"  heartbeats verified by the router: {r['router_verified_per_s']:,.0f}/s")
     if r.get("extrapolated_cpu_pct_at_target") is not None:

@@ -117,3 +117,10 @@ def test_heartbeat_plane_bench_runs_small_and_reports_what_keeping_the_view_cost
     assert waits["/metrics"]["status"] == 200 and waits["/metrics"]["bytes"] > 300 * 100
     assert waits["/admin/status"]["status"] == 200 and waits["/admin/status"]["bytes"] > 0
     assert "longest /health meanwhile" in done.stdout
+    # How old the view is: every worker's age in the status reads, the records' pace.
+    ages = result["view_age_ms"]
+    assert ages["count"] >= 300 and 0 <= ages["p50"] <= ages["max"] < 5000
+    assert 0.02 <= result["router_rebuild_interval_s"] <= 2.0
+    assert "age of its" in done.stdout
+    assert sum(ages["histogram"].values()) == ages["count"]
+    assert (tmp_path / "heartbeats.png").read_bytes().startswith(b"\x89PNG")

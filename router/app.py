@@ -145,6 +145,7 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         # A worker whose heartbeat turns `degraded` is ejected like a refused connection.
         on_down=lambda view: health.reported_down(view.worker_id, view.region,
                                                   view.heartbeat.state.value),
+        cpu_share=lambda: app[OPERATIONS].configs.current.router.fleet_view_cpu_share,
     )
     app[COLLECTOR] = collector
     task = asyncio.create_task(collector.run(), name="heartbeat-collector")

@@ -118,6 +118,13 @@ class RouterConfig(_Strict):
         description="how often this replica tells the other replicas sharing its Redis what "
         "it has open on each worker, so that they count it between heartbeats (0: never)",
     )
+    fleet_view_cpu_share: float = Field(
+        default=0.1, ge=0.01, le=1.0,
+        description="the share of one core that keeping the view of the fleet may take: a "
+        "large fleet's load records are read and the view rebuilt less often (up to every "
+        "2 s) to stay within it; more = a fresher view of a large fleet (~1 s old at "
+        "10,000 workers with 0.1)",
+    )
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_attempts: int = Field(
         default=3, ge=1, le=5, description="attempts per request; retries only before first byte"

@@ -89,6 +89,9 @@ def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--legacy-agents", action="store_true",
                         help="publish as agents did before load records (every heartbeat "
                         "a message on the routers' channel), to compare")
+    parser.add_argument("--fleet-view-cpu-share", type=float, default=0.1,
+                        help="the router's router.fleet_view_cpu_share (default 0.1, as "
+                        "regions.yaml's): more reads the records more often")
 
 
 def run_bench_heartbeats(args: argparse.Namespace) -> int:
@@ -96,4 +99,4 @@ def run_bench_heartbeats(args: argparse.Namespace) -> int:
 
     return asyncio.run(main(workers=args.workers, hz=args.hz, seconds=args.seconds,
                             publishers=args.publishers, signed=args.signed, out=args.out,
-                            legacy=args.legacy_agents))
+                            legacy=args.legacy_agents, cpu_share=args.fleet_view_cpu_share))

@@ -52,14 +52,16 @@ class CountingHolder(SnapshotHolder):
         self.builds += 1
 
 
-async def collect(redis_url: str, prefix: str, seconds: float, keys: str) -> dict[str, Any]:
+async def collect(redis_url: str, prefix: str, seconds: float, keys: str,
+                  cpu_share: float = 0.1) -> dict[str, Any]:
     config = ten_regions()
     gate = heartbeat_gate(lambda: config, parse_keys(keys) if keys else {}, SecurityStats())
     holder = CountingHolder()
     redis = redis_client.connect(redis_url)
     pubsub_redis = redis_client.connect_pubsub(redis_url)
     collector = HeartbeatCollector(redis=redis, pubsub_redis=pubsub_redis,
-                                   keys=HeartbeatKeys(prefix), holder=holder, gate=gate)
+                                   keys=HeartbeatKeys(prefix), holder=holder, gate=gate,
+                                   cpu_share=lambda: cpu_share)
     task = asyncio.create_task(collector.run())
     await asyncio.wait_for(collector.synced.wait(), 30)
     await asyncio.sleep(1.0)
@@ -101,12 +103,14 @@ def main() -> None:
     parser.add_argument("--prefix", required=True)
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--keys", default="", help="signing keys (key_id:secret) to verify")
+    parser.add_argument("--cpu-share", type=float, default=0.1,
+                        help="as the router's router.fleet_view_cpu_share")
     args = parser.parse_args()
     tune_gc()  # as `globalpool router` does
     loop = new_event_loop()
     try:
         result = loop.run_until_complete(collect(args.redis_url, args.prefix, args.seconds,
-                                                 args.keys))
+                                                 args.keys, args.cpu_share))
     finally:
         loop.close()
     print(json.dumps(result), flush=True)

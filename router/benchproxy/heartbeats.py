@@ -46,12 +46,14 @@ VIEW_AGE_READS = 8
 AGE_BIN_MS = 100  # the plot's bars
 
 
-def router_config(redis_url: str, prefix: str, port: int) -> dict[str, Any]:
+def router_config(redis_url: str, prefix: str, port: int,
+                  cpu_share: float = 0.1) -> dict[str, Any]:
     regions = ten_regions().model_dump(include={"regions"})["regions"]
     return {
         "apiVersion": "globalpool/v1",
         "redis": {"url": redis_url, "key_prefix": prefix},
-        "router": {"region": REGIONS[0], "host": "127.0.0.1", "port": port},
+        "router": {"region": REGIONS[0], "host": "127.0.0.1", "port": port,
+                   "fleet_view_cpu_share": cpu_share},
         "heartbeat": {"interval_s": 0.25, "ttl_s": 1.0},
         "regions": {name: {"models": r["models"], "rtt_ms": r["rtt_ms"]}
                     for name, r in regions.items()},
@@ -275,7 +277,7 @@ def _rate(before: dict[str, float], after: dict[str, float], name: str,
 
 
 async def main(*, workers: int, hz: float, seconds: float, publishers: int, signed: bool,
-               out: Path | None, legacy: bool = False) -> int:
+               out: Path | None, legacy: bool = False, cpu_share: float = 0.1) -> int:
     from redis.asyncio import Redis
 
     from router.devstack.valkey import EmbeddedValkey
@@ -293,7 +295,7 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
     prefix = f"hbbench-{secrets.token_hex(4)}"
     port = procs.free_port()
     config = work / "hb-regions.yaml"
-    config.write_text(yaml.safe_dump(router_config(valkey.url, prefix, port)))
+    config.write_text(yaml.safe_dump(router_config(valkey.url, prefix, port, cpu_share)))
     key = f"bench:{secrets.token_hex(16)}"
     env = {**os.environ, "GLOBALPOOL_LOG_LEVEL": "WARNING"}
     env.pop("REDIS_URL", None)
@@ -322,6 +324,7 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
     health = f"http://127.0.0.1:{port}/health"
     result: dict[str, Any] = {"workers": workers, "hz": hz, "target_per_s": workers * hz,
                               "signed": signed, "publishers": publishers, "seconds": seconds,
+                              "fleet_view_cpu_share": cpu_share,
                               "agents": "legacy (every heartbeat a message)" if legacy
                               else "load records",
                               "router_core_share": core_share,
@@ -364,7 +367,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
         # The collector alone, under the same heartbeats (router.benchproxy.hbcollect).
         collector = procs.start(
             [sys.executable, "-m", "router.benchproxy.hbcollect", "--redis-url", valkey.url,
-             "--prefix", prefix, "--seconds", str(seconds), *(["--keys", key] if signed else [])],
+             "--prefix", prefix, "--seconds", str(seconds), "--cpu-share", str(cpu_share),
+             *(["--keys", key] if signed else [])],
             cores=router_cores, log_path=work / "hbcollect.log", stdout_pipe=True)
         output, _ = await asyncio.to_thread(collector.communicate, None, seconds + 60)
         lines = output.decode().strip().splitlines()
@@ -429,6 +433,7 @@ def render(r: dict[str, Any]) -> str:
         f"heartbeat plane: {r['workers']:,} workers x {r['hz']:g} Hz = target "
         f"{r['target_per_s']:,.0f}/s; achieved {r['achieved_per_s']:,.0f}/s "
         f"({'signed' if r['signed'] else 'unsigned'}; agents: {r.get('agents', '?')}; "
+        f"fleet_view_cpu_share {r.get('fleet_view_cpu_share', 0.1):g}; "
         f"{r['publishers']} publisher processes; "
         f"{r['pinning']}; a busy process got {_pct(r['router_core_share'])} of the router "
         "core)",

@@ -63,18 +63,19 @@ log = logging.getLogger("globalpool.registry")
 
 # A new snapshot at most this often: rebuilding per message would cost O(workers) per
 # heartbeat at scale; 20 ms is well below a heartbeat interval. Taking in the load records
-# and building cost O(workers) (~60-80 ms for 10,000), so the interval also grows to
-# REBUILD_COST_FACTOR times what the last ones took (CPU time of this thread, so a busy
-# machine does not stretch it), up to MAX_REBUILD_INTERVAL_S: keeping the view then takes
-# about a tenth of a core, and a 10,000-worker fleet's view lags its heartbeats by about a
-# second (BENCHMARKS.md, "Heartbeat plane"). What is measured so (taking in, building,
-# freeing) is ~80% of what a cycle costs; reading the records (the Redis client parsing
-# the reply, ~1 us a record) is the rest, and cannot be told apart from what other tasks
-# run while the reply comes in: the factor counts it (12.5: 8% of a core measured, ~10%
-# in all).
+# and building cost O(workers) (~60-80 ms for 10,000), so the interval also grows, up to
+# MAX_REBUILD_INTERVAL_S, until keeping the view takes the share of a core the router's
+# config allows (`router.fleet_view_cpu_share`, 0.1 by default; read at every build, so a
+# reload takes effect at once): a 10,000-worker fleet's view then lags its heartbeats by
+# about a second (BENCHMARKS.md, "Heartbeat plane"). What is measured (taking in,
+# building, freeing, by this thread's CPU time, so a busy machine does not stretch it) is
+# ~MEASURED_SHARE of what a cycle costs; reading the records (the Redis client parsing the
+# reply, ~1 us a record) is the rest, and cannot be told apart from what other tasks run
+# while the reply comes in. The interval is what was measured / (share x MEASURED_SHARE).
 MIN_REBUILD_INTERVAL_S = 0.02
 MAX_REBUILD_INTERVAL_S = 2.0
-REBUILD_COST_FACTOR = 12.5
+MEASURED_SHARE = 0.8
+DEFAULT_CPU_SHARE = 0.1
 # A worker's next load record is taken at the next read, one interval after this one ends:
 # a view stays fresh until then, with this margin (twice the interval plus the slack, for
 # reading and taking in 10,000 records between requests), when that is longer than its
@@ -167,17 +168,19 @@ class HeartbeatCollector:
         max_backoff_s: float = 2.0,
         gate: HeartbeatCheck | None = None,
         on_down: Callable[[WorkerView], None] = lambda _view: None,
+        cpu_share: Callable[[], float] = lambda: DEFAULT_CPU_SHARE,
     ) -> None:
         self._redis = redis
         self._gate = gate
         self._on_down = on_down
+        self._cpu_share = cpu_share  # see MEASURED_SHARE
         self._pubsub_redis = pubsub_redis
         self._keys = keys
         self._holder = holder
         self._clock = clock
         self._local_inflight = local_inflight
         self._full_read_interval_s = full_read_interval_s
-        self._rebuild_every_s = MIN_REBUILD_INTERVAL_S  # see REBUILD_COST_FACTOR
+        self._rebuild_every_s = MIN_REBUILD_INTERVAL_S  # see MEASURED_SHARE
         self._apply_s = 0.0  # what taking in the last load records took
         self._max_backoff_s = max_backoff_s
         self._views: dict[str, WorkerView] = {}
@@ -655,4 +658,4 @@ class HeartbeatCollector:
         self.builds += 1
         cost_s += self._apply_s + self._released_s  # the last one freed: a cost of building
         self._rebuild_every_s = min(MAX_REBUILD_INTERVAL_S, max(
-            MIN_REBUILD_INTERVAL_S, REBUILD_COST_FACTOR * cost_s))
+            MIN_REBUILD_INTERVAL_S, cost_s / (self._cpu_share() * MEASURED_SHARE)))

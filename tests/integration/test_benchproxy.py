@@ -99,12 +99,13 @@ def test_heartbeat_plane_bench_runs_small_and_reports_what_keeping_the_view_cost
     (globalpool_fleet_view_cpu_seconds_total) is a part of its process CPU."""
     done = subprocess.run(
         [sys.executable, "-m", "router.cli", "bench-heartbeats", "--workers", "300",
-         "--seconds", "3", "--signed", "--out", str(tmp_path)],
+         "--seconds", "3", "--signed", "--fleet-view-cpu-share", "0.2", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=80,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "heartbeats.json").read_text())
     assert result["keeps_up"] and result["workers_seen_min"] == 300
+    assert result["fleet_view_cpu_share"] == 0.2 and "fleet_view_cpu_share 0.2;" in done.stdout
     assert result["achieved_per_s"] > 0.9 * 1200
     assert result["router_verified_per_s"] > 0.5 * 1200
     assert 0 < result["router_fleet_view_cpu_pct"] < result["router_cpu_pct"]

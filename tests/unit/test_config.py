@@ -102,6 +102,11 @@ def test_references_to_unknown_regions(tmp_path: Path) -> None:
             {"apiVersion": "globalpool/v1", "regions": {"Bad_Name": {"models": ["m"]}}},
             "regions.Bad_Name: region names are lowercase",
         ),
+        (
+            {"apiVersion": "globalpool/v1", "router": {"fleet_view_cpu_share": 0},
+             "regions": {"a": {"models": ["m"]}}},
+            "router.fleet_view_cpu_share: ",
+        ),
     ],
 )
 def test_invalid_documents(tmp_path: Path, document: object, expected: str) -> None:

@@ -1,0 +1,37 @@
+"""How often the collector reads the load records and rebuilds the view: within the share
+of a core the config allows (`router.fleet_view_cpu_share`), read at every build."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.registry import HeartbeatCollector, SnapshotHolder
+from router.registry.collector import (
+    MAX_REBUILD_INTERVAL_S,
+    MEASURED_SHARE,
+    MIN_REBUILD_INTERVAL_S,
+)
+from router.registry.snapshot import Snapshot
+from worker.schema import HeartbeatKeys
+
+
+def test_the_interval_keeps_the_views_upkeep_within_its_share_of_a_core() -> None:
+    share = [0.1]
+    collector = HeartbeatCollector(redis=None, pubsub_redis=None,  # type: ignore[arg-type]
+                                   keys=HeartbeatKeys("pace"), holder=SnapshotHolder(),
+                                   cpu_share=lambda: share[0])
+
+    def interval_after(cost_s: float) -> float:
+        # A build whose cycle cost `cost_s` of measured CPU (what _publish_in_turns passes).
+        collector._replace(Snapshot.build([], built_at_s=0.0, redis_connected=True,
+                                          last_redis_ok_at_s=0.0), cost_s)
+        return collector.upkeep()["rebuild_interval_seconds"]
+
+    # 10,000 workers cost ~80 ms a cycle: a read every second at a tenth of a core (the
+    # measured part is MEASURED_SHARE of it; the Redis client's read is the rest).
+    assert interval_after(0.08) == pytest.approx(0.08 / (0.1 * MEASURED_SHARE)) == 1.0
+    share[0] = 0.25  # a reload asking for a fresher view: the next build follows it
+    assert interval_after(0.08) == pytest.approx(0.4)
+    assert interval_after(0.001) == MIN_REBUILD_INTERVAL_S  # a small fleet: as often as allowed
+    share[0] = 0.01
+    assert interval_after(0.08) == MAX_REBUILD_INTERVAL_S  # never staler than the cap

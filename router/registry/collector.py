@@ -76,10 +76,15 @@ MIN_REBUILD_INTERVAL_S = 0.02
 MAX_REBUILD_INTERVAL_S = 2.0
 MEASURED_SHARE = 0.8
 DEFAULT_CPU_SHARE = 0.1
+# The interval grows at most this much from one build to the next, so that the next read
+# stays within the margin views were given (NEXT_READ_INTERVALS) when a cycle suddenly
+# costs more or the share is lowered; it shrinks at once.
+MAX_INTERVAL_GROWTH = 1.5
 # A worker's next load record is taken at the next read, one interval after this one ends:
-# a view stays fresh until then, with this margin (twice the interval plus the slack, for
-# reading and taking in 10,000 records between requests), when that is longer than its
-# TTL (snapshot.fresh_for_s): a live worker must not go stale between two reads. Small
+# a view stays fresh until then, with a margin (twice the interval plus the slack: the
+# next interval is at most MAX_INTERVAL_GROWTH times this one, and the rest is for reading
+# and taking in 10,000 records between requests), when that is longer than its TTL
+# (snapshot.fresh_for_s): a live worker must not go stale between two reads. Small
 # fleets (20 ms) keep their TTL; at 10,000 workers (~1.1 s) a dead worker with a 1 s TTL
 # goes stale within ~3.5-4.5 s of its last record instead of ~1.5-2 s.
 NEXT_READ_INTERVALS = 2.0
@@ -657,5 +662,6 @@ class HeartbeatCollector:
         self._holder.current = snapshot
         self.builds += 1
         cost_s += self._apply_s + self._released_s  # the last one freed: a cost of building
-        self._rebuild_every_s = min(MAX_REBUILD_INTERVAL_S, max(
-            MIN_REBUILD_INTERVAL_S, cost_s / (self._cpu_share() * MEASURED_SHARE)))
+        self._rebuild_every_s = min(
+            MAX_REBUILD_INTERVAL_S, MAX_INTERVAL_GROWTH * self._rebuild_every_s,
+            max(MIN_REBUILD_INTERVAL_S, cost_s / (self._cpu_share() * MEASURED_SHARE)))

@@ -36,11 +36,10 @@ class WorkerView:
     attributes, from that heartbeat or from a newer load record (worker.schema.
     load_record) taken with it. `received_at_s` is the router's monotonic clock when the
     latest of those arrived; the worker counts as fresh until `received_at_s +
-    heartbeat.ttl_s`, or longer when the router reads load records less often than every
-    half TTL (`next_read_s`, see `fresh_for_s`). `inflight_at_receipt` is how many requests
-    this router had open on
-    the worker at that moment, so that the policy can add what changed since (see
-    router.policy.inflight).
+    heartbeat.ttl_s`, or until the router's next read of the load records could take its
+    next one, when that is later (`fresh_for_s`). `inflight_at_receipt` is how many
+    requests this router had open on the worker at that moment, so that the policy can add
+    what changed since (see router.policy.inflight).
 
     A plain class with slots rather than a frozen dataclass: a router makes thousands of
     views a second at scale, and a frozen class's `object.__setattr__` per field costs

@@ -25,6 +25,7 @@ from router.admission.stats import SecurityStats
 from router.app import tune_gc
 from router.benchproxy.cpu import tree_cpu_s
 from router.benchproxy.decision import ten_regions
+from router.benchproxy.heartbeats import until_settled
 from router.benchproxy.procs import new_event_loop
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry.snapshot import Snapshot
@@ -65,6 +66,11 @@ async def collect(redis_url: str, prefix: str, seconds: float, keys: str,
     task = asyncio.create_task(collector.run())
     await asyncio.wait_for(collector.synced.wait(), 30)
     await asyncio.sleep(1.0)
+
+    async def interval() -> float:
+        return collector.upkeep()["rebuild_interval_seconds"]
+
+    await until_settled(interval)  # start-up is not what keeping the view costs
     before = _counts(collector)
     cpu_before = tree_cpu_s(os.getpid())
     started = time.monotonic()

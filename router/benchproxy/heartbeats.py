@@ -5,7 +5,8 @@ agents write (the heartbeat JSON, a load record, a message when something other 
 changes; with `--legacy-agents` a message for every heartbeat, as before load records)
 for `--workers` workers across 10 regions at `--hz` each, and the real router (`python -m
 router.cli router`, its collector as in production) on its own core, serving no
-requests. Once the router sees (nearly) every worker, its process CPU time is read over
+requests. Once the router sees (nearly) every worker and its pace has settled (its
+reading interval grows from 20 ms at start), its process CPU time is read over
 `--seconds`; meanwhile its worker count (GET /health) and the subscriber's output buffer
 in Valkey (CLIENT LIST) are sampled: a buffer that grows means the router falls behind
 the heartbeats. Then what keeping the view does to requests: /health asked every 20 ms for
@@ -26,6 +27,7 @@ import secrets
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ PROBE_EVERY_S = 0.02
 # The view's age: this many /admin/status reads (after the windows above), 0.1-0.6 s apart
 # at random, so that they do not fall in step with the router's reads of the records.
 VIEW_AGE_READS = 8
+SETTLE_TIMEOUT_S = 20.0  # for the router's pace to settle before the window (`_settled`)
 AGE_BIN_MS = 100  # the plot's bars
 
 
@@ -175,6 +178,27 @@ async def _request_waits(session: aiohttp.ClientSession, port: int, token: str,
         result[path] = {"status": status, "bytes": len(body), "ms": took_ms,
                         "longest_wait_ms": max(await probe)}
     return result
+
+
+async def until_settled(interval: Callable[[], Awaitable[float | None]]) -> float | None:
+    """Wait (up to SETTLE_TIMEOUT_S) until the collector's reading interval, as `interval`
+    reads it, stops growing: it starts at 20 ms and grows by at most 1.5x a build
+    (router.registry.collector), a few seconds of start-up at 10,000 workers that are not
+    what keeping the view costs. The interval it settled at, or None."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    last = None
+    while time.monotonic() < deadline:
+        now = await interval()
+        if now is not None and last is not None and now <= 1.2 * last:
+            return now
+        last = now
+        await asyncio.sleep(1.0)
+    return last
+
+
+async def _rebuild_interval(session: aiohttp.ClientSession, port: int) -> float | None:
+    return (await _router_counts(session, port)).get(
+        "globalpool_fleet_view_rebuild_interval_seconds")
 
 
 async def _view_ages(session: aiohttp.ClientSession, port: int, token: str,
@@ -340,6 +364,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
                     break
                 await asyncio.sleep(0.5)
             result["warm_workers_seen"] = seen
+            result["settled_interval_s"] = await until_settled(
+                lambda: _rebuild_interval(session, port))
             cpu_before, started = tree_cpu_s(router.pid), time.monotonic()
             valkey_before = tree_cpu_s(valkey.pid)
             drops_before = await _disconnections(redis)

@@ -4,12 +4,12 @@ Three paths feed one table of worker views (worker.schema.HeartbeatKeys names th
 - pub/sub on the heartbeat channel: full heartbeats, which agents publish when anything
   but their load changed (a new worker, a state, models...), within milliseconds;
 - the regions' load records, read in one round trip as often as the snapshot may be
-  rebuilt (every 20 ms for a small fleet, ~1 s for 10,000 workers): each worker's
+  rebuilt (every 20 ms for a small fleet, ~1.3-1.5 s for 10,000 workers): each worker's
   newest load and order, applied onto the full heartbeat it was taken with (the record
   names it by a digest; when they differ, the worker's key is read). ~5-7 us a record
   taken in, in place (read, parsed, checked, a new view), where a heartbeat message cost
-  ~20 us: at 10,000 workers heartbeating at 4 Hz, read about once a second, ~10% of a
-  core instead of ~78% (BENCHMARKS.md, "Heartbeat plane");
+  ~20 us: at 10,000 workers heartbeating at 4 Hz, read every ~1.3-1.5 s, ~10% of a core
+  instead of ~78% (BENCHMARKS.md, "Heartbeat plane");
 - a full read (SCAN + MGET of the heartbeat keys) at start, after every reconnect and
   every `full_read_interval_s`: repairs anything a lost message left out (between two
   reconnects it parses only the keys of workers not heard from since the last one), and
@@ -67,14 +67,15 @@ log = logging.getLogger("globalpool.registry")
 # MAX_REBUILD_INTERVAL_S, until keeping the view takes the share of a core the router's
 # config allows (`router.fleet_view_cpu_share`, 0.1 by default; read at every build, so a
 # reload takes effect at once): a 10,000-worker fleet's view then lags its heartbeats by
-# about a second (BENCHMARKS.md, "Heartbeat plane"). What is measured (taking in,
+# ~1-1.5 s (BENCHMARKS.md, "Heartbeat plane"). What is measured (taking in,
 # building, freeing, by this thread's CPU time, so a busy machine does not stretch it) is
-# ~MEASURED_SHARE of what a cycle costs; reading the records (the Redis client parsing the
-# reply, ~1 us a record) is the rest, and cannot be told apart from what other tasks run
-# while the reply comes in. The interval is what was measured / (share x MEASURED_SHARE).
+# ~MEASURED_SHARE of what the router spends on the view (0.72-0.77 in five bench-heartbeats
+# runs at 10,000 workers); reading the records (the Redis client parsing the reply, ~1 us a
+# record) and the loop around it are the rest, and cannot be told apart from what other
+# tasks run meanwhile. The interval is what was measured / (share x MEASURED_SHARE).
 MIN_REBUILD_INTERVAL_S = 0.02
 MAX_REBUILD_INTERVAL_S = 2.0
-MEASURED_SHARE = 0.8
+MEASURED_SHARE = 0.75
 DEFAULT_CPU_SHARE = 0.1
 # The interval grows at most this much from one build to the next, so that the next read
 # stays within the margin views were given (NEXT_READ_INTERVALS) when a cycle suddenly
@@ -85,8 +86,8 @@ MAX_INTERVAL_GROWTH = 1.5
 # next interval is at most MAX_INTERVAL_GROWTH times this one, and the rest is for reading
 # and taking in 10,000 records between requests), when that is longer than its TTL
 # (snapshot.fresh_for_s): a live worker must not go stale between two reads. Small
-# fleets (20 ms) keep their TTL; at 10,000 workers (~1.1 s) a dead worker with a 1 s TTL
-# goes stale within ~3.5-4.5 s of its last record instead of ~1.5-2 s.
+# fleets (20 ms) keep their TTL; at 10,000 workers (~1.3-1.5 s) a dead worker with a 1 s
+# TTL goes stale within ~4-5 s of its last record instead of ~1.5-2 s.
 NEXT_READ_INTERVALS = 2.0
 NEXT_READ_SLACK_S = 0.1
 # Load records taken in one go before the event loop gets a turn: taking in 10,000 at once

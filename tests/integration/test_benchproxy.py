@@ -122,6 +122,7 @@ def test_heartbeat_plane_bench_runs_small_and_reports_what_keeping_the_view_cost
     ages = result["view_age_ms"]
     assert ages["count"] >= 300 and 0 <= ages["p50"] <= ages["max"] < 5000
     assert 0.02 <= result["router_rebuild_interval_s"] <= 2.0
+    assert 0.02 <= result["settled_interval_s"] <= 2.0  # the window began once it settled
     assert "age of its" in done.stdout
     assert sum(ages["histogram"].values()) == ages["count"]
     assert (tmp_path / "heartbeats.png").read_bytes().startswith(b"\x89PNG")

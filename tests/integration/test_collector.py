@@ -507,17 +507,19 @@ async def test_a_large_fleets_records_are_taken_in_with_other_tasks_running_betw
 async def test_records_read_less_often_than_a_ttl_keep_live_workers_and_age_out_silent_ones(
     valkey: EmbeddedValkey, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A large fleet's load records are read about once a second (the interval is ten
-    times what keeping the view costs), which can be longer than the workers' TTL: a worker
-    whose records keep changing stays fresh from one read to the next, even while
-    messages of other workers move the router's clock on in between (it is never dropped
-    from the table, to be read back from its key); a silent one still goes stale."""
+    """A large fleet's load records are read every second or so (as often as the share of
+    a core the config allows for keeping the view), which can be longer than the workers'
+    TTL: a worker whose records keep changing stays fresh from one read to the next, even
+    while messages of other workers move the router's clock on in between (it is never
+    dropped from the table, to be read back from its key); a silent one still goes
+    stale."""
     monkeypatch.setattr(collector_module, "MIN_REBUILD_INTERVAL_S", 1.5)  # > TTL_S
     # The scans for expired workers fall between two reads, more than a TTL after the first.
     monkeypatch.setattr(collector_module, "EXPIRY_CHECK_S", 1.2)
     async with following(valkey.url) as fleet:
         collector = fleet.collector
         assert collector is not None
+
         async def change_state() -> None:  # a message on the channel every 0.2 s
             for n in range(100):
                 await fleet.publish("m", state=(LifecycleState.READY,

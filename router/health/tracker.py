@@ -146,8 +146,16 @@ class Health:
         self._penalties_at_s = now_s
 
     def state_of(self, worker_id: str) -> BreakerState:
+        """The worker's breaker as the status page and metrics show it: an open one whose
+        backoff has run out is half-open (its next request is the probe), although the
+        breaker itself turns so only when a request asks (Breaker.admits): on a router
+        with no traffic for the worker it would otherwise read `ejected` indefinitely."""
         breaker = self._breakers.get(worker_id)
-        return BreakerState.CLOSED if breaker is None else breaker.state
+        if breaker is None:
+            return BreakerState.CLOSED
+        if breaker.state is BreakerState.OPEN and self._clock() >= breaker.open_until_s:
+            return BreakerState.HALF_OPEN
+        return breaker.state
 
     # --- the proxy's calls ------------------------------------------------------------
     def dispatched(self, attempt: Attempt) -> None:

@@ -170,6 +170,18 @@ async def _admin(url: str, path: str, body: dict[str, str]) -> None:
         assert response.status == 200, await response.text()
 
 
+async def _until_all_ready(url: str, timeout_s: float = 30.0) -> None:
+    """Until /admin/status says every worker of the stack is ready."""
+    async with aiohttp.ClientSession() as session, asyncio.timeout(timeout_s):
+        while True:
+            async with session.get(f"{url}/admin/status",
+                                   headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+                workers = (await response.json())["workers"]
+            if len(workers) == 6 and all(w["status"] == "ready" for w in workers):
+                return
+            await asyncio.sleep(0.2)
+
+
 CARDS = ("JSON.stringify(Object.fromEntries([...document.querySelectorAll('.card')].map("
          "c => [c.dataset.region, c.querySelector('[data-role=health]').textContent])))")
 
@@ -186,7 +198,11 @@ async def test_status_page_shows_the_regions_and_follows_a_drain(
 
     cards = json.loads(await browser.wait_for(
         f"(() => {{ const c = {CARDS}; return Object.keys(JSON.parse(c)).length === 3 && c }})()"))
-    assert cards == {region: "ok" for region in REGIONS}
+    assert set(cards) == set(REGIONS)
+    # Every region ok. The page follows the router every second: a worker whose engine
+    # probe timed out while this machine started Chromium (it happened: `degraded`, so
+    # ejected for 1 s) shows as ready again once its breaker's backoff has run out.
+    await browser.wait_for(f"Object.values(JSON.parse({CARDS})).every(h => h === 'ok')")
     assert await browser.evaluate("document.getElementById('router-region').textContent") \
         == "us-east"
     # `up` runs one router replica; nothing waits for a worker at this load.
@@ -223,6 +239,7 @@ async def test_status_page_shows_the_regions_and_follows_a_drain(
 
 def test_status_command_prints_the_table(up: RunningUp) -> None:
     env = {**os.environ, "GLOBALPOOL_ADMIN_TOKEN": TOKEN}
+    asyncio.run(_until_all_ready(up.url))  # as the page test: a probe blip passes in ~1 s
     result = subprocess.run(
         [sys.executable, "-m", "router.cli", "status", "--router", up.url],
         cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,

@@ -199,6 +199,10 @@ async def test_a_worker_that_answers_nobody_is_stalled_and_its_waits_abandoned()
     assert stuck.abandoned == "worker a stalled"
     assert health.state_of("a") is BreakerState.OPEN
     assert "stalled" in health.events[-1].detail
+    # Once its backoff has run out it shows as half-open (its next request is the probe),
+    # even before a request has asked the breaker (no traffic for it meanwhile).
+    clock.now = 3.5 + 60.0
+    assert health.state_of("a") is BreakerState.HALF_OPEN
 
 
 def test_no_stall_when_nobody_answers_or_the_worker_answered_since() -> None:

@@ -105,6 +105,10 @@ class QueueConfig(_Strict):
     )
 
 
+# router.fleet_view_cpu_share's default (router.registry.collector paces itself by it).
+DEFAULT_FLEET_VIEW_CPU_SHARE = 0.1
+
+
 class RouterConfig(_Strict):
     region: str | None = Field(default=None, description="the region this replica runs in")
     host: str = "127.0.0.1"
@@ -119,7 +123,7 @@ class RouterConfig(_Strict):
         "it has open on each worker, so that they count it between heartbeats (0: never)",
     )
     fleet_view_cpu_share: float = Field(
-        default=0.1, ge=0.01, le=1.0,
+        default=DEFAULT_FLEET_VIEW_CPU_SHARE, ge=0.01, le=1.0,
         description="the share of one core that keeping the view of the fleet may take: a "
         "large fleet's load records are read and the view rebuilt less often (up to every "
         "2 s) to stay within it; more = a fresher view of a large fleet (read every "

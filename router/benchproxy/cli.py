@@ -9,6 +9,8 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
+
 
 def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="folder for results and logs")
@@ -89,9 +91,11 @@ def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--legacy-agents", action="store_true",
                         help="publish as agents did before load records (every heartbeat "
                         "a message on the routers' channel), to compare")
-    parser.add_argument("--fleet-view-cpu-share", type=float, default=0.1,
-                        help="the router's router.fleet_view_cpu_share (default 0.1, as "
-                        "regions.yaml's): more reads the records more often")
+    parser.add_argument("--fleet-view-cpu-share", type=float,
+                        default=DEFAULT_FLEET_VIEW_CPU_SHARE,
+                        help="the router's router.fleet_view_cpu_share (default "
+                        f"{DEFAULT_FLEET_VIEW_CPU_SHARE:g}, as regions.yaml's): more reads the "
+                        "records more often")
 
 
 def run_bench_heartbeats(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ from router.benchproxy.cpu import tree_cpu_s
 from router.benchproxy.decision import ten_regions
 from router.benchproxy.heartbeats import until_settled
 from router.benchproxy.procs import new_event_loop
+from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry.snapshot import Snapshot
 from worker import redis_client
@@ -54,7 +55,7 @@ class CountingHolder(SnapshotHolder):
 
 
 async def collect(redis_url: str, prefix: str, seconds: float, keys: str,
-                  cpu_share: float = 0.1) -> dict[str, Any]:
+                  cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE) -> dict[str, Any]:
     config = ten_regions()
     gate = heartbeat_gate(lambda: config, parse_keys(keys) if keys else {}, SecurityStats())
     holder = CountingHolder()
@@ -109,7 +110,7 @@ def main() -> None:
     parser.add_argument("--prefix", required=True)
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--keys", default="", help="signing keys (key_id:secret) to verify")
-    parser.add_argument("--cpu-share", type=float, default=0.1,
+    parser.add_argument("--cpu-share", type=float, default=DEFAULT_FLEET_VIEW_CPU_SHARE,
                         help="as the router's router.fleet_view_cpu_share")
     args = parser.parse_args()
     tune_gc()  # as `globalpool router` does

@@ -38,6 +38,7 @@ from router.benchproxy import procs
 from router.benchproxy.cpu import tree_cpu_s
 from router.benchproxy.decision import REGIONS, ten_regions
 from router.benchproxy.stats import summarize
+from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
 
 WARM_TIMEOUT_S = 30.0
 WAITS_S = 10.0  # the request-wait probe's window (at most `--seconds`)
@@ -50,7 +51,7 @@ AGE_BIN_MS = 100  # the plot's bars
 
 
 def router_config(redis_url: str, prefix: str, port: int,
-                  cpu_share: float = 0.1) -> dict[str, Any]:
+                  cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE) -> dict[str, Any]:
     regions = ten_regions().model_dump(include={"regions"})["regions"]
     return {
         "apiVersion": "globalpool/v1",
@@ -301,7 +302,8 @@ def _rate(before: dict[str, float], after: dict[str, float], name: str,
 
 
 async def main(*, workers: int, hz: float, seconds: float, publishers: int, signed: bool,
-               out: Path | None, legacy: bool = False, cpu_share: float = 0.1) -> int:
+               out: Path | None, legacy: bool = False,
+               cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE) -> int:
     from redis.asyncio import Redis
 
     from router.devstack.valkey import EmbeddedValkey
@@ -459,7 +461,7 @@ def render(r: dict[str, Any]) -> str:
         f"heartbeat plane: {r['workers']:,} workers x {r['hz']:g} Hz = target "
         f"{r['target_per_s']:,.0f}/s; achieved {r['achieved_per_s']:,.0f}/s "
         f"({'signed' if r['signed'] else 'unsigned'}; agents: {r.get('agents', '?')}; "
-        f"fleet_view_cpu_share {r.get('fleet_view_cpu_share', 0.1):g}; "
+        f"fleet_view_cpu_share {r.get('fleet_view_cpu_share', DEFAULT_FLEET_VIEW_CPU_SHARE):g}; "
         f"{r['publishers']} publisher processes; "
         f"{r['pinning']}; a busy process got {_pct(r['router_core_share'])} of the router "
         "core)",

@@ -54,6 +54,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
 from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView, finish
 from router.registry.subscriber import Subscription
 from worker.redis_client import raise_if_cancelling
@@ -76,7 +77,6 @@ log = logging.getLogger("globalpool.registry")
 MIN_REBUILD_INTERVAL_S = 0.02
 MAX_REBUILD_INTERVAL_S = 2.0
 MEASURED_SHARE = 0.75
-DEFAULT_CPU_SHARE = 0.1
 # The interval grows at most this much from one build to the next, so that the next read
 # stays within the margin views were given (NEXT_READ_INTERVALS) when a cycle suddenly
 # costs more or the share is lowered; it shrinks at once.
@@ -174,7 +174,7 @@ class HeartbeatCollector:
         max_backoff_s: float = 2.0,
         gate: HeartbeatCheck | None = None,
         on_down: Callable[[WorkerView], None] = lambda _view: None,
-        cpu_share: Callable[[], float] = lambda: DEFAULT_CPU_SHARE,
+        cpu_share: Callable[[], float] = lambda: DEFAULT_FLEET_VIEW_CPU_SHARE,
     ) -> None:
         self._redis = redis
         self._gate = gate
@@ -357,9 +357,10 @@ class HeartbeatCollector:
         if reconnected:
             # Redis may have come back empty: a worker that has not re-published yet keeps
             # its place for one TTL from now; its next heartbeat, or expiry, settles it.
+            next_read_s = self._next_read_s()
             for worker_id in [w for w in self._views if w not in seen]:
                 self._views[worker_id] = self._views[worker_id].received_again(
-                    now, self._next_read_s())
+                    now, next_read_s)
         self._last_ok_at_s = self._clock()
 
     async def _read_loads(self) -> bool:
@@ -599,9 +600,10 @@ class HeartbeatCollector:
                     "heartbeat ages exclude that time", stalled_s)
         self._apply_queued()  # received before the stall: aged like the rest
         now = self._clock()
+        next_read_s = self._next_read_s()
         for worker_id, view in self._views.items():
             self._views[worker_id] = view.received_again(
-                min(now, view.received_at_s + stalled_s), self._next_read_s())
+                min(now, view.received_at_s + stalled_s), next_read_s)
         return bool(self._views)
 
     def _expired_any(self) -> bool:

@@ -138,8 +138,10 @@ class LocalStack:
 
     async def _start(self) -> None:
         if self._redis_url is None:
+            # Not the router's port: it is taken only once the router starts, after Valkey.
             self.valkey = await asyncio.to_thread(
-                EmbeddedValkey.start, die_with_parent=True, log_path=self.log_dir / "valkey.log")
+                EmbeddedValkey.start, die_with_parent=True, log_path=self.log_dir / "valkey.log",
+                avoid_ports=(self.port,))
             self._step(f"valkey      {self.valkey.url} (pid {self.valkey.pid})")
         else:
             self._step(f"redis       {self.redis_url} (external)")

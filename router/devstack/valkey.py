@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -23,11 +24,19 @@ class EmbeddedRedisError(RuntimeError):
     """The embedded server could not be started."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A TCP port that was free a moment ago on `host` and is not in `avoid`.
+
+    `avoid` names ports that are promised to something not listening yet (a router whose
+    port is in regions.yaml): the kernel may hand a port that was free a moment ago out again.
+    """
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in avoid:
+            return port
+    raise EmbeddedRedisError(f"no free port on {host} outside {sorted(avoid)}")
 
 
 def valkey_binary() -> str:
@@ -60,9 +69,11 @@ class EmbeddedValkey:
         cls, *, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 10.0,
         workdir: Path | None = None, die_with_parent: bool = False,
         log_path: Path | None = None, password: str | None = None,
+        avoid_ports: Collection[int] = (),
     ) -> EmbeddedValkey:
-        """`password` turns on AUTH (`requirepass`); `url` then carries it."""
-        chosen = port or free_port(host)
+        """`password` turns on AUTH (`requirepass`); `url` then carries it. Without `port` it
+        listens on a free one outside `avoid_ports`."""
+        chosen = port or free_port(host, avoid_ports)
         args = [
             valkey_binary(), "--port", str(chosen), "--bind", host, "--save", "",
             "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",

@@ -75,8 +75,9 @@ class _IdleWatchdog:
 
     __slots__ = ("_deadline", "_handle", "_idle_s", "_loop", "_upstream", "fired")
 
-    def __init__(self, upstream: UpstreamConnection, idle_s: float, total_s: float) -> None:
-        self._loop = asyncio.get_running_loop()
+    def __init__(self, loop: asyncio.AbstractEventLoop, upstream: UpstreamConnection,
+                 idle_s: float, total_s: float) -> None:
+        self._loop = loop
         self._upstream = upstream
         self._idle_s = idle_s
         self._deadline = self._loop.time() + total_s
@@ -109,8 +110,10 @@ class Deadline:
 
     __slots__ = ("_cancelled", "_handle", "_loop", "_task", "expired", "upstream")
 
-    def __init__(self, delay_s: float) -> None:
-        self._loop = loop = asyncio.get_running_loop()
+    def __init__(self, delay_s: float, loop: asyncio.AbstractEventLoop) -> None:
+        """`loop` is the running loop (the caller's, at hand: looking it up costs a
+        system call)."""
+        self._loop = loop
         self._task = asyncio.current_task(loop)
         self.upstream: UpstreamConnection | None = None
         self.expired = False
@@ -299,7 +302,7 @@ async def forward_unary(
 ) -> Reply:
     """A non-streaming request: the whole answer (with `response_headers`, completed),
     or UpstreamFailure."""
-    deadline = Deadline(timeouts.total_s)
+    deadline = Deadline(timeouts.total_s, pool.loop)
     try:
         upstream = await _send(pool, target, payload, deadline)
         answer = upstream.whole_body() if upstream.status == 200 else None
@@ -337,7 +340,7 @@ async def forward_stream(
 ) -> Reply:
     """A streaming request, passed through as it arrives without parsing the events
     (`response_headers` are completed for the client)."""
-    deadline = attempt.first_byte_deadline = Deadline(timeouts.first_byte_s)
+    deadline = attempt.first_byte_deadline = Deadline(timeouts.first_byte_s, pool.loop)
     try:
         upstream = await _send(pool, target, payload, deadline)
         refused = await _refuse_if_failed(upstream)
@@ -376,7 +379,7 @@ async def forward_stream(
     attempt.status = 200
     headers = _answer_headers(response_headers, upstream, attempt)
     headers["Cache-Control"] = "no-cache"
-    watchdog = _IdleWatchdog(upstream, timeouts.idle_s, timeouts.total_s)
+    watchdog = _IdleWatchdog(pool.loop, upstream, timeouts.idle_s, timeouts.total_s)
     try:
         broken = await exchange.relay(headers, first, upstream)
         if broken is not None:

@@ -165,15 +165,32 @@ def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
         if status < 100:
             raise _Malformed(f"status {status}")
     headers: dict[str, str] = {}
-    for field in lines[1:]:
-        name, colon, value = field.partition(":")
-        if not colon or not name or " " in name or "\t" in name:
-            raise _Malformed(f"header line {field[:100]!r}")
-        key = name.lower()
-        value = value.strip(" \t")
+    known_lines = _HEADER_LINES
+    for line in lines[1:]:
+        field = known_lines.get(line)
+        if field is None:
+            field = _header_field(line)
+        key, value = field
         previous = headers.get(key)
         headers[key] = value if previous is None else f"{previous}, {value}"
     return status, http_11, headers
+
+
+# Header lines seen before, parsed (a worker's answers repeat most of theirs: Server,
+# Content-Type, the Date of this second...). Bounded; lines that set cookies are not kept.
+_HEADER_LINES: dict[str, tuple[str, str]] = {}
+MAX_KNOWN_HEADER_LINES = 4096
+
+
+def _header_field(line: str) -> tuple[str, str]:
+    """(lower-case name, value) of a response header line; _Malformed if it is not one."""
+    name, colon, value = line.partition(":")
+    if not colon or not name or " " in name or "\t" in name:
+        raise _Malformed(f"header line {line[:100]!r}")
+    field = (name.lower(), value.strip(" \t"))
+    if len(_HEADER_LINES) < MAX_KNOWN_HEADER_LINES and field[0] != "set-cookie":
+        _HEADER_LINES[line] = field
+    return field
 
 
 def _content_length(value: str) -> int:
@@ -224,6 +241,7 @@ class UpstreamConnection(asyncio.Protocol):
         "_keep_alive",
         "_key",
         "_left",
+        "_loop",
         "_no_body",
         "_parked",
         "_pending",
@@ -250,7 +268,9 @@ class UpstreamConnection(asyncio.Protocol):
     last_data_s: float
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
-        loop = asyncio.get_running_loop()
+        # Kept: `asyncio.get_running_loop()` costs a getpid() system call on every call
+        # (CPython 3.11 checks for a fork), twice per request where it was called.
+        self._loop = loop = asyncio.get_running_loop()
         self._pool = pool
         self._key = key
         self._time = loop.time
@@ -373,7 +393,7 @@ class UpstreamConnection(asyncio.Protocol):
         """
         if self._sink is not None:
             raise RuntimeError("pipe() called twice")
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[None] = self._loop.create_future()
         future.add_done_callback(self._pipe_done)
         self._pipe_future = future
         self._sink = sink
@@ -722,7 +742,7 @@ class UpstreamConnection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def _wait(self) -> None:
-        waiter = asyncio.get_running_loop().create_future()
+        waiter = self._loop.create_future()
         self._waiter = waiter
         try:
             await waiter
@@ -792,6 +812,16 @@ class UpstreamPool:
         self._reused = 0
         self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, looked up once (`asyncio.get_running_loop()` makes a system
+        call each time): the pool is used from one loop."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     async def send(self, host: str, port: int, payload: bytes, *,
                    ssl: ssl_module.SSLContext | None = None) -> UpstreamConnection:

@@ -61,16 +61,21 @@ def config_version(text: bytes) -> str:
     return hashlib.sha256(text).hexdigest()[:12]
 
 
+MAX_REMEMBERED_RTTS = 4096
+
+
 class ConfigHolder:
     """The one mutable cell holding the config in force; the watcher is its only writer."""
 
-    __slots__ = ("_listeners", "_refusal_listeners", "current", "last_error",
+    __slots__ = ("_listeners", "_refusal_listeners", "_rtt", "_rtt_of", "current", "last_error",
                  "loaded_at_unix_s", "path", "reload_errors", "reloads", "restart_required",
                  "version")
 
     def __init__(self, config: GlobalConfig, *, path: Path | None = None,
                  version: str | None = None) -> None:
         self.current = config
+        self._rtt_of: GlobalConfig | None = None
+        self._rtt: dict[tuple[str, str], float] = {}
         self.path = path
         self.version = version or config_version(config.model_dump_json().encode())
         self.loaded_at_unix_s = time.time()
@@ -82,8 +87,19 @@ class ConfigHolder:
         self._refusal_listeners: list[Callable[[ReloadError], None]] = []
 
     def rtt_ms(self, src: str, dst: str) -> float:
-        """The RTT table of the config in force (a `RttTable` for the routing policy)."""
-        return self.current.rtt_ms(src, dst)
+        """The RTT table of the config in force (a `RttTable` for the routing policy),
+        remembered per config: routing asks for every region it scores."""
+        config = self.current
+        if config is not self._rtt_of:
+            self._rtt_of = config
+            self._rtt = {}
+        key = (src, dst)
+        rtt = self._rtt.get(key)
+        if rtt is None:
+            rtt = config.rtt_ms(src, dst)
+            if len(self._rtt) < MAX_REMEMBERED_RTTS:  # region names come from heartbeats
+                self._rtt[key] = rtt
+        return rtt
 
     def on_swap(self, listener: Callable[[GlobalConfig, GlobalConfig], None]) -> None:
         """Call `listener(old, new)` after every swap (synchronously, on the event loop)."""

@@ -77,6 +77,15 @@ _first = itemgetter(0)
 BATCH_SLOT_RESERVE = 0.25
 
 
+def _plain(request: RouteRequest) -> bool:
+    """An interactive request with nothing that narrows or bends its choice: no data
+    residency, drains, regions to avoid or session/prefix affinity (retries' excluded
+    workers are allowed)."""
+    return (request.traffic_class != "batch" and request.allowed_regions is None
+            and not request.drained and not request.avoid_regions
+            and request.session_id is None and request.prefix_key is None)
+
+
 class PredictedTtft(Policy, name="predicted_ttft"):
     """Lowest predicted TTFT wins; near-equal candidates are split by power of two choices.
 
@@ -96,8 +105,13 @@ class PredictedTtft(Policy, name="predicted_ttft"):
         """
         ranked = snapshot.ranked.get(request.model)
         health = self.context.health
+        quiet = health is None or health.quiet
+        if ranked is None and quiet and _plain(request):
+            decision = self._pick_plain(snapshot, request)
+            if decision is not None:
+                return decision
         if (ranked is None or request.traffic_class == "batch" or request.avoid_regions
-                or (health is not None and not health.quiet)):
+                or not quiet):
             return super().pick(snapshot, request)
         context = self.context
         now_s = context.clock()
@@ -126,6 +140,60 @@ class PredictedTtft(Policy, name="predicted_ttft"):
         if not scored:
             return super().pick(snapshot, request)  # says why there is no route
         return self._decide(scored, request, affine_id)
+
+    def _pick_plain(self, snapshot: Snapshot, request: RouteRequest) -> Decision | None:
+        """The general path's choice for the usual request to a pool too small to rank
+        (see `_plain`), in one pass: the filters, `_score` and `_decide` inlined. Most
+        requests of most fleets come this way, and the calls between those steps cost a
+        quarter of a proxied request's CPU. None when no ready, fresh worker is left:
+        the general path then says why, or falls back to degraded workers.
+        """
+        serving = snapshot.by_model.get(request.model)
+        if not serving:
+            return None
+        context = self.context
+        now_s = context.clock()
+        freshness_now = snapshot.freshness_now(now_s)
+        exclude = request.exclude
+        open_requests = context.inflight.counts
+        tokens = request.prompt_tokens
+        region_ms: dict[str, float] = {}
+        scored: list[tuple[float, WorkerView]] = []
+        best_ms = math.inf
+        for view in serving:
+            if not view.ready or view.expires_at_s <= freshness_now or (
+                    exclude and view.worker_id in exclude):
+                continue
+            region = view.region
+            base = region_ms.get(region)
+            if base is None:
+                base = region_ms[region] = self._region_ms(region, request, now_s)
+            queued = (view.reported_load + open_requests.get(view.worker_id, 0)
+                      - view.inflight_at_receipt + 1 - view.slots)
+            score = (base + view.kv_pressure_ms + tokens * view.prefill_ms_per_token
+                     + (queued * view.queue_ms_per_request if queued > 0 else 0.0))
+            scored.append((score, view))
+            if score < best_ms:
+                best_ms = score
+        if not scored:
+            return None
+        if len(scored) == 1:
+            chosen = scored[0]
+        else:
+            limit = best_ms + context.near_equal_ms
+            near = [item for item in scored if item[0] <= limit]
+            if len(near) >= 2:
+                first, second = two_of(near, context.rng)
+                chosen = first if first[0] <= second[0] else second
+            else:
+                chosen = near[0]
+        score, view = chosen
+        origin = request.origin_region
+        budget = request.ttft_budget_ms
+        return Decision(worker=view, predicted_ttft_ms=score,
+                        reason="local" if origin is None or view.region == origin
+                        else "spillover", candidates=len(scored),
+                        budget_met=None if budget is None else score <= budget)
 
     def _within_ms(self, best_ms: float, affine_id: str | None) -> float:
         """How far above the best a candidate can still be chosen."""

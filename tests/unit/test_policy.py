@@ -339,6 +339,52 @@ def test_large_pools_skip_regions_that_cannot_win_and_choose_as_if_they_had_not(
     assert sum(pruned) < 0.6 * sum(full), (sum(pruned), sum(full))
 
 
+def test_small_pools_choose_in_one_pass_exactly_as_the_general_path_does() -> None:
+    from router.health import Health
+
+    rng = random.Random(5)
+    states = [LifecycleState.READY] * 6 + [LifecycleState.DRAINING, LifecycleState.DEGRADED]
+    plain = general = 0
+    for trial in range(300):
+        regions = rng.sample(["us-east", "eu-west", "ap-south"], rng.randint(1, 3))
+        views = [view(f"w-{i}", rng.choice(regions), running=rng.randint(0, 10),
+                      waiting=rng.randint(0, 3), slots=rng.choice((4, 8, 16)),
+                      state=rng.choice(states), kv=rng.uniform(0.0, 0.95),
+                      received_at_s=rng.choice((100.0, 100.0, 100.0, 98.0, 97.0)),
+                      inflight_at_receipt=rng.randint(0, 2))
+                 for i in range(rng.randint(0, 12))]
+        snap = snapshot(*views)
+        inflight = InFlight()
+        for chosen in views:
+            for _ in range(rng.randint(0, 3)):
+                inflight.started(chosen.worker_id)
+        seed, near_equal_ms = rng.random(), rng.choice((0.0, 5.0, 50.0))
+        fast, slow = (create_policy("predicted_ttft", RoutingContext(
+            rtt_ms=rtt_ms, inflight=inflight, clock=FakeClock(), rng=random.Random(seed),
+            near_equal_ms=near_equal_ms, health=Health(clock=FakeClock()))) for _ in range(2))
+        for _ in range(5):
+            exclude = frozenset(rng.sample([v.worker_id for v in views],
+                                           min(len(views), rng.choice((0, 0, 1, 2)))))
+            request = RouteRequest(model=rng.choice(("m", "m", "other")),
+                                   origin_region=rng.choice(("us-east", "eu-west", None)),
+                                   prompt_tokens=rng.randint(1, 4000), exclude=exclude,
+                                   ttft_budget_ms=rng.choice((None, 50.0)))
+            try:
+                got = fast.pick(snap, request)
+            except NoRoute as exc:
+                with pytest.raises(NoRoute) as expected:
+                    Policy.pick(slow, snap, request)
+                assert str(exc) == str(expected.value)
+                general += 1
+                continue
+            want = Policy.pick(slow, snap, request)  # eligible, health filter, choose
+            assert (got.worker.worker_id, got.reason, got.candidates, got.budget_met) == (
+                want.worker.worker_id, want.reason, want.candidates, want.budget_met), trial
+            assert got.predicted_ttft_ms == want.predicted_ttft_ms
+            plain += 1
+    assert plain > 600 and general > 50, (plain, general)
+
+
 def test_two_of_draws_two_different_items_uniformly() -> None:
     rng = random.Random(7)
     pairs: Counter[tuple[int, int]] = Counter()

@@ -39,6 +39,7 @@ async def test_a_changed_good_file_is_swapped_in_and_listeners_hear_of_it(tmp_pa
     swaps: list[tuple[GlobalConfig, GlobalConfig]] = []
     holder.on_swap(lambda old, new: swaps.append((old, new)))
     first_version = holder.version
+    assert holder.rtt_ms("eu-west", "us-east") == 80  # remembered for this config
     assert await watcher.check() is False  # nothing changed
     changed = GOOD | {"regions": {**GOOD["regions"],  # type: ignore[dict-item]
                                   "us-east": {"rtt_ms": {"eu-west": 30}, "models": ["m"]}}}
@@ -48,6 +49,20 @@ async def test_a_changed_good_file_is_swapped_in_and_listeners_hear_of_it(tmp_pa
     assert holder.rtt_ms("eu-west", "us-east") == 30
     assert holder.version != first_version and holder.reloads == 1
     assert len(swaps) == 1 and swaps[0][0].rtt_ms("us-east", "eu-west") == 80
+
+
+def test_remembered_rtts_are_bounded_and_follow_the_config_in_force() -> None:
+    from router import config_reload
+
+    holder = ConfigHolder(GlobalConfig.model_validate(GOOD))
+    for number in range(config_reload.MAX_REMEMBERED_RTTS + 50):
+        assert holder.rtt_ms("us-east", f"forged-{number}") == 1000.0  # unknown region
+    assert len(holder._rtt) == config_reload.MAX_REMEMBERED_RTTS
+    assert holder.rtt_ms("us-east", "eu-west") == 80
+    changed = GOOD | {"regions": {**GOOD["regions"],  # type: ignore[dict-item]
+                                  "us-east": {"rtt_ms": {"eu-west": 30}, "models": ["m"]}}}
+    holder.current = GlobalConfig.model_validate(changed)  # even without swap()
+    assert holder.rtt_ms("us-east", "eu-west") == 30 and len(holder._rtt) == 1
 
 
 async def test_a_touched_but_unchanged_file_is_not_reloaded(tmp_path: Path) -> None:

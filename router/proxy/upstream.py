@@ -492,6 +492,18 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._received_any = True
         try:
+            if state == _HEAD and not self._head_buffer:
+                # The usual small answer: its whole head and a Content-Length body in
+                # one read, taken without the general parser.
+                end_of_head = data.find(b"\r\n\r\n")
+                if end_of_head >= 0:
+                    self._on_head(data[:end_of_head])
+                    data = data[end_of_head + 4 :]
+                    if self._state == _LENGTH and len(data) == self._left:
+                        self._left = 0
+                        self._emit(data)
+                        self._finish()
+                        return
             pieces = self._parse(data)
         except _Malformed as exc:
             self._break(f"malformed answer from the upstream: {exc}")

@@ -61,6 +61,11 @@ class Exchange(Protocol):
     @property
     def content_length(self) -> int | None: ...
 
+    def body_if_here(self) -> bytes | None:
+        """The whole body if it has all arrived (taken: do not read it again), else None
+        (then `read_body`). Spares the usual request, whose body came with its head, an
+        await."""
+
     async def read_body(self, timeout_s: float) -> bytes:
         """The whole body; ApiError(408) when it does not arrive within `timeout_s`."""
 
@@ -99,6 +104,9 @@ class AiohttpExchange:
     @property
     def content_length(self) -> int | None:
         return self._request.content_length
+
+    def body_if_here(self) -> bytes | None:
+        return None  # aiohttp reads it only in a coroutine
 
     async def read_body(self, timeout_s: float) -> bytes:
         request = self._request

@@ -41,6 +41,7 @@ from router.proxy.upstream import (
 # Request headers passed to workers. Everything else (Authorization, cookies, hop-by-hop
 # headers, Host, Content-Length) stays at the router.
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
+_FORWARDED = frozenset(FORWARDED_REQUEST_HEADERS)
 
 
 # Sends repeated at once when the connection breaks before any answer (usually a pooled
@@ -160,6 +161,8 @@ def set_upstream_key(headers: dict[str, str], key: str | None) -> None:
 
 def upstream_headers(incoming: Mapping[str, str]) -> dict[str, str]:
     """The client's headers that workers see (lower-case names)."""
+    if type(incoming) is dict:  # the front's: lower-case names already
+        return {name: value for name, value in incoming.items() if name in _FORWARDED}
     headers: dict[str, str] = {}
     for name in FORWARDED_REQUEST_HEADERS:
         value = incoming.get(name)
@@ -186,12 +189,13 @@ class Target:
         self._heads: dict[str, RequestHead] = {}  # per path: the request line and Host
 
     def request(self, path: str, headers: Mapping[str, str], body: bytes) -> bytes:
-        """`encode_request("POST", base_path + path, host_header, headers, body)`."""
+        """`encode_request("POST", base_path + path, host_header, headers.items(), body)`;
+        `headers` have lower-case names (`upstream_headers`)."""
         head = self._heads.get(path)
         if head is None:
             head = self._heads[path] = RequestHead("POST", self.base_path + path,
                                                    self.host_header)
-        return head.encode(headers.items(), body)
+        return head.encode_lower(headers, body)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -227,7 +231,8 @@ async def _send(pool: UpstreamPool, target: Target, payload: bytes,
     """Send the request and wait for the answer's head (status and headers)."""
     for tries_left in range(STALE_CONNECTION_RETRIES, -1, -1):
         try:
-            upstream = await pool.send(target.host, target.port, payload, ssl=target.ssl)
+            upstream = (pool.send_idle(target.host, target.port, payload)
+                        or await pool.send(target.host, target.port, payload, ssl=target.ssl))
         except ConnectFailed as exc:
             raise UpstreamFailure(f"cannot connect to worker: {exc}", Failure.CONNECT) from None
         deadline.upstream = upstream

@@ -114,6 +114,9 @@ class FrontExchange:
         self.content_length = content_length
         self.started = False  # the answer's head has been written
 
+    def body_if_here(self) -> bytes | None:
+        return self._protocol.body_if_here(self.content_length)
+
     def read_body(self, timeout_s: float) -> Coroutine[Any, Any, bytes]:
         return self._protocol.read_body(self.content_length, timeout_s)  # one await less
 
@@ -284,6 +287,15 @@ class FrontProtocol(asyncio.Protocol):
             return None
         close = "close" in headers.get("connection", "").lower()
         return path, headers, int(raw_length), close
+
+    def body_if_here(self, length: int) -> bytes | None:
+        buffer = self._buffer
+        if len(buffer) < length:
+            return None
+        body = bytes(buffer[:length])
+        del buffer[:length]
+        self._body_left = 0
+        return body
 
     async def read_body(self, length: int, timeout_s: float) -> bytes:
         if len(self._buffer) < length:

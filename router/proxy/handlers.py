@@ -48,6 +48,8 @@ CLASS_HEADER = "x-globalpool-class"  # interactive (default) | batch
 TTFT_BUDGET_HEADER = "x-globalpool-ttft-budget-ms"
 TRAFFIC_CLASSES = ("interactive", "batch")
 
+_new = object.__new__
+
 _KIND_BY_PATH = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -97,7 +99,9 @@ class Proxy:
             if (exchange.content_length or 0) > router_config.max_body_bytes:
                 limit = router_config.max_body_bytes
                 raise ApiError(413, f"request body is too large (limit {limit} bytes)")
-            body = await exchange.read_body(router_config.client_timeouts.body_s)
+            body = exchange.body_if_here()
+            if body is None:
+                body = await exchange.read_body(router_config.client_timeouts.body_s)
             kind = _KIND_BY_PATH[exchange.path]
             parsed = parse_body(body, kind, router_config.max_json_depth)
             if admission is not None and principal is not None:  # else nothing to check
@@ -106,11 +110,14 @@ class Proxy:
             hints = _routing_hints(exchange.headers)
         except ApiError as exc:
             return _with_headers(api_error_reply(exc), rate_headers)
-        record = RequestRecord(model=parsed.model, kind=kind, stream=parsed.stream,
+        # Made and initialised in two steps: `RequestRecord(...)` costs twice as much, as
+        # the type's call turns keyword arguments into a dict for a Python `__init__`.
+        record = _new(RequestRecord)
+        RequestRecord.__init__(record, model=parsed.model, kind=kind, stream=parsed.stream,
                                origin_region=origin, received_s=received_s)
         try:
-            reply = await self._route_and_forward(exchange, body, parsed, record, principal,
-                                                  hints, rate_headers)
+            reply = await self._route_and_forward(config, exchange, body, parsed, record,
+                                                  principal, hints, rate_headers)
         except BaseException:
             record.status = 499  # the client went away (handler cancelled)
             raise
@@ -125,11 +132,11 @@ class Proxy:
                 observer.request_finished(record)
 
     async def _route_and_forward(
-        self, exchange: Exchange, body: bytes, parsed: ParsedRequest, record: RequestRecord,
-        principal: Principal | None, hints: tuple[str | None, str, float | None],
-        rate_headers: Mapping[str, str] | None,
+        self, config: GlobalConfig, exchange: Exchange, body: bytes, parsed: ParsedRequest,
+        record: RequestRecord, principal: Principal | None,
+        hints: tuple[str | None, str, float | None], rate_headers: Mapping[str, str] | None,
     ) -> Reply:
-        router_config = self.config.router
+        router_config = config.router
         headers = upstream_headers(exchange.headers)
         if self.propagate_trace:
             inject_current_trace(headers)  # the worker continues this router's span
@@ -141,7 +148,10 @@ class Proxy:
         failure: UpstreamFailure | None = None
         self.retry_budget.request_arrived()
         free_retry = False
-        route = RouteRequest(
+        # `__new__` called directly: `RouteRequest(...)` costs twice as much, as the type's
+        # call turns the keywords into a dict for a named tuple's Python `__new__`.
+        route = RouteRequest.__new__(
+            RouteRequest,
             model=parsed.model,
             origin_region=record.origin_region,
             prompt_tokens=parsed.prompt_tokens,
@@ -177,7 +187,7 @@ class Proxy:
                     log.warning("no retry for %s: %s", parsed.model, exc.reason)
                     break  # report the upstream failure, not "nothing left to try"
                 record.error = exc.reason
-                return _no_route(exc, configured=parsed.model in self.config.models)
+                return _no_route(exc, configured=parsed.model in config.models)
             except QueueFull as exc:
                 record.error = str(exc)
                 return error_reply(503, f"no capacity: every worker is busy and {exc}",
@@ -187,10 +197,11 @@ class Proxy:
             now = time.monotonic()
             if record.routed_s is None:
                 record.routed_s = now
-            attempt = Attempt(worker_id=worker.worker_id, region=worker.region,
-                              predicted_ttft_ms=decision.predicted_ttft_ms,
-                              reason=decision.reason if not record.attempts else "retry",
-                              started_s=now, streamed=parsed.stream)
+            attempt = _new(Attempt)  # see `record` above
+            Attempt.__init__(attempt, worker_id=worker.worker_id, region=worker.region,
+                             predicted_ttft_ms=decision.predicted_ttft_ms,
+                             reason=decision.reason if not record.attempts else "retry",
+                             started_s=now, streamed=parsed.stream)
             record.attempts.append(attempt)
             reply_headers = {
                 REGION_HEADER: worker.region,
@@ -202,7 +213,7 @@ class Proxy:
                 reply_headers.update(rate_headers)
             if decision.budget_met is not None:
                 reply_headers[BUDGET_HEADER] = "met" if decision.budget_met else "missed"
-            set_upstream_key(headers, self._upstream_key(worker.region))
+            set_upstream_key(headers, self._upstream_key(config, worker.region))
             if not counted:
                 self.inflight.started(worker.worker_id)
             self.health.dispatched(attempt)
@@ -259,9 +270,8 @@ class Proxy:
             headers={"Retry-After": "1"},
         )
 
-    def _upstream_key(self, region: str) -> str | None:
+    def _upstream_key(self, config: GlobalConfig, region: str) -> str | None:
         """`upstream_key`, read once per region and config (not per attempt)."""
-        config = self.config
         if config is not self._keys_config:
             self._keys_config = config
             self._keys.clear()

@@ -154,6 +154,8 @@ def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
             raise ApiError(400, "'input' is required", param="input")
         chars = _text_chars(document["input"])
         prefix_key = None
-    return ParsedRequest(model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
-                         completion_tokens=0 if kind == "embeddings"
-                         else _requested_tokens(document), prefix_key=prefix_key)
+    # `__new__` directly: half the cost of `ParsedRequest(...)` (see handlers' RouteRequest)
+    return ParsedRequest.__new__(
+        ParsedRequest, model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
+        completion_tokens=0 if kind == "embeddings" else _requested_tokens(document),
+        prefix_key=prefix_key)

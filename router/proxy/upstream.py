@@ -24,7 +24,7 @@ import functools
 import socket
 import ssl as ssl_module
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from http import HTTPStatus
 from typing import cast
 
@@ -126,9 +126,21 @@ class RequestHead:
         a CR or LF in a header or a character outside Latin-1."""
         lines = [f"{name}: {value}\r\n" for name, value in headers
                  if name.lower() not in _FRAMING_HEADERS]
-        block = "".join(lines)
+        return self._encode("".join(lines), len(lines), body)
+
+    def encode_lower(self, headers: Mapping[str, str], body: bytes) -> bytes:
+        """`encode(headers.items(), body)` for headers whose names are all lower-case,
+        joined without a Python loop (the proxy's own upstream headers)."""
+        if not _FRAMING_HEADERS.isdisjoint(headers):
+            return self.encode(headers.items(), body)
+        block = "\r\n".join(map(": ".join, headers.items()))
+        if block:
+            block += "\r\n"
+        return self._encode(block, len(headers), body)
+
+    def _encode(self, block: str, lines: int, body: bytes) -> bytes:
         head = f"{self._line}{block}Content-Length: {len(body)}\r\n\r\n"
-        if block.count("\r") != len(lines) or block.count("\n") != len(lines):
+        if block.count("\r") != lines or block.count("\n") != lines:
             raise ValueError(f"CR or LF inside the request line or a header: {head!r}")
         return head.encode("latin-1") + body
 
@@ -327,7 +339,14 @@ class UpstreamConnection(asyncio.Protocol):
         while not self._head_ready:
             if self._error is not None:
                 raise self._broken()
-            await self._wait()
+            waiter = self._waiter = self._loop.create_future()  # `_wait`, one await less
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                self._reusable = False  # the answer is left unread
+                raise
+            finally:
+                self._waiter = None
         return self.status, self.headers
 
     async def read_some(self) -> bytes:
@@ -844,16 +863,22 @@ class UpstreamPool:
         longer than `connect_timeout_s`; UpstreamError after `close`. A broken reused
         connection shows later, as ConnectionBroken(stale=True) from head() or a read.
         """
+        connection = self.send_idle(host, port, payload)
+        if connection is not None:
+            return connection
+        connection = await self._connect((host, port), ssl)
+        connection._begin(payload, reused=False)
+        return connection
+
+    def send_idle(self, host: str, port: int, payload: bytes) -> UpstreamConnection | None:
+        """`send` on an idle connection, without an await; None if there is none (then
+        `send`). UpstreamError after `close`."""
         if self._closed:
             raise UpstreamError("the upstream pool is closed")
-        key = (host, port)
-        connection = self._take_idle(key)
+        connection = self._take_idle((host, port))
         if connection is not None:
             self._reused += 1
             connection._begin(payload, reused=True)
-            return connection
-        connection = await self._connect(key, ssl)
-        connection._begin(payload, reused=False)
         return connection
 
     def stats(self) -> dict[str, int]:

@@ -185,6 +185,17 @@ def test_a_request_head_encodes_as_encode_request_does() -> None:
         head.encode([("X", "\u20ac")], b"")
 
 
+def test_lower_case_headers_encode_as_their_items_do() -> None:
+    head = RequestHead("POST", "/v1/completions", "w1:8000")
+    for headers in ({}, {"x-id": "7"}, {"x-id": "7", "accept": "*/*", "authorization": "Bearer k"},
+                    {"x-id": "7", "content-length": "99", "host": "x"}):
+        assert head.encode_lower(headers, b"{}") == head.encode(headers.items(), b"{}")
+    with pytest.raises(ValueError, match="CR or LF"):
+        head.encode_lower({"x": "a\r\nevil: 1"}, b"")
+    with pytest.raises(ValueError, match="CR or LF"):
+        head.encode_lower({"x": "a\nevil: 1"}, b"")
+
+
 async def test_the_whole_body_of_an_answer_that_has_arrived(
         serve: Callable[[list[Reply]], Awaitable[Worker]], pool: UpstreamPool) -> None:
     worker = await serve([answer(ok(b"hello")), trickle(chunked(b"data: a\n\n"))])

@@ -234,7 +234,7 @@ class RouterQueue:
 
     def capacity_freed(self) -> None:
         """A request of this router finished: the heads may go now."""
-        if len(self.backlog):
+        if self.backlog._count:  # len(), without the call: this runs for every request
             self._wake.set()
 
     def _start_pump(self) -> None:

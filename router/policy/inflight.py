@@ -31,8 +31,13 @@ class InFlight:
         self._open[worker_id] = self._open.get(worker_id, 0) + 1
 
     def finished(self, worker_id: str) -> None:
-        if self._own.get(worker_id, 0) > 0:
-            _add(self._own, worker_id, -1)
+        own = self._own
+        count = own.get(worker_id, 0)
+        if count > 0:
+            if count > 1:
+                own[worker_id] = count - 1
+            else:
+                del own[worker_id]
             _add(self._open, worker_id, -1)
 
     def of(self, worker_id: str) -> int:

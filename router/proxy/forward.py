@@ -151,14 +151,6 @@ def upstream_key(config: GlobalConfig, region: str) -> str | None:
     return os.environ.get(name) or None if name else None
 
 
-def set_upstream_key(headers: dict[str, str], key: str | None) -> None:
-    """`Authorization: Bearer <key>` for one attempt (the client's own never goes upstream)."""
-    if key is None:
-        headers.pop("authorization", None)
-    else:
-        headers["authorization"] = f"Bearer {key}"
-
-
 def upstream_headers(incoming: Mapping[str, str]) -> dict[str, str]:
     """The client's headers that workers see (lower-case names)."""
     if type(incoming) is dict:  # the front's: lower-case names already

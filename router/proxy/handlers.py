@@ -25,7 +25,6 @@ from router.proxy.forward import (
     UpstreamFailure,
     forward_stream,
     forward_unary,
-    set_upstream_key,
     target_of,
     upstream_headers,
     upstream_key,
@@ -49,6 +48,7 @@ TTFT_BUDGET_HEADER = "x-globalpool-ttft-budget-ms"
 TRAFFIC_CLASSES = ("interactive", "batch")
 
 _new = object.__new__
+_UNREAD = "\x00unread"  # not a header value (a NUL cannot be in one)
 
 _KIND_BY_PATH = {
     "/v1/chat/completions": "chat",
@@ -126,7 +126,7 @@ class Proxy:
             return _with_headers(reply, rate_headers)
         finally:
             record.finished_s = time.monotonic()
-            if admission is not None:
+            if admission is not None and principal is not None:
                 admission.record_residency(principal, record)
             for observer in self.observers:
                 observer.request_finished(record)
@@ -213,7 +213,7 @@ class Proxy:
                 reply_headers.update(rate_headers)
             if decision.budget_met is not None:
                 reply_headers[BUDGET_HEADER] = "met" if decision.budget_met else "missed"
-            set_upstream_key(headers, self._upstream_key(config, worker.region))
+            self._authorize(headers, config, worker.region)
             if not counted:
                 self.inflight.started(worker.worker_id)
             self.health.dispatched(attempt)
@@ -270,14 +270,20 @@ class Proxy:
             headers={"Retry-After": "1"},
         )
 
-    def _upstream_key(self, config: GlobalConfig, region: str) -> str | None:
-        """`upstream_key`, read once per region and config (not per attempt)."""
+    def _authorize(self, headers: dict[str, str], config: GlobalConfig, region: str) -> None:
+        """`Authorization: Bearer <key>` in `headers` for `region`'s workers, or none (the
+        client's own never goes upstream). The key is read once per region and config."""
         if config is not self._keys_config:
             self._keys_config = config
             self._keys.clear()
-        if region not in self._keys:
-            self._keys[region] = upstream_key(config, region)
-        return self._keys[region]
+        value = self._keys.get(region, _UNREAD)
+        if value is _UNREAD:
+            key = upstream_key(config, region)
+            value = self._keys[region] = None if key is None else f"Bearer {key}"
+        if value is None:
+            headers.pop("authorization", None)
+        else:
+            headers["authorization"] = value
 
     def _pick(self, route: RouteRequest) -> Decision:
         """Route on the fleet view of this moment (a waiting request is routed again)."""

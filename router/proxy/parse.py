@@ -74,13 +74,18 @@ def nesting_depth_exceeds(document: Any, limit: int) -> bool:
 
 
 def _requested_tokens(document: dict[str, Any]) -> int | None:
-    limit = document.get("max_completion_tokens", document.get("max_tokens"))
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+    limit = document.get("max_completion_tokens", _MISSING)
+    if limit is _MISSING:
+        limit = document.get("max_tokens")
+    if type(limit) is not int or limit < 0:  # not a bool either (a subclass of int)
         return None
     choices = document.get("n", 1)
-    if not isinstance(choices, int) or isinstance(choices, bool) or not 1 <= choices <= 128:
+    if type(choices) is not int or not 1 <= choices <= 128:
         choices = 1
     return limit * choices
+
+
+_MISSING = object()
 
 
 def _text_chars(content: Any) -> int:
@@ -141,7 +146,8 @@ def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ApiError(400, "each message must be an object with a 'role'",
                                param="messages")
-            chars += _text_chars(message.get("content"))
+            content = message.get("content")
+            chars += len(content) if type(content) is str else _text_chars(content)
         prefix_key = (prefix_key_of([m.get("content") for m in messages])
                       if chars >= PREFIX_CHARS else None)
     elif kind == "completions":

@@ -812,7 +812,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._parked = True
         self._idle_since = self.last_data_s
         self._caller_paused = self._buffer_paused = False
-        self._set_reading()  # a peer's close or stray bytes must be noticed while idle
+        if self._reading_paused:
+            self._set_reading()  # a peer's close or stray bytes must be noticed while idle
 
 
 class UpstreamPool:

@@ -70,26 +70,35 @@ class UpstreamFailure(Exception):
 class _IdleWatchdog:
     """Closes an upstream stream that stalls for `idle_s` or runs past `total_s`.
 
-    The upstream connection notes the loop time of its latest bytes; a timer that wakes
-    every fraction of `idle_s` compares. Nothing is re-armed per chunk.
+    The upstream connection counts its reads; a timer that wakes every quarter of `idle_s`
+    notes when the count last moved, so a stall is caught between `idle_s` and 1.5 x
+    `idle_s` after the last bytes. Nothing is re-armed, and no clock read, per chunk.
     """
 
-    __slots__ = ("_deadline", "_handle", "_idle_s", "_loop", "_upstream", "fired")
+    __slots__ = ("_deadline", "_handle", "_idle_s", "_loop", "_quiet_since", "_reads",
+                 "_upstream", "fired")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, upstream: UpstreamConnection,
                  idle_s: float, total_s: float) -> None:
         self._loop = loop
         self._upstream = upstream
         self._idle_s = idle_s
-        self._deadline = self._loop.time() + total_s
+        now = loop.time()
+        self._deadline = now + total_s
+        self._reads = upstream.reads
+        self._quiet_since = now  # the stream's first bytes were just read
         self.fired: str | None = None
         self._handle = self._loop.call_later(min(idle_s, total_s) / 4, self._check)
 
     def _check(self) -> None:
         now = self._loop.time()
-        if now - self._upstream.last_data_s >= self._idle_s:
+        reads = self._upstream.reads
+        if reads != self._reads:
+            self._reads = reads
+            self._quiet_since = now
+        elif now - self._quiet_since >= self._idle_s:
             self.fired = f"no data from the worker for {self._idle_s:g} s"
-        elif now >= self._deadline:
+        if self.fired is None and now >= self._deadline:
             self.fired = "the request ran past its total timeout"
         if self.fired is not None:
             self._upstream.close()

@@ -271,13 +271,13 @@ class UpstreamConnection(asyncio.Protocol):
         "_waiter",
         "_write_frame",
         "headers",
-        "last_data_s",
+        "reads",
         "status",
     )
 
     status: int
     headers: dict[str, str]
-    last_data_s: float
+    reads: int  # reads from the socket so far: a stream's idle watchdog compares them
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
         # Kept: `asyncio.get_running_loop()` costs a getpid() system call on every call
@@ -293,7 +293,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._reading_paused = False
         self._head_buffer = bytearray()
         self._waiter: asyncio.Future[None] | None = None
-        self.last_data_s = loop.time()
+        self.reads = 0
         self._reset(reused=False)
         self._state = _IDLE
         self._released = True
@@ -488,7 +488,7 @@ class UpstreamConnection(asyncio.Protocol):
         return None  # close our side too; connection_lost follows
 
     def data_received(self, data: bytes) -> None:
-        self.last_data_s = self._time()
+        self.reads += 1  # cheaper than noting the time of every read
         state = self._state
         if state == _LENGTH:  # the common cases first, without the general parser
             left = self._left
@@ -538,8 +538,22 @@ class UpstreamConnection(asyncio.Protocol):
         """The fast path for a read that is whole non-empty chunks and nothing else (a
         streamed token, or a few): pass them on and return True. False leaves the read
         to the general parser (a partial chunk, extensions, the last chunk...)."""
-        pos = 0
         end = len(data)
+        eol = data.find(b"\r\n", 0, 17)
+        if eol > 0 and not data[:eol].strip(_HEX_DIGITS):
+            size = int(data[:eol], 16)
+            if size and eol + size + 4 == end and data.endswith(b"\r\n"):
+                # exactly one whole chunk, a streamed token's usual read: no loop
+                self._received_any = True
+                if self._write_frame is None:
+                    self._emit(data[eol + 2 : -2])
+                    return True
+                try:
+                    self._write_frame(data)
+                except Exception as exc:
+                    self._sink_failed(exc)
+                return True
+        pos = 0
         payload_at = chunks = 0
         while pos < end:
             chunks += 1
@@ -807,10 +821,10 @@ class UpstreamConnection(asyncio.Protocol):
         self._transport.write(payload)
 
     def _park(self) -> None:
-        """Idle in the pool from now (the time of the answer's last byte)."""
+        """Idle in the pool from now."""
         self._state = _IDLE
         self._parked = True
-        self._idle_since = self.last_data_s
+        self._idle_since = self._time()
         self._caller_paused = self._buffer_paused = False
         if self._reading_paused:
             self._set_reading()  # a peer's close or stray bytes must be noticed while idle

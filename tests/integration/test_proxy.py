@@ -199,6 +199,22 @@ async def test_stalled_stream_hits_the_idle_timeout(fleet_factory: FleetFactory)
     assert rest.endswith(b"data: [DONE]\n\n")
 
 
+async def test_a_stream_that_keeps_going_is_cut_at_the_total_timeout(
+        fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east"},
+                                {"connect_s": 1, "first_byte_s": 2, "idle_s": 0.4, "total_s": 1})
+    await fleet.faults("a", slow_factor=5.0)  # a token every ~5 ms: never idle, for ~10 s
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{fleet.router_url}/v1/chat/completions",
+        json={**CHAT, "stream": True, "max_tokens": 2000},
+    ) as response:
+        rest = await asyncio.wait_for(response.read(), timeout=8)
+    assert 1.0 <= time.monotonic() - started < 4
+    assert b"the request ran past its total timeout" in rest
+    assert rest.endswith(b"data: [DONE]\n\n")
+
+
 async def test_client_disconnect_cancels_the_upstream_request(fleet_factory: FleetFactory) -> None:
     fleet = await fleet_factory({"a": "us-east"})
     async with aiohttp.ClientSession() as session:

@@ -290,14 +290,6 @@ async def _read_all(upstream: UpstreamConnection) -> bytes:
     return body
 
 
-async def _read_first(upstream: UpstreamConnection) -> bytes:
-    try:
-        return await upstream.read_some()
-    except BaseException:
-        upstream.close()
-        raise
-
-
 async def forward_unary(
     pool: UpstreamPool,
     target: Target,
@@ -355,7 +347,11 @@ async def forward_stream(
             attempt.status = upstream.status
             return Reply(upstream.status,
                          _answer_headers(response_headers, upstream, attempt), refused)
-        first = await _read_first(upstream)
+        try:
+            first = await upstream.read_some()
+        except BaseException:
+            upstream.close()
+            raise
     except ConnectionBroken as exc:
         if deadline.expired:
             raise _first_byte_timeout(attempt, timeouts) from None

@@ -88,7 +88,7 @@ class Proxy:
         Refusals come back as error replies (never raised), with the caller's rate-limit
         headers once it was admitted."""
         received_s = time.monotonic()
-        config = self.config
+        config = self.configs.current  # (`self.config`, without the property's call)
         router_config = config.router
         admission = self.admission
         rate_headers: Mapping[str, str] | None = None

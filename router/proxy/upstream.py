@@ -339,7 +339,7 @@ class UpstreamConnection(asyncio.Protocol):
         while not self._head_ready:
             if self._error is not None:
                 raise self._broken()
-            waiter = self._waiter = self._loop.create_future()  # `_wait`, one await less
+            waiter = self._waiter = self._loop.create_future()  # see `_wake`
             try:
                 await waiter
             except asyncio.CancelledError:
@@ -364,7 +364,14 @@ class UpstreamConnection(asyncio.Protocol):
                 return b""
             if self._error is not None:
                 raise self._broken()
-            await self._wait()
+            waiter = self._waiter = self._loop.create_future()  # as in `head`, inline:
+            try:  # a nested coroutine per wait cost more than these lines
+                await waiter
+            except asyncio.CancelledError:
+                self._reusable = False  # the answer is left half-read
+                raise
+            finally:
+                self._waiter = None
 
     def whole_body(self) -> bytes | None:
         """The rest of the body, without waiting, when the whole answer has arrived (a
@@ -785,17 +792,6 @@ class UpstreamConnection(asyncio.Protocol):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-    async def _wait(self) -> None:
-        waiter = self._loop.create_future()
-        self._waiter = waiter
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            self._reusable = False  # the answer is left half-read
-            raise
-        finally:
-            self._waiter = None
 
     def _set_reading(self) -> None:
         transport = self._transport

@@ -11,8 +11,8 @@ exposition is prometheus_client's and reads the same: `<name>_total` for a count
 
 from __future__ import annotations
 
-import bisect
 import math
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
@@ -67,7 +67,7 @@ class LabelledHistogram:
         counts = self.series.get(labels)
         if counts is None:
             counts = self.series[labels] = [0.0] * (len(self.bounds) + 1)
-        counts[bisect.bisect_left(self.bounds, value)] += 1
+        counts[bisect_left(self.bounds, value)] += 1
         counts[-1] += value
 
     def collect(self) -> Iterator[Metric]:

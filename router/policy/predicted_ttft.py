@@ -148,8 +148,8 @@ class PredictedTtft(Policy, name="predicted_ttft"):
         quarter of a proxied request's CPU. None when no ready, fresh worker is left:
         the general path then says why, or falls back to degraded workers.
         """
-        serving = snapshot.by_model.get(request.model)
-        if not serving:
+        rows = snapshot.ready_terms(request.model)
+        if not rows:
             return None
         context = self.context
         now_s = context.clock()
@@ -160,18 +160,17 @@ class PredictedTtft(Policy, name="predicted_ttft"):
         region_ms: dict[str, float] = {}
         scored: list[tuple[float, WorkerView]] = []
         best_ms = math.inf
-        for view in serving:
-            if not view.ready or view.expires_at_s <= freshness_now or (
-                    exclude and view.worker_id in exclude):
+        for (view, worker_id, region, expires_at_s, kv_pressure_ms, prefill_ms_per_token,
+             queue_base, queue_ms_per_request) in rows:
+            if expires_at_s <= freshness_now or (exclude and worker_id in exclude):
                 continue
-            region = view.region
             base = region_ms.get(region)
             if base is None:
                 base = region_ms[region] = self._region_ms(region, request, now_s)
-            queued = (view.reported_load + open_requests.get(view.worker_id, 0)
-                      - view.inflight_at_receipt + 1 - view.slots)
-            score = (base + view.kv_pressure_ms + tokens * view.prefill_ms_per_token
-                     + (queued * view.queue_ms_per_request if queued > 0 else 0.0))
+            queued = queue_base + open_requests.get(worker_id, 0)
+            score = base + kv_pressure_ms + tokens * prefill_ms_per_token
+            if queued > 0:
+                score += queued * queue_ms_per_request
             scored.append((score, view))
             if score < best_ms:
                 best_ms = score

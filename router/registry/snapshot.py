@@ -233,6 +233,9 @@ class RegionRanking:
                    min_kv_pressure_ms=min(map(_kv_pressure_ms, views)))
 
 
+ScoringRow = tuple[WorkerView, str, str, float, float, float, int, float]
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Every known worker, indexed by model, plus how current the view is.
@@ -254,6 +257,9 @@ class Snapshot:
     built_at_s: float = 0.0
     redis_connected: bool = False
     last_redis_ok_at_s: float | None = None
+    # model -> `ready_terms(model)`, filled on first use (a snapshot's views never change)
+    _terms: dict[str, tuple[ScoringRow, ...]] = field(default_factory=dict, init=False,
+                                                      compare=False, repr=False)
 
     @classmethod
     def build(
@@ -334,6 +340,23 @@ class Snapshot:
 
     def serving(self, model: str) -> tuple[WorkerView, ...]:
         return self.by_model.get(model, ())
+
+    def ready_terms(self, model: str) -> tuple[ScoringRow, ...]:
+        """The model's `ready` workers, each as (view, worker id, region, expires_at_s,
+        kv_pressure_ms, prefill_ms_per_token, queue base, queue_ms_per_request), where the
+        queue base is reported load - inflight_at_receipt + 1 - slots (add this router's
+        open requests on the worker for the requests ahead of a new one). Built once per
+        snapshot and model: a routing decision over a small pool reads one tuple per worker
+        instead of eight attributes (see router.policy.predicted_ttft)."""
+        rows = self._terms.get(model)
+        if rows is None:
+            rows = self._terms[model] = tuple(
+                (view, view.worker_id, view.region, view.expires_at_s, view.kv_pressure_ms,
+                 view.prefill_ms_per_token,
+                 view.reported_load - view.inflight_at_receipt + 1 - view.slots,
+                 view.queue_ms_per_request)
+                for view in self.by_model.get(model, ()) if view.ready)
+        return rows
 
     def models(self, now_s: float) -> list[str]:
         """Models served by at least one fresh worker that is not draining or gone."""

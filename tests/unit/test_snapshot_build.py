@@ -60,3 +60,24 @@ def test_the_views_are_read_before_the_first_pause() -> None:
         while True:
             next(steps)
     assert len(done.value.value.workers) == 100
+
+
+def test_ready_terms_are_the_ready_workers_scoring_terms_read_once() -> None:
+    views = [view(i) for i in range(6)]
+    draining = WorkerView(Heartbeat(
+        worker_id="gone", region="r0", endpoint="http://127.0.0.1:1", models=("m",),
+        state=LifecycleState.DRAINING, capacity=Capacity(max_num_seqs=8),
+        load=Load(running=2, waiting=0, kv_cache_usage=None), seq=1,
+        sent_at_s=1.0, ttl_s=2.0), received_at_s=5.0, inflight_at_receipt=1)
+    snapshot = Snapshot.build([*views, draining], **STATE)
+    rows = snapshot.ready_terms("m")
+    assert rows is snapshot.ready_terms("m")  # built once
+    assert [row[1] for row in rows] == [v.worker_id for v in snapshot.by_model["m"] if v.ready]
+    for row in rows:
+        v = row[0]
+        assert row[1:] == (v.worker_id, v.region, v.expires_at_s, v.kv_pressure_ms,
+                           v.prefill_ms_per_token,
+                           v.running + v.waiting - v.inflight_at_receipt + 1 - v.slots,
+                           v.queue_ms_per_request)
+    assert snapshot.ready_terms("unknown") == ()
+    assert Snapshot.build(views, **STATE).ready_terms("m") is not rows  # per snapshot

@@ -8,6 +8,7 @@
     globalpool drill SCENARIO --out DIR [--quick]   # failover drill under load (DRILLS.md)
     globalpool bench --out DIR [--quick]         # routing policies on one trace (BENCHMARKS.md)
     globalpool bench-proxy --out DIR [--quick]   # proxy cost vs peer routers (BENCHMARKS.md)
+    globalpool bench-instructions [--tree DIR]   # instructions per request (callgrind)
     globalpool status [--router URL] [--watch]   # regions and workers, from the admin API
 """
 
@@ -76,6 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench-heartbeats", help="router CPU to follow 10,000 workers heartbeating at 4 Hz")
     benchproxy.add_bench_heartbeats_arguments(bench_heartbeats)
     bench_heartbeats.set_defaults(run=benchproxy.run_bench_heartbeats)
+    bench_instructions = commands.add_parser(
+        "bench-instructions",
+        help="the router's instructions per proxied request under callgrind, per source tree")
+    benchproxy.add_bench_instructions_arguments(bench_instructions)
+    bench_instructions.set_defaults(run=benchproxy.run_bench_instructions)
 
     from router.bench.cli import add_bench_arguments, run_bench_command
 

@@ -1,4 +1,5 @@
-"""Arguments of `globalpool bench-proxy`, `bench-decision` and `bench-heartbeats`.
+"""Arguments of `globalpool bench-proxy`, `bench-decision`, `bench-heartbeats` and
+`bench-instructions`.
 
 Kept free of heavy imports: `globalpool` builds every subcommand's parser at start.
 """
@@ -104,3 +105,46 @@ def run_bench_heartbeats(args: argparse.Namespace) -> int:
     return asyncio.run(main(workers=args.workers, hz=args.hz, seconds=args.seconds,
                             publishers=args.publishers, signed=args.signed, out=args.out,
                             legacy=args.legacy_agents, cpu_share=args.fleet_view_cpu_share))
+
+
+def add_bench_instructions_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write instructions.json and callgrind's dumps here")
+    parser.add_argument("--tree", type=Path, action="append", default=None,
+                        help="a source tree (checkout) whose router to measure; repeat to "
+                             "compare (default: this one)")
+    parser.add_argument("--workloads", default="unary,stream",
+                        help="comma-separated: unary,stream,paced (default unary,stream)")
+    parser.add_argument("--requests", type=int, default=1000,
+                        help="measured requests per workload (default 1,000)")
+
+
+def run_bench_instructions(args: argparse.Namespace) -> int:
+    from router.benchproxy.instructions import Options, bench_instructions
+    from router.benchproxy.procs import new_event_loop
+    from router.benchproxy.routers import Unavailable
+    from router.benchproxy.workloads import workloads
+
+    names = _names(args.workloads) or []
+    known = [w.name for w in workloads(False)]
+    wrong = [n for n in names if n not in known]
+    if wrong or not names:
+        print(f"unknown workload(s) {', '.join(wrong)} (known: {', '.join(known)})")
+        return 2
+    here = Path(__file__).resolve().parents[2]
+    trees = [tree.resolve() for tree in (args.tree or [here])]
+    missing = [str(tree) for tree in trees if not (tree / "router" / "cli.py").is_file()]
+    if missing:
+        print(f"not a globalpool source tree: {', '.join(missing)}")
+        return 2
+    options = Options(out=args.out, trees=trees, workloads=names,
+                      requests=max(1, args.requests))
+    loop = new_event_loop()
+    try:
+        document = loop.run_until_complete(bench_instructions(options))
+    except Unavailable as exc:
+        print(f"bench-instructions: {exc}")
+        return 2
+    finally:
+        loop.close()
+    return 0 if all(row["errors"] == 0 for row in document["results"]) else 1

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration.test_bench import _skip_unless_slow_tests_are_asked_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_one_tree_measured_twice_counts_the_same_instructions(
         request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    _skip_unless_slow_tests_are_asked_for(request.config)
+    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
+        pytest.skip("runs the router under valgrind (~30 s): run with `pytest -m slow`")
     if shutil.which("valgrind") is None:
         pytest.skip("valgrind is not installed (apt-get install valgrind)")
     out = tmp_path / "instructions"

@@ -12,6 +12,7 @@ heartbeat.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -75,6 +76,17 @@ AFFINITY_SLACK_SHARE = 0.25
 _first = itemgetter(0)
 # Batch traffic leaves this share of every worker's batch slots to interactive requests.
 BATCH_SLOT_RESERVE = 0.25
+
+
+def _one_of_the_best(scored: list[tuple[float, WorkerView]], limit_ms: float,
+                     rng: random.Random) -> tuple[float, WorkerView]:
+    """Of the candidates scored at most `limit_ms` (the best and those near-equal to it),
+    the lower of two drawn at random (power of two choices), or the only one."""
+    near = [item for item in scored if item[0] <= limit_ms]
+    if len(near) >= 2:
+        first, second = two_of(near, rng)
+        return first if first[0] <= second[0] else second
+    return near[0]
 
 
 def _plain(request: RouteRequest) -> bool:
@@ -176,17 +188,8 @@ class PredictedTtft(Policy, name="predicted_ttft"):
                 best_ms = score
         if not scored:
             return None
-        if len(scored) == 1:
-            chosen = scored[0]
-        else:
-            limit = best_ms + context.near_equal_ms
-            near = [item for item in scored if item[0] <= limit]
-            if len(near) >= 2:
-                first, second = two_of(near, context.rng)
-                chosen = first if first[0] <= second[0] else second
-            else:
-                chosen = near[0]
-        score, view = chosen
+        score, view = scored[0] if len(scored) == 1 else _one_of_the_best(
+            scored, best_ms + context.near_equal_ms, context.rng)
         origin = request.origin_region
         budget = request.ttft_budget_ms
         # `__new__` directly: half the cost of `Decision(...)` (a named tuple's Python
@@ -233,13 +236,7 @@ class PredictedTtft(Policy, name="predicted_ttft"):
                     if score <= best_ms + max(AFFINITY_SLACK_MS, AFFINITY_SLACK_SHARE * best_ms):
                         return self._decision(view, score, "affinity", request, len(scored))
                     break
-        near = [item for item in scored if item[0] <= best_ms + context.near_equal_ms]
-        if len(near) >= 2:
-            first, second = two_of(near, context.rng)
-            chosen = first if first[0] <= second[0] else second
-        else:
-            chosen = near[0]
-        score, view = chosen
+        score, view = _one_of_the_best(scored, best_ms + context.near_equal_ms, context.rng)
         origin = request.origin_region
         reason = "local" if origin is None or view.region == origin else "spillover"
         return self._decision(view, score, reason, request, len(scored))

@@ -51,10 +51,12 @@ READ_AHEAD_BYTES = 256 * 1024
 _REQUEST_LINES = {f"POST {path} HTTP/1.1": path for path in INFERENCE_PATHS}
 # Header lines seen before, parsed: (lower-case name, value). Clients repeat most of
 # theirs request after request (Host, Content-Type, Accept, User-Agent, Content-Length of
-# a common size), and a lookup costs a third of parsing one. Bounded; lines that carry
+# a common size), and a lookup costs a third of parsing one. Bounded (4,096 lines of at
+# most 256 characters: 1 MB at worst, whatever clients send); lines that carry
 # credentials are never kept.
 _HEADER_LINES: dict[str, tuple[str, str]] = {}
 MAX_KNOWN_HEADER_LINES = 4096
+MAX_KNOWN_LINE_CHARS = 256
 _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key",
                              "api-key"})
 
@@ -65,7 +67,8 @@ def _header_field(line: str) -> tuple[str, str] | None:
     if not colon or not name or name[0] in " \t" or name[-1] in " \t":
         return None
     field = (name.lower(), value.strip(" \t"))
-    if len(_HEADER_LINES) < MAX_KNOWN_HEADER_LINES and field[0] not in _SECRET_HEADERS:
+    if (len(_HEADER_LINES) < MAX_KNOWN_HEADER_LINES and len(line) <= MAX_KNOWN_LINE_CHARS
+            and field[0] not in _SECRET_HEADERS):
         _HEADER_LINES[line] = field
     return field
 

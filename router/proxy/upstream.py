@@ -189,9 +189,11 @@ def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
 
 
 # Header lines seen before, parsed (a worker's answers repeat most of theirs: Server,
-# Content-Type, the Date of this second...). Bounded; lines that set cookies are not kept.
+# Content-Type, the Date of this second...). Bounded (4,096 lines of at most 256
+# characters); lines that set cookies are not kept.
 _HEADER_LINES: dict[str, tuple[str, str]] = {}
 MAX_KNOWN_HEADER_LINES = 4096
+MAX_KNOWN_LINE_CHARS = 256
 
 
 def _header_field(line: str) -> tuple[str, str]:
@@ -200,7 +202,8 @@ def _header_field(line: str) -> tuple[str, str]:
     if not colon or not name or " " in name or "\t" in name:
         raise _Malformed(f"header line {line[:100]!r}")
     field = (name.lower(), value.strip(" \t"))
-    if len(_HEADER_LINES) < MAX_KNOWN_HEADER_LINES and field[0] != "set-cookie":
+    if (len(_HEADER_LINES) < MAX_KNOWN_HEADER_LINES and len(line) <= MAX_KNOWN_LINE_CHARS
+            and field[0] != "set-cookie"):
         _HEADER_LINES[line] = field
     return field
 

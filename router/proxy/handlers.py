@@ -345,7 +345,10 @@ def _server_timing(record: RequestRecord, attempt: Attempt) -> str:
     the client's TTFB minus these.
     """
     routed = record.routed_s if record.routed_s is not None else attempt.started_s
-    parts = [f"route;dur={(routed - record.received_s - record.queued_s) * 1000:.3f}"]
+    route = f"route;dur={(routed - record.received_s - record.queued_s) * 1000:.3f}"
+    if not record.queued_s and len(record.attempts) < 2:
+        return route  # the usual request: routed at once, first attempt
+    parts = [route]
     if record.queued_s:
         parts.append(f"queue;dur={record.queued_s * 1000:.3f}")
     if len(record.attempts) > 1:

@@ -40,8 +40,9 @@ OTHER_MODEL = "(other)"  # unrouted requests for models nobody serves: bounded l
 DEFAULT_CLASS = "interactive"
 
 
-def _traffic_class(record: RequestRecord) -> str:
-    return record.traffic_class or DEFAULT_CLASS
+# HTTP statuses as label values, made once: a new string per request would be hashed and
+# compared character by character at every count.
+_STATUS_LABELS = {status: str(status) for status in range(100, 600)}
 
 
 class RequestMetrics:
@@ -91,15 +92,19 @@ class RequestMetrics:
             self.upstream_ttfb.observe((region,), ttfb_s)
 
     def request_finished(self, record: RequestRecord) -> None:
-        served = record.served_by
-        if record.attempts:
-            region = (served or record.attempts[-1]).region
+        attempts = record.attempts
+        if attempts:  # the region of the last attempt, which served it if anything did
+            last = attempts[-1]
+            served = last if last.first_byte_s is not None else None  # record.served_by
+            region = last.region
             model = record.model
         else:
+            served = None
             region = NO_REGION
             model = record.model if record.model in self._known_models() else OTHER_MODEL
-        self.requests.inc((region, model, _traffic_class(record), record.kind,
-                           str(record.status)))
+        status = record.status
+        self.requests.inc((region, model, record.traffic_class or DEFAULT_CLASS, record.kind,
+                           _STATUS_LABELS.get(status) or str(status)))
         if record.routed_s is not None:
             self.route.observe((), record.routed_s - record.received_s)
         if served is None or served.first_byte_s is None or record.finished_s is None:

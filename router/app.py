@@ -146,6 +146,7 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         on_down=lambda view: health.reported_down(view.worker_id, view.region,
                                                   view.heartbeat.state.value),
         cpu_share=lambda: app[OPERATIONS].configs.current.router.fleet_view_cpu_share,
+        agent_interval_s=lambda: app[OPERATIONS].configs.current.heartbeat.interval_s,
     )
     app[COLLECTOR] = collector
     task = asyncio.create_task(collector.run(), name="heartbeat-collector")

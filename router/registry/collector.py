@@ -90,6 +90,13 @@ MAX_INTERVAL_GROWTH = 1.5
 # TTL goes stale within ~4-5 s of its last record instead of ~1.5-2 s.
 NEXT_READ_INTERVALS = 2.0
 NEXT_READ_SLACK_S = 0.1
+# Load records are read at most this many times per agents' heartbeat interval
+# (`heartbeat.interval_s`): a small fleet's view would otherwise be rebuilt and its records
+# read every 20 ms, 25 reads per record written at 0.5 s, ~3% of a core for a handful of
+# workers (BENCHMARKS.md). Reading 10 times per interval adds at most a tenth of it to a
+# record's age; messages (state changes, new and departing workers) still reach the view
+# at the next build.
+LOAD_READS_PER_INTERVAL = 10
 # Load records taken in one go before the event loop gets a turn: taking in 10,000 at once
 # kept every request waiting ~50 ms (a router's /health answered in up to 63 ms during the
 # heartbeat bench); 200 take ~1-2 ms (signed: ~2 ms). A request needs several turns, so
@@ -175,11 +182,16 @@ class HeartbeatCollector:
         gate: HeartbeatCheck | None = None,
         on_down: Callable[[WorkerView], None] = lambda _view: None,
         cpu_share: Callable[[], float] = lambda: DEFAULT_FLEET_VIEW_CPU_SHARE,
+        agent_interval_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
+        """`agent_interval_s`: how often agents write their records (the config's
+        `heartbeat.interval_s`; read at every load read, so a reload takes effect): see
+        LOAD_READS_PER_INTERVAL. 0: as often as the view is built."""
         self._redis = redis
         self._gate = gate
         self._on_down = on_down
         self._cpu_share = cpu_share  # see MEASURED_SHARE
+        self._agent_interval_s = agent_interval_s
         self._pubsub_redis = pubsub_redis
         self._keys = keys
         self._holder = holder
@@ -209,6 +221,7 @@ class HeartbeatCollector:
         self.read_records = 0  # load records read that had changed since the last read
         self.applied_records = 0  # of those: taken
         self.worker_reads = 0  # heartbeat keys read for a record (unknown worker, changed)
+        self.load_reads = 0  # round trips reading every region's load records
         # Thread CPU seconds spent parsing, checking and applying what was read, and
         # building snapshots (not the Redis client's reads), and snapshots built.
         self.upkeep_cpu_s = 0.0
@@ -222,7 +235,8 @@ class HeartbeatCollector:
                 "heartbeats_malformed": self.rejected_heartbeats,
                 "load_records_read": self.read_records,
                 "load_records_applied": self.applied_records,
-                "heartbeat_key_reads": self.worker_reads}
+                "heartbeat_key_reads": self.worker_reads,
+                "load_record_reads": self.load_reads}
 
     def upkeep(self) -> dict[str, float]:
         """What keeping the fleet view costs (exported as globalpool_fleet_view_*): CPU
@@ -288,9 +302,10 @@ class HeartbeatCollector:
                 if now >= next_load_read:
                     dirty |= await self._read_loads()
                     now = self._clock()
-                    # As often as a snapshot may be built: load must reach the view as
-                    # fast as messages did (passive health's stall evidence reads it).
-                    next_load_read = now + self._rebuild_every_s
+                    # As often as a snapshot may be built (load must reach the view as
+                    # fast as messages do: passive health's stall evidence reads it), but
+                    # not many times per record written.
+                    next_load_read = now + self._load_read_every_s()
                 if now >= next_full_read:
                     started = time.thread_time()
                     self._apply_queued()  # older than what the full read finds
@@ -309,9 +324,12 @@ class HeartbeatCollector:
                     published_at = now
                     dirty = False
 
+    def _load_read_every_s(self) -> float:
+        return max(self._rebuild_every_s, self._agent_interval_s() / LOAD_READS_PER_INTERVAL)
+
     def _next_read_s(self) -> float:
         """The longest until the load records are read again (see NEXT_READ_INTERVALS)."""
-        return NEXT_READ_INTERVALS * self._rebuild_every_s + NEXT_READ_SLACK_S
+        return NEXT_READ_INTERVALS * self._load_read_every_s() + NEXT_READ_SLACK_S
 
     def _full_read_every_s(self) -> float:
         """Large fleets are read in full less often: pub/sub carries the updates anyway."""
@@ -374,6 +392,7 @@ class HeartbeatCollector:
         regions = sorted(self._load_regions.union(view.region for view in self._views.values()))
         if not regions:
             return False
+        self.load_reads += 1
         async with self._redis.pipeline(transaction=False) as pipe:
             for region in regions:
                 pipe.hgetall(self._keys.loads(region))

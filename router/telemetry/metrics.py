@@ -320,6 +320,7 @@ _HEARTBEAT_COUNTS = {
     "load_records_applied": "Load records taken into the fleet view.",
     "heartbeat_key_reads": "Worker keys read because a load record named an unknown worker "
                            "or a changed heartbeat.",
+    "load_record_reads": "Reads of every region's load records (one round trip each).",
 }
 
 

@@ -95,7 +95,8 @@ SECRET = b"a-test-secret-of-at-least-32-bytes!!"
 
 @contextlib.asynccontextmanager
 async def following(url: str, clock: Callable[[], float] = time.monotonic, *,
-                    signed: bool = False) -> AsyncIterator[Fleet]:
+                    signed: bool = False, agent_interval_s: float = 0.0,
+                    ) -> AsyncIterator[Fleet]:
     fleet = Fleet(url, clock, HeartbeatSigner("k1", SECRET) if signed else None)
     gate = HeartbeatGate(keys={"k1": SECRET}, rules=HeartbeatRules,
                          stats=fleet.stats) if signed else None
@@ -103,6 +104,7 @@ async def following(url: str, clock: Callable[[], float] = time.monotonic, *,
         redis=connect(url), pubsub_redis=connect_pubsub(url), keys=KEYS, holder=fleet.holder,
         full_read_interval_s=2.0, clock=clock, gate=gate,
         on_down=lambda view: fleet.downs.append(view.worker_id),
+        agent_interval_s=lambda: agent_interval_s,
     )
     fleet.collector = collector
     task = asyncio.create_task(collector.run())
@@ -547,3 +549,34 @@ async def test_records_read_less_often_than_a_ttl_keep_live_workers_and_age_out_
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_load_records_are_read_a_few_times_per_agent_interval_and_messages_at_once(
+    valkey: EmbeddedValkey,
+) -> None:
+    """A small fleet is built every 20 ms, but its records, written once per agent
+    interval, are read only LOAD_READS_PER_INTERVAL times in one; a state change, which
+    comes as a message, still reaches the view at the next build."""
+    for agent_interval_s, reads_per_s in ((0.0, 50.0), (5.0, 2.0)):
+        async with following(valkey.url, agent_interval_s=agent_interval_s) as fleet:
+            collector = fleet.collector
+            assert collector is not None
+            publishing = asyncio.create_task(fleet.keep_publishing("a"))
+            try:
+                await until(lambda: "a" in fleet.fresh())
+                before, started = collector.load_reads, time.monotonic()
+                await asyncio.sleep(3.0)
+                rate = (collector.load_reads - before) / (time.monotonic() - started)
+                if agent_interval_s:
+                    assert 0.5 * reads_per_s <= rate <= 1.3 * reads_per_s, rate
+                    assert collector.counts()["load_record_reads"] == collector.load_reads
+                    publishing.cancel()
+                    sent = time.monotonic()
+                    await fleet.publish("a", state=LifecycleState.DRAINING)
+                    await until(lambda: not fleet.holder.current.workers["a"].ready, 2.0)
+                    assert time.monotonic() - sent < 0.3  # not a read interval (0.5 s) later
+                else:
+                    assert rate > 0.4 * reads_per_s, rate  # every build, as before
+            finally:
+                publishing.cancel()
+                await asyncio.gather(publishing, return_exceptions=True)

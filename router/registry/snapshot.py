@@ -350,6 +350,8 @@ class Snapshot:
         instead of eight attributes (see router.policy.predicted_ttft)."""
         rows = self._terms.get(model)
         if rows is None:
+            if model not in self.by_model:
+                return ()  # not kept: clients name any model they like
             rows = self._terms[model] = tuple(
                 (view, view.worker_id, view.region, view.expires_at_s, view.kv_pressure_ms,
                  view.prefill_ms_per_token,

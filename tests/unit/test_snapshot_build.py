@@ -80,4 +80,5 @@ def test_ready_terms_are_the_ready_workers_scoring_terms_read_once() -> None:
                            v.running + v.waiting - v.inflight_at_receipt + 1 - v.slots,
                            v.queue_ms_per_request)
     assert snapshot.ready_terms("unknown") == ()
+    assert "unknown" not in snapshot._terms  # a client's made-up model costs no memory
     assert Snapshot.build(views, **STATE).ready_terms("m") is not rows  # per snapshot

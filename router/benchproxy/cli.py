@@ -117,6 +117,11 @@ def add_bench_instructions_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated: unary,stream,paced (default unary,stream)")
     parser.add_argument("--requests", type=int, default=1000,
                         help="measured requests per workload (default 1,000)")
+    parser.add_argument("--vllm-router", action="store_true",
+                        help="also measure vllm-router (installed as bench-proxy installs it)")
+    parser.add_argument("--peers-dir", type=Path, default=None,
+                        help="virtualenv for vllm-router (default: "
+                             "~/.cache/globalpool/bench-peers)")
 
 
 def run_bench_instructions(args: argparse.Namespace) -> int:
@@ -138,7 +143,8 @@ def run_bench_instructions(args: argparse.Namespace) -> int:
         print(f"not a globalpool source tree: {', '.join(missing)}")
         return 2
     options = Options(out=args.out, trees=trees, workloads=names,
-                      requests=max(1, args.requests))
+                      requests=max(1, args.requests), vllm_router=args.vllm_router,
+                      peers_dir=args.peers_dir)
     loop = new_event_loop()
     try:
         document = loop.run_until_complete(bench_instructions(options))

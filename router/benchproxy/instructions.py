@@ -6,7 +6,8 @@ hot path are worth; the instructions the router's process executes per request d
 same fake backends, config, signed heartbeats and load generator) but under valgrind's
 callgrind, with counting switched on only around the measured phase, and prints
 instructions per request for each workload, for this tree and any other source trees
-given (`--tree`, e.g. a `git worktree` of the commit before a change), side by side.
+given (`--tree`, e.g. a `git worktree` of the commit before a change), side by side, and
+with `--vllm-router` for vllm-router in front of the same backends.
 
 What it does not see: system calls (the kernel's share, about a quarter of the router's
 CPU here) and cache misses. Streams are slowed ~50x under valgrind, so their chunks
@@ -30,8 +31,16 @@ import yaml
 
 from router.benchproxy import procs
 from router.benchproxy.fleet import publish_heartbeats
+from router.benchproxy.peers import PeerEnv
 from router.benchproxy.routers import Running, Unavailable, globalpool_config, wait_ready
-from router.benchproxy.run import BACKEND_PORTS, _cores, _loadgen, _start_backends, _Valkey
+from router.benchproxy.run import (
+    BACKEND_PORTS,
+    _cores,
+    _default_peers_dir,
+    _loadgen,
+    _start_backends,
+    _Valkey,
+)
 from router.benchproxy.workloads import MODEL, PACED_MODEL, workloads
 
 WARMUP_REQUESTS = 200
@@ -45,6 +54,8 @@ class Options:
     trees: list[Path]  # source trees (checkouts) whose router is measured, in order
     workloads: list[str]
     requests: int = 1000
+    vllm_router: bool = False  # also vllm-router, after the trees (installed as bench-proxy does)
+    peers_dir: Path | None = None
 
 
 def _tool(name: str) -> str:
@@ -54,9 +65,9 @@ def _tool(name: str) -> str:
     return path
 
 
-def _dumps(work: Path, number: int, pid: int) -> list[Path]:
-    """callgrind's dump files of tree `number`'s router (process `pid`)."""
-    return sorted(work.glob(f"callgrind.tree-{number}.{pid}*"))
+def _dumps(work: Path, name: str, pid: int) -> list[Path]:
+    """callgrind's dump files of the router `name` (process `pid`)."""
+    return sorted(work.glob(f"callgrind.{name}.{pid}*"))
 
 
 def _totals(paths: list[Path]) -> int:
@@ -73,7 +84,7 @@ async def _measure_tree(tree: Path, number: int, options: Options, work: Path,
                         redis_url: str, backend_ports: list[int], backends_pid: int,
                         router_cores: set[int] | None, load_cores: set[int] | None,
                         say: Any) -> list[dict[str, Any]]:
-    valgrind, control = _tool("valgrind"), _tool("callgrind_control")
+    """globalpool from the source tree `tree`, configured as bench-proxy configures it."""
     port = procs.free_port()
     prefix = f"gpinstr-{secrets.token_hex(4)}"
     config_path = work / f"tree-{number}-regions.yaml"
@@ -85,25 +96,56 @@ async def _measure_tree(tree: Path, number: int, options: Options, work: Path,
     stop_heartbeats = await publish_heartbeats(
         redis_url, prefix, [f"http://127.0.0.1:{p}" for p in backend_ports], keys,
         models=(MODEL, PACED_MODEL))
-    out_pattern = work / f"callgrind.tree-{number}.%p"
+    try:
+        return await _measure(
+            str(tree), f"tree-{number}",
+            [sys.executable, "-m", "router.cli", "router", "--config", str(config_path),
+             "--port", str(port)], port, env, tree, options, work, backends_pid,
+            router_cores, load_cores, say)
+    finally:
+        await stop_heartbeats()
+
+
+async def _measure_vllm_router(peers: PeerEnv, options: Options, work: Path,
+                               backend_ports: list[int], backends_pid: int,
+                               router_cores: set[int] | None, load_cores: set[int] | None,
+                               say: Any) -> list[dict[str, Any]]:
+    """vllm-router as bench-proxy runs it (round robin over the same backends)."""
+    port, metrics_port = procs.free_port(), procs.free_port()
+    argv = [peers.binary("vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+            "--policy", "round_robin", "--worker-urls",
+            *(f"http://127.0.0.1:{p}" for p in backend_ports),
+            "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1",
+            "--log-level", "warning"]
+    label = f"vllm-router {peers.version('vllm-router')}"
+    return await _measure(label, "vllm-router", argv, port, dict(os.environ), work, options,
+                          work, backends_pid, router_cores, load_cores, say)
+
+
+async def _measure(label: str, name: str, argv: list[str], port: int, env: dict[str, str],
+                   cwd: Path, options: Options, work: Path, backends_pid: int,
+                   router_cores: set[int] | None, load_cores: set[int] | None,
+                   say: Any) -> list[dict[str, Any]]:
+    """`argv` (a router listening on `port`) under callgrind: each workload after a
+    warm-up, counting only its measured requests."""
+    valgrind, control = _tool("valgrind"), _tool("callgrind_control")
+    out_pattern = work / f"callgrind.{name}.%p"
     process = procs.start(
         [valgrind, "--tool=callgrind", "--instr-atstart=no",
-         f"--callgrind-out-file={out_pattern}", sys.executable, "-m", "router.cli", "router",
-         "--config", str(config_path), "--port", str(port)],
-        cores=router_cores, log_path=work / f"tree-{number}-router.log", env=env, cwd=tree)
-    running = Running(f"tree-{number}", [("127.0.0.1", port)], process,
-                      work / f"tree-{number}-router.log")
+         f"--callgrind-out-file={out_pattern}", *argv],
+        cores=router_cores, log_path=work / f"{name}-router.log", env=env, cwd=cwd)
+    running = Running(name, [("127.0.0.1", port)], process, work / f"{name}-router.log")
     rows: list[dict[str, Any]] = []
     try:
         await wait_ready(running, timeout_s=READY_UNDER_VALGRIND_S)
-        for name in options.workloads:
-            workload = next(w for w in workloads(False) if w.name == name)
+        for workload_name in options.workloads:
+            workload = next(w for w in workloads(False) if w.name == workload_name)
             warm = replace(workload, requests=WARMUP_REQUESTS, warmup_requests=0,
                            time_limit_s=TIME_LIMIT_S)
             measured = replace(workload, requests=options.requests, warmup_requests=0,
                                time_limit_s=TIME_LIMIT_S)
             await _loadgen(warm, running, backends_pid, load_cores, work)
-            for old in _dumps(work, number, process.pid):
+            for old in _dumps(work, name, process.pid):
                 old.unlink()
             await asyncio.to_thread(subprocess.run, [control, "-z", str(process.pid)],
                                     capture_output=True, check=False)
@@ -114,16 +156,15 @@ async def _measure_tree(tree: Path, number: int, options: Options, work: Path,
                                     capture_output=True, check=True)
             await asyncio.to_thread(subprocess.run, [control, "-d", str(process.pid)],
                                     capture_output=True, check=True)
-            total = _totals(_dumps(work, number, process.pid))
+            total = _totals(_dumps(work, name, process.pid))
             completed = int(result["completed"])
-            row = {"tree": str(tree), "workload": name, "requests": completed,
+            row = {"router": label, "workload": workload_name, "requests": completed,
                    "errors": int(result["errors"]),
                    "instructions_per_request": round(total / completed) if completed else None}
             rows.append(row)
-            say(f"{tree}: {name:<6} {row['instructions_per_request'] or 0:>10,} instructions "
-                f"per request ({completed} requests, {row['errors']} errors)")
+            say(f"{label}: {workload_name:<6} {row['instructions_per_request'] or 0:>10,} "
+                f"instructions per request ({completed} requests, {row['errors']} errors)")
     finally:
-        await stop_heartbeats()
         await asyncio.to_thread(procs.stop, process, 60.0)
     return rows
 
@@ -143,6 +184,11 @@ async def bench_instructions(options: Options, say: Any = print) -> dict[str, An
         for number, tree in enumerate(options.trees):
             rows += await _measure_tree(tree, number, options, work, valkey.url(), ports,
                                         backends.pid, router_cores, load_cores, say)
+        if options.vllm_router:
+            peers = PeerEnv(options.peers_dir or _default_peers_dir())
+            await asyncio.to_thread(peers.ensure, ["vllm-router"], say)
+            rows += await _measure_vllm_router(peers, options, work, ports, backends.pid,
+                                               router_cores, load_cores, say)
     finally:
         procs.stop(backends)
         valkey.stop()
@@ -156,14 +202,14 @@ async def bench_instructions(options: Options, say: Any = print) -> dict[str, An
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    """A table: one line per tree and workload, with the ratio to the first tree's."""
+    """A table: one line per router and workload, with the ratio to the first one's."""
     first: dict[str, int] = {}
-    lines = ["| tree | workload | instructions per request | x first tree |",
+    lines = ["| router | workload | instructions per request | x first |",
              "|---|---|---|---|"]
     for row in rows:
         count = row["instructions_per_request"]
         base = first.setdefault(row["workload"], count)
         ratio = f"{count / base:.3f}x" if count and base else "-"
-        lines.append(f"| {row['tree']} | {row['workload']} | "
+        lines.append(f"| {row['router']} | {row['workload']} | "
                      f"{count if count is None else f'{count:,}'} | {ratio} |")
     return "\n".join(lines)

@@ -39,7 +39,7 @@ def test_one_tree_measured_twice_counts_the_same_instructions(
         assert 20_000 < a["instructions_per_request"] < 5_000_000, a
         assert abs(a["instructions_per_request"] / b["instructions_per_request"] - 1) < 0.05
     assert rows[1]["instructions_per_request"] > rows[0]["instructions_per_request"]
-    assert "| x first tree |" in done.stdout and "1.0" in done.stdout
+    assert "| x first |" in done.stdout and "1.0" in done.stdout
 
 
 def test_a_directory_that_is_no_source_tree_is_refused(tmp_path: Path) -> None:
@@ -49,3 +49,25 @@ def test_a_directory_that_is_no_source_tree_is_refused(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert f"not a globalpool source tree: {tmp_path.resolve()}" in done.stdout
+
+
+def test_vllm_router_is_measured_beside_the_tree(request: pytest.FixtureRequest,
+                                                 tmp_path: Path) -> None:
+    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
+        pytest.skip("runs two routers under valgrind (~40 s): run with `pytest -m slow`")
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed (apt-get install valgrind)")
+    peers = Path.home() / ".cache" / "globalpool" / "bench-peers"
+    if not (peers / "bin" / "vllm-router").exists():
+        pytest.skip("vllm-router is not installed yet (globalpool bench-proxy installs it)")
+    out = tmp_path / "instructions"
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench-instructions", "--out", str(out),
+         "--workloads", "unary", "--requests", "200", "--vllm-router"],
+        cwd=ROOT, capture_output=True, text=True, timeout=540,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((out / "instructions.json").read_text())["results"]
+    assert [r["router"].split()[0] for r in rows] == [str(ROOT.resolve()), "vllm-router"]
+    assert all(r["errors"] == 0 and r["requests"] == 200 for r in rows), rows
+    assert all(20_000 < r["instructions_per_request"] < 5_000_000 for r in rows), rows

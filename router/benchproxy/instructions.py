@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -27,12 +26,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from router.benchproxy import procs
-from router.benchproxy.fleet import publish_heartbeats
 from router.benchproxy.peers import PeerEnv
-from router.benchproxy.routers import Running, Unavailable, globalpool_config, wait_ready
+from router.benchproxy.routers import (
+    Running,
+    Unavailable,
+    setup_globalpool,
+    vllm_router_args,
+    wait_ready,
+)
 from router.benchproxy.run import (
     BACKEND_PORTS,
     _cores,
@@ -41,7 +43,7 @@ from router.benchproxy.run import (
     _start_backends,
     _Valkey,
 )
-from router.benchproxy.workloads import MODEL, PACED_MODEL, workloads
+from router.benchproxy.workloads import workloads
 
 WARMUP_REQUESTS = 200
 READY_UNDER_VALGRIND_S = 600.0  # importing the router runs ~50x slower too
@@ -84,26 +86,16 @@ async def _measure_tree(tree: Path, number: int, options: Options, work: Path,
                         redis_url: str, backend_ports: list[int], backends_pid: int,
                         router_cores: set[int] | None, load_cores: set[int] | None,
                         say: Any) -> list[dict[str, Any]]:
-    """globalpool from the source tree `tree`, configured as bench-proxy configures it."""
+    """globalpool from the source tree `tree`, set up as bench-proxy sets it up."""
     port = procs.free_port()
-    prefix = f"gpinstr-{secrets.token_hex(4)}"
-    config_path = work / f"tree-{number}-regions.yaml"
-    config_path.write_text(yaml.safe_dump(globalpool_config(redis_url, prefix, port)))
-    keys = f"bench:{secrets.token_hex(16)}"
-    env = {**os.environ, "GLOBALPOOL_HEARTBEAT_KEYS": keys, "PYTHONPATH": str(tree),
-           "GLOBALPOOL_ADMIN_TOKEN": secrets.token_hex(16), "GLOBALPOOL_LOG_LEVEL": "WARNING"}
-    env.pop("REDIS_URL", None)
-    stop_heartbeats = await publish_heartbeats(
-        redis_url, prefix, [f"http://127.0.0.1:{p}" for p in backend_ports], keys,
-        models=(MODEL, PACED_MODEL))
+    setup = await setup_globalpool(redis_url, port, work / f"tree-{number}-regions.yaml",
+                                   [f"http://127.0.0.1:{p}" for p in backend_ports])
     try:
-        return await _measure(
-            str(tree), f"tree-{number}",
-            [sys.executable, "-m", "router.cli", "router", "--config", str(config_path),
-             "--port", str(port)], port, env, tree, options, work, backends_pid,
-            router_cores, load_cores, say)
+        return await _measure(str(tree), f"tree-{number}", setup.args, port,
+                              {**setup.env, "PYTHONPATH": str(tree)}, tree, options, work,
+                              backends_pid, router_cores, load_cores, say)
     finally:
-        await stop_heartbeats()
+        await setup.stop_heartbeats()
 
 
 async def _measure_vllm_router(peers: PeerEnv, options: Options, work: Path,
@@ -111,12 +103,9 @@ async def _measure_vllm_router(peers: PeerEnv, options: Options, work: Path,
                                router_cores: set[int] | None, load_cores: set[int] | None,
                                say: Any) -> list[dict[str, Any]]:
     """vllm-router as bench-proxy runs it (round robin over the same backends)."""
-    port, metrics_port = procs.free_port(), procs.free_port()
-    argv = [peers.binary("vllm-router"), "--host", "127.0.0.1", "--port", str(port),
-            "--policy", "round_robin", "--worker-urls",
-            *(f"http://127.0.0.1:{p}" for p in backend_ports),
-            "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1",
-            "--log-level", "warning"]
+    port = procs.free_port()
+    argv = vllm_router_args(peers.binary("vllm-router"), "127.0.0.1", port,
+                            [f"http://127.0.0.1:{p}" for p in backend_ports])
     label = f"vllm-router {peers.version('vllm-router')}"
     return await _measure(label, "vllm-router", argv, port, dict(os.environ), work, options,
                           work, backends_pid, router_cores, load_cores, say)

@@ -118,12 +118,16 @@ async def start_aiohttp(ctx: Context) -> Running:
     return running
 
 
-async def start_vllm_router(ctx: Context) -> Running:
-    binary = ctx.peers.binary("vllm-router")
-    port, metrics_port = procs.free_port(), procs.free_port()
-    args = [binary, "--host", ctx.host, "--port", str(port), "--policy", "round_robin",
-            "--worker-urls", *ctx.backend_urls, "--prometheus-port", str(metrics_port),
+def vllm_router_args(binary: str, host: str, port: int, backend_urls: list[str]) -> list[str]:
+    """vllm-router as a plain round-robin proxy over `backend_urls`, listening on `port`."""
+    return [binary, "--host", host, "--port", str(port), "--policy", "round_robin",
+            "--worker-urls", *backend_urls, "--prometheus-port", str(procs.free_port()),
             "--worker-startup-check-interval", "1", "--log-level", "warning"]
+
+
+async def start_vllm_router(ctx: Context) -> Running:
+    port = procs.free_port()
+    args = vllm_router_args(ctx.peers.binary("vllm-router"), ctx.host, port, ctx.backend_urls)
     process, log = _start(ctx, "vllm-router", args)
     running = Running("vllm-router", [(ctx.host, port)], process, log,
                       version=f"vllm-router {ctx.peers.version('vllm-router')}")
@@ -240,22 +244,51 @@ async def start_globalpool_fleet_elsewhere(ctx: Context) -> Running:
                                    fleet=ctx.fleet_workers, followed=False)
 
 
-async def _start_globalpool(ctx: Context, name: str, fleet: int = 0,
-                            followed: bool = True) -> Running:
+@dataclass
+class GlobalpoolSetup:
+    """What a bench's globalpool router needs before it starts (`setup_globalpool`)."""
+
+    args: list[str]  # `python -m router.cli router ...`
+    env: dict[str, str]
+    prefix: str  # the Redis key prefix of its config
+    signing_keys: str  # GLOBALPOOL_HEARTBEAT_KEYS
+    stop_heartbeats: Callable[[], Awaitable[None]]  # the backends' heartbeats
+
+
+def _write_config(path: Path, document: dict[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(document))
+
+
+async def setup_globalpool(redis_url: str, port: int, config_path: Path,
+                           backend_urls: list[str]) -> GlobalpoolSetup:
+    """The bench's regions.yaml written to `config_path` (globalpool_config), the router's
+    arguments and environment (signing keys, admin token, quiet logs), and the backends'
+    signed heartbeats published until `stop_heartbeats`."""
     from router.benchproxy.fleet import publish_heartbeats
 
-    redis_url = ctx.redis_url()
-    port = procs.free_port()
     prefix = f"gpbench-{secrets.token_hex(4)}"
-    config_path = ctx.out_dir / "logs" / f"{name}-regions.yaml"
-    config_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(yaml.safe_dump(globalpool_config(redis_url, prefix, port)))
+    _write_config(config_path, globalpool_config(redis_url, prefix, port))
     signing_keys = f"bench:{secrets.token_hex(16)}"
     env = {**os.environ, "GLOBALPOOL_HEARTBEAT_KEYS": signing_keys,
            "GLOBALPOOL_ADMIN_TOKEN": secrets.token_hex(16), "GLOBALPOOL_LOG_LEVEL": "WARNING"}
     env.pop("REDIS_URL", None)
-    stop_heartbeats = await publish_heartbeats(redis_url, prefix, ctx.backend_urls,
+    stop_heartbeats = await publish_heartbeats(redis_url, prefix, backend_urls,
                                                signing_keys, models=(MODEL, PACED_MODEL))
+    args = [sys.executable, "-m", "router.cli", "router", "--config", str(config_path),
+            "--port", str(port)]
+    return GlobalpoolSetup(args, env, prefix, signing_keys, stop_heartbeats)
+
+
+async def _start_globalpool(ctx: Context, name: str, fleet: int = 0,
+                            followed: bool = True) -> Running:
+    redis_url = ctx.redis_url()
+    port = procs.free_port()
+    setup = await setup_globalpool(redis_url, port,
+                                   ctx.out_dir / "logs" / f"{name}-regions.yaml",
+                                   ctx.backend_urls)
+    prefix, signing_keys, stop_heartbeats = (setup.prefix, setup.signing_keys,
+                                             setup.stop_heartbeats)
     publishers = _fleet_publishers(ctx, name, redis_url,
                                    prefix if followed else f"{prefix}-elsewhere",
                                    signing_keys, fleet)
@@ -264,9 +297,7 @@ async def _start_globalpool(ctx: Context, name: str, fleet: int = 0,
         for publisher in publishers:
             await asyncio.to_thread(procs.stop, publisher)
 
-    args = [sys.executable, "-m", "router.cli", "router", "--config", str(config_path),
-            "--port", str(port)]
-    process, log = _start(ctx, name, args, env=env)
+    process, log = _start(ctx, name, setup.args, env=setup.env)
     running = Running(name, [(ctx.host, port)], process, log,
                       version="globalpool (this tree), policy predicted_ttft"
                       + (f", following {fleet:,} more workers at 4 Hz" if fleet and followed

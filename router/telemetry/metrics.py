@@ -92,14 +92,11 @@ class RequestMetrics:
             self.upstream_ttfb.observe((region,), ttfb_s)
 
     def request_finished(self, record: RequestRecord) -> None:
-        attempts = record.attempts
-        if attempts:  # the region of the last attempt, which served it if anything did
-            last = attempts[-1]
-            served = last if last.first_byte_s is not None else None  # record.served_by
-            region = last.region
+        served = record.served_by
+        if record.attempts:
+            region = (served or record.attempts[-1]).region
             model = record.model
         else:
-            served = None
             region = NO_REGION
             model = record.model if record.model in self._known_models() else OTHER_MODEL
         status = record.status

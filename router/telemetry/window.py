@@ -96,13 +96,9 @@ class TrafficWindow:
         return None
 
     def request_finished(self, record: RequestRecord) -> None:
-        attempts = record.attempts
-        if attempts:  # the region of the last attempt, which served it if anything did
-            last = attempts[-1]
-            served = last if last.first_byte_s is not None else None  # record.served_by
-            region = last.region
-        else:
-            served, region = None, NO_REGION
+        served = record.served_by
+        region = served.region if served is not None else (
+            record.attempts[-1].region if record.attempts else NO_REGION)
         now_s = self._clock()
         second = int(now_s)
         slots = self._regions.get(region)

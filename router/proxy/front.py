@@ -31,7 +31,12 @@ from aiohttp import web
 
 from router.proxy.errors import ApiError
 from router.proxy.exchange import InferenceHandler, error_reply
-from router.proxy.upstream import UpstreamConnection, UpstreamError
+from router.proxy.upstream import (
+    MAX_KNOWN_HEADER_LINES,
+    MAX_KNOWN_LINE_CHARS,
+    UpstreamConnection,
+    UpstreamError,
+)
 
 log = logging.getLogger("globalpool.front")
 
@@ -51,12 +56,10 @@ READ_AHEAD_BYTES = 256 * 1024
 _REQUEST_LINES = {f"POST {path} HTTP/1.1": path for path in INFERENCE_PATHS}
 # Header lines seen before, parsed: (lower-case name, value). Clients repeat most of
 # theirs request after request (Host, Content-Type, Accept, User-Agent, Content-Length of
-# a common size), and a lookup costs a third of parsing one. Bounded (4,096 lines of at
-# most 256 characters: 1 MB at worst, whatever clients send); lines that carry
+# a common size), and a lookup costs a third of parsing one. Bounded as the answers'
+# table is (router.proxy.upstream: 1 MB at worst, whatever clients send); lines that carry
 # credentials are never kept.
 _HEADER_LINES: dict[str, tuple[str, str]] = {}
-MAX_KNOWN_HEADER_LINES = 4096
-MAX_KNOWN_LINE_CHARS = 256
 _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key",
                              "api-key"})
 

@@ -190,7 +190,8 @@ def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
 
 # Header lines seen before, parsed (a worker's answers repeat most of theirs: Server,
 # Content-Type, the Date of this second...). Bounded (4,096 lines of at most 256
-# characters); lines that set cookies are not kept.
+# characters, here and in the front's table of request lines); lines that set cookies are
+# not kept.
 _HEADER_LINES: dict[str, tuple[str, str]] = {}
 MAX_KNOWN_HEADER_LINES = 4096
 MAX_KNOWN_LINE_CHARS = 256

@@ -59,9 +59,9 @@ def test_other_request_lines_go_elsewhere() -> None:
 def test_the_table_of_known_lines_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(front, "_HEADER_LINES", {})
     monkeypatch.setattr(front, "MAX_KNOWN_HEADER_LINES", 3)
-    long_line = "X-Long: " + "v" * front.MAX_KNOWN_LINE_CHARS
+    long_line = "X-Long: " + "v" * upstream.MAX_KNOWN_LINE_CHARS
     parsed = FrontProtocol._parse_head(_request("Host: r", long_line))
-    assert parsed is not None and parsed[1]["x-long"] == "v" * front.MAX_KNOWN_LINE_CHARS
+    assert parsed is not None and parsed[1]["x-long"] == "v" * upstream.MAX_KNOWN_LINE_CHARS
     assert long_line not in front._HEADER_LINES  # long lines are parsed, never kept
     for number in range(10):
         parsed = FrontProtocol._parse_head(_request("Host: r", f"X-Trace: {number}"))

@@ -21,14 +21,15 @@ from router.admission.gate import Admission
 from router.admission.queue import RouterQueue
 from router.admission.setup import build_admission, heartbeat_gate
 from router.admission.stats import SecurityStats
+from router.compiled import compiled_modules
 from router.config import GlobalConfig
 from router.health import BreakerPolicy, Health, RetryBudget
 from router.policy import RoutingContext, create_policy
 from router.policy.inflight import InFlight
 from router.proxy.errors import openai_errors
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
-from router.proxy.front import FrontSite
 from router.proxy.handlers import Proxy
+from router.proxy.site import FrontSite
 from router.proxy.upstream import UpstreamPool
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry.peers import PeerExchange
@@ -262,6 +263,9 @@ def run(settings: RouterSettings, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM. Client disconnects cancel their handler (and upstream)."""
     log.info("router region=%s listening on http://%s:%d", settings.region, host, port)
     app = build_app(settings)
+    compiled = compiled_modules()
+    log.info("request path: %s", f"compiled ({len(compiled)} modules, mypyc)" if compiled
+             else "pure Python (GLOBALPOOL_COMPILE=1 pip install . compiles it)")
     tune_gc()
     loop = new_event_loop()
     asyncio.set_event_loop(loop)

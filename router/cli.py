@@ -83,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     benchproxy.add_bench_instructions_arguments(bench_instructions)
     bench_instructions.set_defaults(run=benchproxy.run_bench_instructions)
 
+    from router.compiled import add_parser as add_compile_parser
+
+    add_compile_parser(commands)
+
     from router.bench.cli import add_bench_arguments, run_bench_command
 
     bench_routing = commands.add_parser(

@@ -15,6 +15,20 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The compiled tier (GLOBALPOOL_EXPECT_COMPILED=1, in a `globalpool compile` copy)
+    stops at once if the request path it should test is not the compiled one."""
+    if os.environ.get("GLOBALPOOL_EXPECT_COMPILED") != "1":
+        return
+    import router.app  # noqa: F401  (imports the whole request path)
+    from router.compiled import compiled_modules
+
+    if "router.proxy.handlers" not in compiled_modules():
+        pytest.exit("GLOBALPOOL_EXPECT_COMPILED=1, but the request path imported here is "
+                    "pure Python: run from a `globalpool compile --out DIR` copy, with "
+                    "PYTHONPATH=DIR", returncode=3)
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """One server for the session; tests isolate themselves with `key_prefix`."""

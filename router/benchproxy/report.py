@@ -23,6 +23,13 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(clean) if clean else None
 
 
+def ratio_base(document: dict[str, Any]) -> str:
+    """The row the `x globalpool` ratios divide by: the compiled build when it ran (the
+    build to deploy), else globalpool as installed."""
+    ran = {r["router"] for r in document["results"] if r.get("completed")}
+    return "globalpool-compiled" if "globalpool-compiled" in ran else "globalpool"
+
+
 def summarize(document: dict[str, Any]) -> list[dict[str, Any]]:
     """One line per (workload, router), aggregated over rounds."""
     rows = document["results"]
@@ -30,6 +37,7 @@ def summarize(document: dict[str, Any]) -> list[dict[str, Any]]:
     for row in rows:
         by_key.setdefault((row["workload"], row["router"]), []).append(row)
     index = {(r["round"], r["workload"], r["router"]): r for r in rows}
+    base_router = ratio_base(document)
     lines = []
     for (workload, router), group in by_key.items():
         ok = [r for r in group if r.get("completed")]
@@ -39,7 +47,7 @@ def summarize(document: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         ratios, added_p50, added_p99 = [], [], []
         for r in ok:
-            base = index.get((r["round"], workload, "globalpool"))
+            base = index.get((r["round"], workload, base_router))
             if base and base.get("cpu_us_per_request") and r.get("cpu_us_per_request"):
                 ratios.append(r["cpu_us_per_request"] / base["cpu_us_per_request"])
             direct = index.get((r["round"], workload, "direct"))
@@ -125,10 +133,10 @@ def _notes(document: dict[str, Any]) -> str:
              f"- backends: {meta['backends']}",
              "- CPU us/req: user+system time of the router's process tree (/proc/PID/stat) "
              "over the measured phase / requests completed; `x globalpool` is that ratio "
-             "within a round; `+TTFT p99` is added over the direct run of the same round; "
-             "`router core` is the router's CPU time / wall time; `new conns`: connections "
-             "the backends accepted during the workload (warm-up included; for `direct`, the "
-             "load generator's own)",
+             f"to {ratio_base(document)}'s within a round; `+TTFT p99` is added over the "
+             "direct run of the same round; `router core` is the router's CPU time / wall "
+             "time; `new conns`: connections the backends accepted during the workload "
+             "(warm-up included; for `direct`, the load generator's own)",
              f"- python {meta['python']}, {meta['machine']}, {meta['cores']} cores, "
              f"{meta['duration_s']} s"]
     share = meta.get("router_core_share") or {}

@@ -26,7 +26,8 @@ from router.benchproxy.peers import PeerEnv
 from router.benchproxy.workloads import MODEL, PACED_MODEL
 
 READY_TIMEOUT_S = 60.0
-ROUTER_NAMES = ("globalpool", "aiohttp", "vllm-router", "sglang-router", "envoy")
+ROUTER_NAMES = ("globalpool", "globalpool-compiled", "aiohttp", "vllm-router",
+                "sglang-router", "envoy")
 # Run only when asked for by name (`--only`).
 OPTIONAL = frozenset({"globalpool-fleet", "globalpool-fleet-elsewhere"})
 
@@ -98,11 +99,11 @@ async def wait_ready(running: Running, timeout_s: float = READY_TIMEOUT_S) -> No
     raise Unavailable(f"not ready within {timeout_s:g} s ({last})")
 
 
-def _start(ctx: Context, name: str, args: list[str],
-           env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path]:
+def _start(ctx: Context, name: str, args: list[str], env: dict[str, str] | None = None,
+           cwd: Path | None = None) -> tuple[subprocess.Popen[bytes], Path]:
     log_path = ctx.out_dir / "logs" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    process = procs.start(args, cores=ctx.router_cores, log_path=log_path, env=env)
+    process = procs.start(args, cores=ctx.router_cores, log_path=log_path, env=env, cwd=cwd)
     return process, log_path
 
 
@@ -224,7 +225,30 @@ def globalpool_config(redis_url: str, prefix: str, port: int) -> dict[str, objec
 
 
 async def start_globalpool(ctx: Context) -> Running:
+    """globalpool as installed here (an editable checkout: pure Python)."""
     return await _start_globalpool(ctx, "globalpool")
+
+
+def compiled_copy_dir() -> Path:
+    """Where bench-proxy keeps its compiled copy of this checkout (rebuilt when changed)."""
+    return Path.home() / ".cache" / "globalpool" / "compiled-tree"
+
+
+async def start_globalpool_compiled(ctx: Context) -> Running:
+    """The same router from the compiled build (`globalpool compile`: this checkout with
+    setup.py's modules compiled by mypyc, built on first use, ~1-3 min)."""
+    from router.compiled import CompileError, build_copy, source_checkout
+
+    source = source_checkout()
+    if source is None:
+        raise Unavailable("not run from a checkout (an installed globalpool is measured "
+                          "as `globalpool`, compiled if it was installed so)")
+    try:
+        tree = await asyncio.to_thread(build_copy, source, compiled_copy_dir(),
+                                       ctx.out_dir / "logs" / "compile.log")
+    except CompileError as exc:
+        raise Unavailable(str(exc)) from None
+    return await _start_globalpool(ctx, "globalpool-compiled", tree=tree)
 
 
 async def start_globalpool_fleet(ctx: Context) -> Running:
@@ -281,7 +305,7 @@ async def setup_globalpool(redis_url: str, port: int, config_path: Path,
 
 
 async def _start_globalpool(ctx: Context, name: str, fleet: int = 0,
-                            followed: bool = True) -> Running:
+                            followed: bool = True, tree: Path | None = None) -> Running:
     redis_url = ctx.redis_url()
     port = procs.free_port()
     setup = await setup_globalpool(redis_url, port,
@@ -297,9 +321,11 @@ async def _start_globalpool(ctx: Context, name: str, fleet: int = 0,
         for publisher in publishers:
             await asyncio.to_thread(procs.stop, publisher)
 
-    process, log = _start(ctx, name, setup.args, env=setup.env)
+    env = setup.env if tree is None else {**setup.env, "PYTHONPATH": str(tree)}
+    process, log = _start(ctx, name, setup.args, env=env, cwd=tree)
+    build = "compiled (mypyc)" if tree is not None else _this_build()
     running = Running(name, [(ctx.host, port)], process, log,
-                      version="globalpool (this tree), policy predicted_ttft"
+                      version=f"globalpool (this tree, {build}), policy predicted_ttft"
                       + (f", following {fleet:,} more workers at 4 Hz" if fleet and followed
                          else f", {fleet:,} workers at 4 Hz published elsewhere" if fleet
                          else ""),
@@ -313,6 +339,14 @@ async def _start_globalpool(ctx: Context, name: str, fleet: int = 0,
         await stop_publishers()
         raise
     return running
+
+
+def _this_build() -> str:
+    """How the globalpool this process runs was built."""
+    import router.proxy.handlers  # noqa: F401  (the request path, to look at)
+    from router.compiled import compiled_modules
+
+    return "compiled (mypyc)" if compiled_modules() else "pure Python"
 
 
 # What the fleet of `globalpool-fleet` serves: never a bench model.
@@ -364,6 +398,7 @@ async def start_direct(ctx: Context) -> Running:
 STARTERS: dict[str, Callable[[Context], Awaitable[Running]]] = {
     "direct": start_direct,
     "globalpool": start_globalpool,
+    "globalpool-compiled": start_globalpool_compiled,
     "globalpool-fleet": start_globalpool_fleet,
     "globalpool-fleet-elsewhere": start_globalpool_fleet_elsewhere,
     "aiohttp": start_aiohttp,

@@ -239,9 +239,9 @@ async def _send(pool: UpstreamPool, target: Target, payload: bytes,
         deadline.upstream = upstream
         try:
             await upstream.head()
-        except ConnectionBroken as exc:
+        except ConnectionBroken as broken:  # (not `exc`: the compiled build types a name once)
             upstream.close()
-            if not exc.received_any and tries_left and not deadline.expired:
+            if not broken.received_any and tries_left and not deadline.expired:
                 # Broken before any answer: most likely a pooled connection the worker
                 # had closed (stale), else a worker that just died or restarted. Sent
                 # again on a new connection: a dead worker then refuses it, which is a

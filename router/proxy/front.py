@@ -1,12 +1,13 @@
 """The router's HTTP/1.1 front: inference requests on raw asyncio protocols.
 
 aiohttp's server costs more per request than a whole compiled router (BENCHMARKS.md,
-"Proxy cost"), so the request path does not go through it. `FrontSite` listens in its
-place; each connection is a `FrontProtocol` that parses request heads itself, hands
-`POST /v1/chat/completions`, `/v1/completions` and `/v1/embeddings` to the proxy as an
-`Exchange`, writes whole answers with one `transport.write`, and relays streams from the
-upstream connection's `data_received` straight to the client's transport (no task
-wake-up per chunk; the client's flow control pauses the upstream).
+"Proxy cost"), so the request path does not go through it. `FrontSite`
+(`router.proxy.site`) listens in its place; each connection is a `FrontProtocol` that
+parses request heads itself, hands `POST /v1/chat/completions`, `/v1/completions` and
+`/v1/embeddings` to the proxy as an `Exchange`, writes whole answers with one
+`transport.write`, and relays streams from the upstream connection's `data_received`
+straight to the client's transport (no task wake-up per chunk; the client's flow control
+pauses the upstream).
 
 Everything else is aiohttp's: at a request boundary, a connection whose next request is
 anything but a plain HTTP/1.1 inference POST with a Content-Length body (the admin API,
@@ -18,25 +19,25 @@ aiohttp serves the same routes, so a handed-over connection is slower, never dif
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
 from collections.abc import Coroutine, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Any, cast
-
-from aiohttp import web
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from router.proxy.errors import ApiError
-from router.proxy.exchange import InferenceHandler, error_reply
+from router.proxy.exchange import error_reply
 from router.proxy.upstream import (
     MAX_KNOWN_HEADER_LINES,
     MAX_KNOWN_LINE_CHARS,
     UpstreamConnection,
     UpstreamError,
 )
+
+if TYPE_CHECKING:
+    from router.proxy.site import FrontSite
 
 log = logging.getLogger("globalpool.front")
 
@@ -49,6 +50,8 @@ MAX_HEAD_BYTES = 16 * 1024
 # A connection whose head is late is closed this long after header_s, once the loop has
 # read the sockets again (see FrontProtocol._check_head).
 HEAD_GRACE_S = 0.05
+# The name of a connection's task (one per connection, serving its requests in turn).
+TASK_NAME = "front-connection"
 # Bytes of later requests read ahead while one is served; reading pauses beyond.
 READ_AHEAD_BYTES = 256 * 1024
 
@@ -86,8 +89,8 @@ _CRLF = "\r\n"
 class _Clock:
     """The `Date` header, with the `Server` header after it, formatted once per second."""
 
-    second = 0
-    value = ""
+    second: ClassVar[int] = 0
+    value: ClassVar[str] = ""
 
     @classmethod
     def date(cls) -> str:
@@ -256,7 +259,7 @@ class FrontProtocol(asyncio.Protocol):
         self.closing = close or self._site.stopping
         self._exchange = FrontExchange(self, path, headers, length)
         if self._task is None:
-            self._task = self._loop.create_task(self._serve_requests())
+            self._task = self._loop.create_task(self._serve_requests(), name=TASK_NAME)
         else:
             self._wake_task()  # unless it is the task itself, at a request's end
 
@@ -433,52 +436,3 @@ class FrontProtocol(asyncio.Protocol):
         if data:
             handler.data_received(data)
         self._resume_reading()
-
-
-class FrontSite(web.TCPSite):
-    """A TCP site whose connections start on `FrontProtocol` (aiohttp's otherwise).
-
-    `handler` serves inference exchanges. Stopping waits up to
-    `shutdown_timeout_s` for requests in progress, as aiohttp does for its own.
-    """
-
-    def __init__(self, runner: web.BaseRunner, host: str | None, port: int | None, *,
-                 handler: InferenceHandler, header_timeout_s: float,
-                 shutdown_timeout_s: float = 60.0, reuse_address: bool | None = None) -> None:
-        super().__init__(runner, host, port, reuse_address=reuse_address)
-        self.handler = handler
-        self.header_timeout_s = header_timeout_s
-        self.shutdown_timeout_s = shutdown_timeout_s
-        self.connections: set[FrontProtocol] = set()
-        self.stopping = False
-        self._drained = asyncio.Event()
-
-    def aiohttp_protocol(self) -> asyncio.Protocol:
-        server = self._runner.server
-        assert server is not None
-        return server()
-
-    async def start(self) -> None:
-        self._runner._reg_site(self)
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: FrontProtocol(self), self._host,
-                                                self._port, backlog=self._backlog,
-                                                reuse_address=self._reuse_address)
-        self._bound_port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        self.stopping = True
-        await super().stop()  # no new connections
-        for connection in list(self.connections):
-            connection.close_when_idle()
-        if self.connections:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drained.wait(), self.shutdown_timeout_s)
-        for connection in list(self.connections):
-            connection.transport.abort()
-
-    def closed(self, connection: FrontProtocol) -> None:
-        """`connection` is gone or handed over."""
-        self.connections.discard(connection)
-        if self.stopping and not self.connections:
-            self._drained.set()

@@ -47,7 +47,6 @@ CLASS_HEADER = "x-globalpool-class"  # interactive (default) | batch
 TTFT_BUDGET_HEADER = "x-globalpool-ttft-budget-ms"
 TRAFFIC_CLASSES = ("interactive", "batch")
 
-_new = object.__new__
 _UNREAD = "\x00unread"  # not a header value (a NUL cannot be in one)
 
 _KIND_BY_PATH = {
@@ -74,8 +73,11 @@ class Proxy:
     admission: Admission | None = None  # API keys and rate limits; None: neither
     queue: RouterQueue | None = None  # waiting for a worker with room; None: never waits
     propagate_trace: bool = False  # tracing on: workers continue the router's span
-    _keys: dict[str, str | None] = field(default_factory=dict, init=False)
-    _keys_config: GlobalConfig | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        # `_authorize`'s "Bearer <key>" per region, for the config it was read from.
+        self._keys: dict[str, str | None] = {}
+        self._keys_config: GlobalConfig | None = None
 
     @property
     def config(self) -> GlobalConfig:
@@ -110,10 +112,7 @@ class Proxy:
             hints = _routing_hints(exchange.headers)
         except ApiError as exc:
             return _with_headers(api_error_reply(exc), rate_headers)
-        # Made and initialised in two steps: `RequestRecord(...)` costs twice as much, as
-        # the type's call turns keyword arguments into a dict for a Python `__init__`.
-        record = _new(RequestRecord)
-        RequestRecord.__init__(record, model=parsed.model, kind=kind, stream=parsed.stream,
+        record = RequestRecord(model=parsed.model, kind=kind, stream=parsed.stream,
                                origin_region=origin, received_s=received_s)
         try:
             reply = await self._route_and_forward(config, exchange, body, parsed, record,
@@ -182,26 +181,25 @@ class Proxy:
                             decision, functools.partial(self._pick, route),
                             model=parsed.model, traffic_class=traffic_class,
                             arrived_s=record.received_s, budget_ms=budget_ms)
-            except NoRoute as exc:
+            except NoRoute as no_route:
                 if failure is not None:
-                    log.warning("no retry for %s: %s", parsed.model, exc.reason)
+                    log.warning("no retry for %s: %s", parsed.model, no_route.reason)
                     break  # report the upstream failure, not "nothing left to try"
-                record.error = exc.reason
-                return _no_route(exc, configured=parsed.model in config.models)
-            except QueueFull as exc:
-                record.error = str(exc)
-                return error_reply(503, f"no capacity: every worker is busy and {exc}",
+                record.error = no_route.reason
+                return _no_route(no_route, configured=parsed.model in config.models)
+            except QueueFull as full:
+                record.error = str(full)
+                return error_reply(503, f"no capacity: every worker is busy and {full}",
                                    code="queue_full", headers={"Retry-After": "1"})
             worker = decision.worker
             tried.add(worker.worker_id)
             now = time.monotonic()
             if record.routed_s is None:
                 record.routed_s = now
-            attempt = _new(Attempt)  # see `record` above
-            Attempt.__init__(attempt, worker_id=worker.worker_id, region=worker.region,
-                             predicted_ttft_ms=decision.predicted_ttft_ms,
-                             reason=decision.reason if not record.attempts else "retry",
-                             started_s=now, streamed=parsed.stream)
+            attempt = Attempt(worker_id=worker.worker_id, region=worker.region,
+                              predicted_ttft_ms=decision.predicted_ttft_ms,
+                              reason=decision.reason if not record.attempts else "retry",
+                              started_s=now, streamed=parsed.stream)
             record.attempts.append(attempt)
             reply_headers = {
                 REGION_HEADER: worker.region,
@@ -235,23 +233,23 @@ class Proxy:
                     reply = await forward_unary(self.upstreams, target, payload,
                                                 router_config.timeouts, reply_headers, attempt)
                 return reply
-            except UpstreamFailure as exc:
+            except UpstreamFailure as failed:
                 log.warning("attempt on %s (%s) failed before first byte: %s",
-                            worker.worker_id, worker.region, exc.message)
-                attempt.failure = exc.kind
-                attempt.status = exc.status
-                attempt.retry_after_s = exc.retry_after_s
+                            worker.worker_id, worker.region, failed.message)
+                attempt.failure = failed.kind
+                attempt.status = failed.status
+                attempt.retry_after_s = failed.retry_after_s
                 # A retry costs no budget when the failed attempt did no work anywhere: a
                 # refused connection, or a wait abandoned on a stalled worker (ejected, so
                 # its requests move once; the budget guards against amplification, and
                 # this is failover).
-                free_retry = exc.kind is Failure.CONNECT or attempt.abandoned is not None
-                if exc.kind in _PATH_FAILURES:
+                free_retry = failed.kind is Failure.CONNECT or attempt.abandoned is not None
+                if failed.kind in _PATH_FAILURES:
                     # The path to the region may be down (refused, or a blackhole that
                     # only times out): the retry prefers another region. A reset is
                     # usually one stale pooled connection, not the region.
                     avoid_regions.add(worker.region)
-                failure = exc
+                failure = failed
             finally:
                 self.inflight.finished(worker.worker_id)
                 if self.queue is not None:

@@ -4,8 +4,9 @@
 main() {
   ensure_user
   install_ops_agent
-  apt_install python3-venv
-  venv_install /opt/globalpool "$(setting globalpool_pip_spec)"
+  # The compiled build of the request path (setup.py): a C compiler and Python's headers.
+  apt_install python3-venv gcc python3-dev
+  GLOBALPOOL_COMPILE=1 venv_install /opt/globalpool "$(setting globalpool_pip_spec)"
 
   meta instance/attributes/globalpool-regions-yaml | write_private "$ETC/regions.yaml"
 

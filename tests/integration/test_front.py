@@ -20,7 +20,8 @@ import uvloop
 from aiohttp import web
 
 from router.proxy.exchange import Exchange, Reply
-from router.proxy.front import FrontSite
+from router.proxy.front import TASK_NAME
+from router.proxy.site import FrontSite
 from router.proxy.upstream import UpstreamPool, encode_request
 from tests.integration.test_proxy import CHAT, FleetFactory, fleet_factory
 
@@ -407,8 +408,7 @@ async def test_one_task_serves_a_connection_and_ends_with_it() -> None:
 
     def front_tasks() -> list[asyncio.Task[object]]:
         return [task for task in asyncio.all_tasks() if not task.done()
-                and getattr(task.get_coro(), "__qualname__", "")
-                == "FrontProtocol._serve_requests"]
+                and task.get_name() == TASK_NAME]
 
     async def health(_request: web.Request) -> web.Response:
         return web.Response(text="ok")

@@ -125,3 +125,25 @@ def test_the_heartbeat_bench_publishes_what_an_agent_would() -> None:
         assert Template(heartbeat, keys, signer).record(seq, now_s) == \
             signer.signed_record(load_record(signed))
         assert Template(heartbeat, keys, None).record(seq, now_s) == load_record(beat)
+
+
+def _result(router: str, cpu_us: float, round_: int = 0) -> dict[str, object]:
+    return {"round": round_, "workload": "unary", "router": router, "status": "ok",
+            "completed": 100, "errors": 0, "requests_per_s": 1000.0,
+            "ttft_ms": {"p50": 1.0, "p99": 2.0}, "e2e_ms": {"p50": 1.0, "p99": 2.0},
+            "cpu_us_per_request": cpu_us}
+
+
+def test_ratios_are_to_the_compiled_build_when_it_ran() -> None:
+    from router.benchproxy.report import ratio_base
+    from router.benchproxy.report import summarize as summarize_runs
+
+    both = {"results": [_result("globalpool", 80.0), _result("globalpool-compiled", 50.0),
+                        _result("vllm-router", 40.0)]}
+    assert ratio_base(both) == "globalpool-compiled"
+    ratios = {line["router"]: line["cpu_vs_globalpool"] for line in summarize_runs(both)}
+    assert ratios == {"globalpool": 1.6, "globalpool-compiled": 1.0, "vllm-router": 0.8}
+    pure_only = {"results": [_result("globalpool", 80.0), _result("vllm-router", 40.0)]}
+    assert ratio_base(pure_only) == "globalpool"
+    assert {line["router"]: line["cpu_vs_globalpool"] for line in summarize_runs(pure_only)} \
+        == {"globalpool": 1.0, "vllm-router": 0.5}

@@ -1,0 +1,65 @@
+"""`FrontSite`: the aiohttp site that listens for the router and starts every connection
+on `router.proxy.front.FrontProtocol`.
+
+Apart from the front because it subclasses aiohttp's `TCPSite` (a class with `__slots__`),
+which the compiled build (`setup.py`) cannot compile; the front's modules are compiled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from aiohttp import web
+
+from router.proxy.exchange import InferenceHandler
+from router.proxy.front import FrontProtocol
+
+
+class FrontSite(web.TCPSite):
+    """A TCP site whose connections start on `FrontProtocol` (aiohttp's otherwise).
+
+    `handler` serves inference exchanges. Stopping waits up to
+    `shutdown_timeout_s` for requests in progress, as aiohttp does for its own.
+    """
+
+    def __init__(self, runner: web.BaseRunner, host: str | None, port: int | None, *,
+                 handler: InferenceHandler, header_timeout_s: float,
+                 shutdown_timeout_s: float = 60.0, reuse_address: bool | None = None) -> None:
+        super().__init__(runner, host, port, reuse_address=reuse_address)
+        self.handler = handler
+        self.header_timeout_s = header_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.connections: set[FrontProtocol] = set()
+        self.stopping = False
+        self._drained = asyncio.Event()
+
+    def aiohttp_protocol(self) -> asyncio.Protocol:
+        server = self._runner.server
+        assert server is not None
+        return server()
+
+    async def start(self) -> None:
+        self._runner._reg_site(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: FrontProtocol(self), self._host,
+                                                self._port, backlog=self._backlog,
+                                                reuse_address=self._reuse_address)
+        self._bound_port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self.stopping = True
+        await super().stop()  # no new connections
+        for connection in list(self.connections):
+            connection.close_when_idle()
+        if self.connections:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), self.shutdown_timeout_s)
+        for connection in list(self.connections):
+            connection.transport.abort()
+
+    def closed(self, connection: FrontProtocol) -> None:
+        """`connection` is gone or handed over."""
+        self.connections.discard(connection)
+        if self.stopping and not self.connections:
+            self._drained.set()

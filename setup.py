@@ -1,0 +1,53 @@
+"""The build: pure Python, or with the request path compiled (GLOBALPOOL_COMPILE=1).
+
+`GLOBALPOOL_COMPILE=1 pip install .` compiles the modules every proxied request runs
+through with mypyc (the same type-annotated source, as C extension modules next to it; a
+C compiler and Python's headers are needed). Everything else, and the whole project in a
+plain `pip install`, stays Python. The compiled build is the one to deploy: BENCHMARKS.md
+("Proxy cost") measures both. An editable install is never compiled (an edited module
+would be shadowed by its stale extension), so `pip install -e .` with the variable set is
+refused; `globalpool compile` builds a compiled copy of a checkout for tests and benches.
+"""
+
+import os
+import sys
+
+from setuptools import setup
+
+# The request path: what a proxied request executes between its head arriving and its
+# answer leaving. `router/proxy/errors.py` (an aiohttp middleware) and `site.py` (an
+# aiohttp subclass) are not compilable as they are and not per request.
+COMPILED_MODULES = [
+    "router/proxy/exchange.py",
+    "router/proxy/forward.py",
+    "router/proxy/front.py",
+    "router/proxy/handlers.py",
+    "router/proxy/outcome.py",
+    "router/proxy/parse.py",
+    "router/proxy/upstream.py",
+    "router/telemetry/metrics.py",
+    "router/telemetry/series.py",
+    "router/telemetry/window.py",
+    "router/health/tracker.py",
+]
+
+
+def _ext_modules() -> list:
+    if os.environ.get("GLOBALPOOL_COMPILE") != "1":
+        return []
+    if "editable_wheel" in sys.argv:
+        raise SystemExit(
+            "GLOBALPOOL_COMPILE=1: the compiled build is not editable (an edited module "
+            "would be shadowed by its stale extension); use `pip install .`, or "
+            "`globalpool compile --out DIR` for a compiled copy of this checkout")
+    from mypyc.build import mypycify  # a build requirement (pyproject.toml)
+
+    # Type-checked on its own: the build environment has mypy but not the dependencies
+    # (their types are Any to the compiler; `mypy` in CI checks them strictly), and not
+    # pyproject's pydantic plugin.
+    options = ["--config-file", os.devnull, "--ignore-missing-imports",
+               "--python-version", "3.11"]
+    return mypycify([*options, *COMPILED_MODULES], opt_level="3")
+
+
+setup(ext_modules=_ext_modules())

@@ -1,0 +1,73 @@
+"""`globalpool compile`'s copies: what is copied, when a copy is reused or rebuilt, and
+which directories it refuses to replace. A checkout with a setup.py that compiles nothing
+stands in for globalpool's (the real build runs in CI's compiled tier, `.ci/run`)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from router.compiled import MARKER, CompileError, build_copy, compiled_modules
+
+SETUP = "from setuptools import setup\nsetup()\n"
+
+
+def _checkout(root: Path) -> Path:
+    (root / "pkg").mkdir(parents=True)
+    (root / "setup.py").write_text(SETUP)
+    (root / "pkg" / "mod.py").write_text("VALUE = 1\n")
+    (root / ".gitignore").write_text("ignored.txt\n")
+    (root / "ignored.txt").write_text("not copied\n")
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    return root
+
+
+def test_a_copy_holds_the_checkouts_files_and_is_reused_until_a_source_changes(
+        tmp_path: Path) -> None:
+    source = _checkout(tmp_path / "src")
+    out = build_copy(source, tmp_path / "copy", progress=False)
+    assert (out / "pkg" / "mod.py").read_text() == "VALUE = 1\n"
+    assert not (out / "ignored.txt").exists()  # what git ignores is not copied
+    assert (out / MARKER).is_file()
+    (out / "pkg" / "built.txt").write_text("left by the build")
+    build_copy(source, out, progress=False)
+    assert (out / "pkg" / "built.txt").exists()  # same sources: reused as it is
+    (source / "pkg" / "mod.py").write_text("VALUE = 2\n")
+    build_copy(source, out, progress=False)
+    assert (out / "pkg" / "mod.py").read_text() == "VALUE = 2\n"
+    assert not (out / "pkg" / "built.txt").exists()  # rebuilt from scratch
+
+
+def test_a_directory_that_is_not_a_copy_is_never_replaced(tmp_path: Path) -> None:
+    source = _checkout(tmp_path / "src")
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("mine")
+    with pytest.raises(CompileError, match="not a compiled copy"):
+        build_copy(source, precious, progress=False)
+    assert (precious / "notes.txt").read_text() == "mine"
+    with pytest.raises(CompileError, match="cannot be the checkout"):
+        build_copy(source, tmp_path, progress=False)  # would contain the checkout
+    with pytest.raises(CompileError, match="cannot be the checkout"):
+        build_copy(source, source, progress=False)
+
+
+def test_a_failed_build_says_where_its_log_is(tmp_path: Path) -> None:
+    source = _checkout(tmp_path / "src")
+    (source / "setup.py").write_text("raise SystemExit('no compiler here')\n")
+    with pytest.raises(CompileError, match=r"failed \(exit 1\); see .*compile.log"):
+        build_copy(source, tmp_path / "copy", progress=False)
+    assert "no compiler here" in (tmp_path / "copy" / "compile.log").read_text()
+    (source / "setup.py").write_text(SETUP)
+    build_copy(source, tmp_path / "copy", progress=False)  # the failed copy is replaced
+    assert "no compiler here" not in (tmp_path / "copy" / "compile.log").read_text()
+
+
+def test_compiled_modules_names_the_extension_modules_imported() -> None:
+    import router.proxy.handlers as handlers
+
+    compiled = compiled_modules()
+    assert ("router.proxy.handlers" in compiled) == (
+        handlers.__file__ is not None and not handlers.__file__.endswith(".py"))

@@ -16,8 +16,18 @@ from setuptools import setup
 
 # The request path: what a proxied request executes between its head arriving and its
 # answer leaving. `router/proxy/errors.py` (an aiohttp middleware) and `site.py` (an
-# aiohttp subclass) are not compilable as they are and not per request.
+# aiohttp subclass) are not compilable as they are and not per request;
+# `router/registry/snapshot.py` builds its views with `__new__` and a loop over their slots.
 COMPILED_MODULES = [
+    "router/config_reload.py",
+    "router/policy/__init__.py",
+    "router/policy/affinity.py",
+    "router/policy/base.py",
+    "router/policy/baselines.py",
+    "router/policy/filters.py",
+    "router/policy/inflight.py",
+    "router/policy/predicted_ttft.py",
+    "router/policy/request.py",
     "router/proxy/exchange.py",
     "router/proxy/forward.py",
     "router/proxy/front.py",

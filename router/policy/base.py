@@ -4,7 +4,8 @@ A policy is constructed once with what does not change per request (`RoutingCont
 the RTT table, this router's in-flight counts, the clock and the random source), then
 called once per attempt with the current snapshot and one `RouteRequest`. New signals
 become fields of `RouteRequest`, not new methods. Policies register by name where they
-are defined: `class Mine(Policy, name="mine")`.
+are defined: `class Mine(Policy)` with `name = "mine"` in its body (a class attribute, not
+a class keyword: the compiled build drops class keywords, mypy issue #21938).
 """
 
 from __future__ import annotations
@@ -38,18 +39,18 @@ class RoutingContext:
 
 
 class Policy:
-    """Base class: subclasses set `name=` and implement `choose` over filtered candidates."""
+    """Base class: subclasses set `name` and implement `choose` over filtered candidates."""
 
     registry: ClassVar[dict[str, type[Policy]]] = {}
     name: ClassVar[str] = ""
 
-    def __init_subclass__(cls, *, name: str = "", **kwargs: object) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        if name:
-            if name in Policy.registry:
-                raise ValueError(f"policy {name!r} is registered twice")
-            cls.name = name
-            Policy.registry[name] = cls
+        inherited = getattr(cls.__mro__[1], "name", "")
+        if cls.name and cls.name != inherited:  # a name of its own
+            if cls.name in Policy.registry:
+                raise ValueError(f"policy {cls.name!r} is registered twice")
+            Policy.registry[cls.name] = cls
 
     def __init__(self, context: RoutingContext) -> None:
         self.context = context

@@ -10,6 +10,8 @@ Each ignores some of what `predicted_ttft` uses, which is the point of a baselin
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from router.policy.base import Policy, RoutingContext, two_of
 from router.policy.predicted_ttft import effective_load
 from router.policy.request import Decision, NoRoute, RouteRequest
@@ -22,7 +24,9 @@ def _decision(view: WorkerView, request: RouteRequest, reason: str, count: int) 
     return Decision(worker=view, predicted_ttft_ms=0.0, reason=reason, candidates=count)
 
 
-class RoundRobin(Policy, name="round_robin"):
+class RoundRobin(Policy):
+    name: ClassVar[str] = "round_robin"
+
     def __init__(self, context: RoutingContext) -> None:
         super().__init__(context)
         self._turn = 0
@@ -34,13 +38,17 @@ class RoundRobin(Policy, name="round_robin"):
         return _decision(view, request, "round_robin", len(candidates))
 
 
-class RandomChoice(Policy, name="random"):
+class RandomChoice(Policy):
+    name: ClassVar[str] = "random"
+
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
         return _decision(self.context.rng.choice(candidates), request, "random",
                          len(candidates))
 
 
-class LeastLoad(Policy, name="least_load"):
+class LeastLoad(Policy):
+    name: ClassVar[str] = "least_load"
+
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
         inflight = self.context.inflight
 
@@ -53,7 +61,9 @@ class LeastLoad(Policy, name="least_load"):
         return _decision(self.context.rng.choice(tied), request, "least_load", len(candidates))
 
 
-class Nearest(Policy, name="nearest"):
+class Nearest(Policy):
+    name: ClassVar[str] = "nearest"
+
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
         local = [v for v in candidates if v.region == request.origin_region]
         if not local:
@@ -65,7 +75,9 @@ class Nearest(Policy, name="nearest"):
         return _decision(view, request, "nearest", len(candidates))
 
 
-class PowerOfTwo(Policy, name="power_of_two"):
+class PowerOfTwo(Policy):
+    name: ClassVar[str] = "power_of_two"
+
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
         if len(candidates) == 1:
             return _decision(candidates[0], request, "power_of_two", 1)

@@ -15,6 +15,7 @@ import math
 import random
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import ClassVar
 
 from router.policy.base import Policy, two_of
 from router.policy.filters import best_of_region, region_open, skipped_workers
@@ -98,7 +99,7 @@ def _plain(request: RouteRequest) -> bool:
             and request.session_id is None and request.prefix_key is None)
 
 
-class PredictedTtft(Policy, name="predicted_ttft"):
+class PredictedTtft(Policy):
     """Lowest predicted TTFT wins; near-equal candidates are split by power of two choices.
 
     Affinity: a request whose session or long prefix a worker served recently goes back
@@ -106,6 +107,8 @@ class PredictedTtft(Policy, name="predicted_ttft"):
     the cached prefix). Batch: the cheapest region with spare batch slots, within the
     request's TTFT budget when one is given.
     """
+
+    name: ClassVar[str] = "predicted_ttft"
 
     def pick(self, snapshot: Snapshot, request: RouteRequest) -> Decision:
         """At scale, regions in order of the lowest TTFT they could offer, until the rest

@@ -47,7 +47,7 @@ def source_checkout() -> Path | None:
     return root if (root / "setup.py").is_file() else None
 
 
-def _files(source: Path) -> list[Path]:
+def checkout_files(source: Path) -> list[Path]:
     """The checkout's files: tracked by git or not ignored by it (a tree without git:
     everything but caches, virtual environments and builds)."""
     listed = subprocess.run(
@@ -83,7 +83,7 @@ def build_copy(source: Path, out: Path, log: Path | None = None,
         raise CompileError(f"{source} is not a globalpool checkout (no setup.py)")
     if out == source or out in source.parents:
         raise CompileError(f"{out}: the copy cannot be the checkout or contain it")
-    files = [name for name in _files(source) if out not in (source / name).parents]
+    files = [name for name in checkout_files(source) if out not in (source / name).parents]
     digest = _digest(source, files)
     marker = out / MARKER
     if marker.is_file() and marker.read_text().strip() == digest:

@@ -64,6 +64,13 @@ def checkout_files(source: Path) -> list[Path]:
     return sorted(found)
 
 
+def _build_inputs(files: list[Path]) -> list[Path]:
+    """What the compiled build depends on: the Python sources and the build's own files
+    (a copy whose documentation or fixtures changed is refreshed, not recompiled)."""
+    return [name for name in files
+            if name.suffix == ".py" or name.name in ("pyproject.toml", "setup.py")]
+
+
 def _digest(source: Path, files: list[Path]) -> str:
     digest = hashlib.sha256(f"{sys.version}\0".encode())
     for name in files:
@@ -72,21 +79,34 @@ def _digest(source: Path, files: list[Path]) -> str:
     return digest.hexdigest()
 
 
+def _sync(source: Path, out: Path, files: list[Path]) -> None:
+    """Copy `files` from `source` to `out` where missing or different (size, time)."""
+    for name in files:
+        given, copied = (source / name).stat(), out / name
+        if copied.is_file():
+            kept = copied.stat()
+            if (kept.st_size, kept.st_mtime_ns) == (given.st_size, given.st_mtime_ns):
+                continue
+        copied.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source / name, copied)
+
+
 def build_copy(source: Path, out: Path, log: Path | None = None,
                progress: bool = True) -> Path:
     """A copy of `source` at `out` with setup.py's modules compiled in place; `out` is
-    reused when it was built from the same sources, and replaced otherwise (only if it is
-    empty or an earlier copy). The compiler's output goes to `log` (default:
-    `out`/compile.log, kept on failure). Raises CompileError."""
+    reused when it was built from the same sources (its other files brought up to date),
+    and replaced otherwise (only if it is empty or an earlier copy). The compiler's output
+    goes to `log` (default: `out`/compile.log, kept on failure). Raises CompileError."""
     source, out = source.resolve(), out.resolve()
     if not (source / "setup.py").is_file():
         raise CompileError(f"{source} is not a globalpool checkout (no setup.py)")
     if out == source or out in source.parents:
         raise CompileError(f"{out}: the copy cannot be the checkout or contain it")
     files = [name for name in checkout_files(source) if out not in (source / name).parents]
-    digest = _digest(source, files)
+    digest = _digest(source, _build_inputs(files))
     marker = out / MARKER
     if marker.is_file() and marker.read_text().strip() == digest:
+        _sync(source, out, files)
         if progress:
             print(f"compiled copy at {out} is up to date", file=sys.stderr)
         return out
@@ -95,9 +115,7 @@ def build_copy(source: Path, out: Path, log: Path | None = None,
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     marker.write_text("incomplete\n")  # ours, to replace, even if this build fails
-    for name in files:
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source / name, out / name)
+    _sync(source, out, files)
     log = log or out / "compile.log"
     if progress:
         print(f"compiling the request path with mypyc into {out} (1-3 minutes; "

@@ -32,8 +32,10 @@ def test_a_copy_holds_the_checkouts_files_and_is_reused_until_a_source_changes(
     assert not (out / "ignored.txt").exists()  # what git ignores is not copied
     assert (out / MARKER).is_file()
     (out / "pkg" / "built.txt").write_text("left by the build")
+    (source / "NOTES.md").write_text("a file that is not a build input\n")
     build_copy(source, out, progress=False)
-    assert (out / "pkg" / "built.txt").exists()  # same sources: reused as it is
+    assert (out / "pkg" / "built.txt").exists()  # same sources: reused, not rebuilt
+    assert (out / "NOTES.md").read_text() == "a file that is not a build input\n"
     (source / "pkg" / "mod.py").write_text("VALUE = 2\n")
     build_copy(source, out, progress=False)
     assert (out / "pkg" / "mod.py").read_text() == "VALUE = 2\n"

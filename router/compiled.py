@@ -79,16 +79,33 @@ def _digest(source: Path, files: list[Path]) -> str:
     return digest.hexdigest()
 
 
+# What a copy holds besides the checkout's files, kept when it is brought up to date.
+_BUILT_SUFFIXES = (".so", ".pyc")
+_BUILT_NAMES = {MARKER, "compile.log"}
+_CACHE_DIRS = {"__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"}
+
+
 def _sync(source: Path, out: Path, files: list[Path]) -> None:
-    """Copy `files` from `source` to `out` where missing or different (size, time)."""
-    for name in files:
-        given, copied = (source / name).stat(), out / name
+    """Copy `files` from `source` to `out` where missing or different (size, time), and
+    remove the copy's files that the checkout no longer has (a deleted test must not run
+    on)."""
+    wanted = set(files)
+    for directory, subdirs, names in os.walk(out):
+        subdirs[:] = [d for d in subdirs if d not in _CACHE_DIRS]
+        for name in names:
+            path = Path(directory, name)
+            relative = path.relative_to(out)
+            if (relative not in wanted and not name.endswith(_BUILT_SUFFIXES)
+                    and str(relative) not in _BUILT_NAMES):
+                path.unlink()
+    for relative in files:
+        given, copied = (source / relative).stat(), out / relative
         if copied.is_file():
             kept = copied.stat()
             if (kept.st_size, kept.st_mtime_ns) == (given.st_size, given.st_mtime_ns):
                 continue
         copied.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source / name, copied)
+        shutil.copy2(source / relative, copied)
 
 
 def build_copy(source: Path, out: Path, log: Path | None = None,

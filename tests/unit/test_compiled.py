@@ -12,6 +12,7 @@ import pytest
 from router.compiled import MARKER, CompileError, build_copy, compiled_modules
 
 SETUP = "from setuptools import setup\nsetup()\n"
+BUILT = Path("pkg", "mod.cpython-311-x86_64-linux-gnu.so")  # as a compiled module would be
 
 
 def _checkout(root: Path) -> Path:
@@ -31,15 +32,19 @@ def test_a_copy_holds_the_checkouts_files_and_is_reused_until_a_source_changes(
     assert (out / "pkg" / "mod.py").read_text() == "VALUE = 1\n"
     assert not (out / "ignored.txt").exists()  # what git ignores is not copied
     assert (out / MARKER).is_file()
-    (out / "pkg" / "built.txt").write_text("left by the build")
+    (out / BUILT).write_text("left by the build")
     (source / "NOTES.md").write_text("a file that is not a build input\n")
     build_copy(source, out, progress=False)
-    assert (out / "pkg" / "built.txt").exists()  # same sources: reused, not rebuilt
+    assert (out / BUILT).exists()  # same sources: reused, not rebuilt
     assert (out / "NOTES.md").read_text() == "a file that is not a build input\n"
+    (source / "NOTES.md").unlink()
+    build_copy(source, out, progress=False)
+    assert not (out / "NOTES.md").exists()  # gone from the checkout: gone from the copy
+    assert (out / MARKER).is_file() and (out / BUILT).exists()
     (source / "pkg" / "mod.py").write_text("VALUE = 2\n")
     build_copy(source, out, progress=False)
     assert (out / "pkg" / "mod.py").read_text() == "VALUE = 2\n"
-    assert not (out / "pkg" / "built.txt").exists()  # rebuilt from scratch
+    assert not (out / BUILT).exists()  # rebuilt from scratch
 
 
 def test_a_directory_that_is_not_a_copy_is_never_replaced(tmp_path: Path) -> None:

@@ -23,6 +23,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _only_when_slow_tests_are_asked_for(request: pytest.FixtureRequest) -> None:
+    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
+        pytest.skip("builds the compiled wheel (~2 min): run with `pytest -m slow`")
+
+
 def _compiled_modules() -> list[str]:
     """COMPILED_MODULES, read from setup.py as written (not imported: it runs setup())."""
     tree = ast.parse((ROOT / "setup.py").read_text())

@@ -85,7 +85,7 @@ _BUILT_NAMES = {MARKER, "compile.log"}
 _CACHE_DIRS = {"__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"}
 
 
-def _sync(source: Path, out: Path, files: list[Path]) -> None:
+def sync_copy(source: Path, out: Path, files: list[Path]) -> None:
     """Copy `files` from `source` to `out` where missing or different (size, time), and
     remove the copy's files that the checkout no longer has (a deleted test must not run
     on)."""
@@ -123,7 +123,7 @@ def build_copy(source: Path, out: Path, log: Path | None = None,
     digest = _digest(source, _build_inputs(files))
     marker = out / MARKER
     if marker.is_file() and marker.read_text().strip() == digest:
-        _sync(source, out, files)
+        sync_copy(source, out, files)
         if progress:
             print(f"compiled copy at {out} is up to date", file=sys.stderr)
         return out
@@ -132,7 +132,7 @@ def build_copy(source: Path, out: Path, log: Path | None = None,
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     marker.write_text("incomplete\n")  # ours, to replace, even if this build fails
-    _sync(source, out, files)
+    sync_copy(source, out, files)
     log = log or out / "compile.log"
     if progress:
         print(f"compiling the request path with mypyc into {out} (1-3 minutes; "

@@ -15,6 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
+def skip_unless_slow_tests_are_asked_for(config: pytest.Config, why: str) -> None:
+    """Skip, saying `why`, unless this run selects the slow tier (`pytest -m slow`): a slow
+    test that runs by name or in the default run would add minutes to it."""
+    if "slow" not in (config.getoption("markexpr") or "").replace("not slow", ""):
+        pytest.skip(f"{why}: run with `pytest -m slow`")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The compiled tier (GLOBALPOOL_EXPECT_COMPILED=1, in a `globalpool compile` copy)
     stops at once if the request path it should test is not the compiled one."""

@@ -19,21 +19,19 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, skip_unless_slow_tests_are_asked_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(720)]
 
 POLICIES = ("predicted_ttft", "nearest", "power_of_two")
 
 
-def _skip_unless_slow_tests_are_asked_for(config: pytest.Config) -> None:
-    if "slow" not in (config.getoption("markexpr") or "").replace("not slow", ""):
-        pytest.skip("the quick benchmark takes 3-8 minutes: run with `pytest -m slow`")
+QUICK_RUN = "the quick benchmark takes 3-8 minutes"
 
 
 @pytest.fixture(autouse=True)
 def _only_when_slow_tests_are_asked_for(request: pytest.FixtureRequest) -> None:
-    _skip_unless_slow_tests_are_asked_for(request.config)
+    skip_unless_slow_tests_are_asked_for(request.config, QUICK_RUN)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +39,7 @@ def quick_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
               ) -> tuple[Path, dict[str, Any], str]:
     # Module-scoped fixtures are set up before function-scoped autouse ones: check here too,
     # or a plain `pytest` would run the benchmark only to skip its tests.
-    _skip_unless_slow_tests_are_asked_for(request.config)
+    skip_unless_slow_tests_are_asked_for(request.config, QUICK_RUN)
     out = tmp_path_factory.mktemp("bench") / "out"
     saved = out.parent / "saved-trace.jsonl"
     result = subprocess.run(

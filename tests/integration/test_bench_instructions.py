@@ -11,15 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, skip_unless_slow_tests_are_asked_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_one_tree_measured_twice_counts_the_same_instructions(
         request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
-        pytest.skip("runs the router under valgrind (~30 s): run with `pytest -m slow`")
+    skip_unless_slow_tests_are_asked_for(request.config, "runs the router under valgrind (~30 s)")
     if shutil.which("valgrind") is None:
         pytest.skip("valgrind is not installed (apt-get install valgrind)")
     out = tmp_path / "instructions"
@@ -53,8 +52,7 @@ def test_a_directory_that_is_no_source_tree_is_refused(tmp_path: Path) -> None:
 
 def test_vllm_router_is_measured_beside_the_tree(request: pytest.FixtureRequest,
                                                  tmp_path: Path) -> None:
-    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
-        pytest.skip("runs two routers under valgrind (~40 s): run with `pytest -m slow`")
+    skip_unless_slow_tests_are_asked_for(request.config, "runs two routers under valgrind (~40 s)")
     if shutil.which("valgrind") is None:
         pytest.skip("valgrind is not installed (apt-get install valgrind)")
     peers = Path.home() / ".cache" / "globalpool" / "bench-peers"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,17 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from router.compiled import checkout_files
+from router.compiled import checkout_files, sync_copy
+from tests.conftest import ROOT, skip_unless_slow_tests_are_asked_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
 def _only_when_slow_tests_are_asked_for(request: pytest.FixtureRequest) -> None:
-    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
-        pytest.skip("builds the compiled wheel (~2 min): run with `pytest -m slow`")
+    skip_unless_slow_tests_are_asked_for(request.config, "builds the compiled wheel (~2 min)")
 
 
 def _compiled_modules() -> list[str]:
@@ -40,9 +37,8 @@ def _compiled_modules() -> list[str]:
 
 
 def _copy_checkout(into: Path) -> Path:
-    for name in checkout_files(ROOT):
-        (into / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, into / name)
+    into.mkdir(parents=True)
+    sync_copy(ROOT, into, checkout_files(ROOT))
     return into
 
 

@@ -19,7 +19,7 @@ import yaml
 
 from router.drill.run import DrillOptions, run_drill
 from router.drill.scenarios import FaultSettings
-from tests.conftest import ROOT
+from tests.conftest import ROOT, skip_unless_slow_tests_are_asked_for
 from tests.integration.stack import drill_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -30,8 +30,7 @@ def _only_when_slow_tests_are_asked_for(request: pytest.FixtureRequest) -> None:
     """Each drill takes 20 s on an idle 2-CPU machine, a minute on a busy one (ten
     processes start, 12 s of load): they run with `pytest -m slow` (CI's separate step),
     not in the default run."""
-    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
-        pytest.skip("a drill takes 20-70 s: run with `pytest -m slow`")
+    skip_unless_slow_tests_are_asked_for(request.config, "a drill takes 20-70 s")
 
 
 async def _drill(tmp_path: Path, scenario: str, fault_s: float = 5.0,

@@ -29,36 +29,16 @@ from router.benchproxy.heartbeats import until_settled
 from router.benchproxy.procs import new_event_loop
 from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
 from router.registry import HeartbeatCollector, SnapshotHolder
-from router.registry.snapshot import Snapshot
 from worker import redis_client
 from worker.schema import HeartbeatKeys
 from worker.signing import parse_keys
-
-
-class CountingHolder(SnapshotHolder):
-    """Counts the snapshots the collector builds (without polling for them)."""
-
-    __slots__ = ("_snapshot", "builds")
-
-    def __init__(self) -> None:
-        self.builds = 0
-        super().__init__()
-
-    @property
-    def current(self) -> Snapshot:
-        return self._snapshot
-
-    @current.setter
-    def current(self, snapshot: Snapshot) -> None:
-        self._snapshot = snapshot
-        self.builds += 1
 
 
 async def collect(redis_url: str, prefix: str, seconds: float, keys: str,
                   cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE) -> dict[str, Any]:
     config = ten_regions()
     gate = heartbeat_gate(lambda: config, parse_keys(keys) if keys else {}, SecurityStats())
-    holder = CountingHolder()
+    holder = SnapshotHolder()
     redis = redis_client.connect(redis_url)
     pubsub_redis = redis_client.connect_pubsub(redis_url)
     collector = HeartbeatCollector(redis=redis, pubsub_redis=pubsub_redis,
@@ -75,10 +55,10 @@ async def collect(redis_url: str, prefix: str, seconds: float, keys: str,
     before = _counts(collector)
     cpu_before = tree_cpu_s(os.getpid())
     started = time.monotonic()
-    builds = holder.builds
+    builds = collector.builds
     await asyncio.sleep(seconds)
     elapsed = time.monotonic() - started
-    builds = holder.builds - builds
+    builds = collector.builds - builds
     counted = {name: (after - before[name]) / elapsed
                for name, after in _counts(collector).items()}
     cpu_after = tree_cpu_s(os.getpid())

@@ -119,9 +119,9 @@ GONE_PREFIX = HeartbeatKeys.GONE_PREFIX.encode()
 # How a heartbeat's JSON (pydantic's model_dump_json) names its worker: read without parsing.
 WORKER_ID_FIELD = b'"worker_id":"'
 
-# Heartbeats waiting for the next build, by worker id (bytes): the newest first, then
-# the one before it: (payload, received at, previous entry or None).
-_Queued = tuple[bytes, float, "_Queued | None"]
+# Heartbeats waiting for the next build, by worker id (bytes): (payload, received at),
+# in the order they arrived.
+_Queued = list[tuple[bytes, float]]
 
 Clock = Callable[[], float]
 RecordCheck = Callable[[LoadRecord, bytes, WorkerView], "str | None"]
@@ -532,25 +532,27 @@ class HeartbeatCollector:
             return self._apply(payload, received_s, None, None)
         start += len(WORKER_ID_FIELD)
         worker = payload[start : payload.find(b'"', start)]
-        self._queued[worker] = (payload, received_s, self._queued.get(worker))
+        waiting = self._queued.get(worker)
+        if waiting is None:
+            self._queued[worker] = [(payload, received_s)]
+        else:
+            waiting.append((payload, received_s))
         self._last_ok_at_s = received_s  # Redis delivered: its clock runs (module doc)
         return True
 
     def _apply_queued(self) -> None:
         """Parse and store each queued worker's newest heartbeat that is taken."""
         queued, self._queued = self._queued, {}
-        for worker, newest in queued.items():
-            payload, received_s, entry = newest
-            if entry is None:  # one heartbeat since the last build
+        for worker, waiting in queued.items():
+            if len(waiting) == 1:  # one heartbeat since the last build
+                payload, received_s = waiting[0]
                 self._apply(payload, received_s, worker, None)
                 continue
             # Several: by their own order (send time, then seq), as read from the bytes and
             # checked once parsed, not by arrival: a replay published after the real report
             # is then tried only if that report is not taken.
-            candidates = [(_order_of(payload), received_s, payload)]
-            while entry is not None:
-                payload, received_s, entry = entry
-                candidates.append((_order_of(payload), received_s, payload))
+            candidates = [(_order_of(payload), received_s, payload)
+                          for payload, received_s in reversed(waiting)]
             candidates.sort(key=_newest_first, reverse=True)
             for order, received_s, payload in candidates:
                 if self._apply(payload, received_s, worker, order):

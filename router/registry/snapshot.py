@@ -90,11 +90,16 @@ class WorkerView:
     prefill_ms_per_token: float
     utilisation: float
 
-    def __init__(self, heartbeat: Heartbeat, received_at_s: float,
+    def __init__(self, heartbeat: Heartbeat | None, received_at_s: float,
                  inflight_at_receipt: int = 0, next_read_s: float = 0.0) -> None:
-        self.heartbeat = heartbeat
+        """The view of `heartbeat`; None makes a blank that `_same_worker` fills (the
+        compiled build refuses `object.__new__` on this class, and its `__new__` runs
+        `__init__`)."""
         self.received_at_s = received_at_s
         self.inflight_at_receipt = inflight_at_receipt
+        if heartbeat is None:
+            return
+        self.heartbeat = heartbeat
         self.worker_id = heartbeat.worker_id
         self.region = heartbeat.region
         self.endpoint = heartbeat.endpoint
@@ -131,21 +136,11 @@ class WorkerView:
         self.prefill_ms_per_token = 1000.0 / (self.prefill_tokens_per_s
                                               or DEFAULT_PREFILL_TOKENS_PER_S)
 
-    def _copy(self) -> WorkerView:
-        view = WorkerView.__new__(WorkerView)
-        for name in WorkerView.__slots__:
-            setattr(view, name, getattr(self, name))
-        return view
-
-    def with_load(self, record: RecordItems, received_at_s: float,
-                  inflight_at_receipt: int, next_read_s: float = 0.0) -> WorkerView:
-        """This worker as a newer load record of the same heartbeat describes it
-        (`record`: its items, as worker.schema.record_items returns them), read at
-        `received_at_s`; `next_read_s`: see `fresh_for_s`."""
-        view = WorkerView.__new__(WorkerView)
+    def _same_worker(self, received_at_s: float, inflight_at_receipt: int) -> WorkerView:
+        """A new view of this worker with what its heartbeat says of it (identity, models,
+        capacity), received at `received_at_s`; the caller sets the rest."""
+        view = WorkerView(None, received_at_s, inflight_at_receipt)
         view.heartbeat = self.heartbeat
-        view.received_at_s = received_at_s
-        view.inflight_at_receipt = inflight_at_receipt
         view.worker_id = self.worker_id
         view.region = self.region
         view.endpoint = self.endpoint
@@ -154,6 +149,14 @@ class WorkerView:
         view._digest = self._digest
         view.served = self.served
         view.slots = self.slots
+        return view
+
+    def with_load(self, record: RecordItems, received_at_s: float,
+                  inflight_at_receipt: int, next_read_s: float = 0.0) -> WorkerView:
+        """This worker as a newer load record of the same heartbeat describes it
+        (`record`: its items, as worker.schema.record_items returns them), read at
+        `received_at_s`; `next_read_s`: see `fresh_for_s`."""
+        view = self._same_worker(received_at_s, inflight_at_receipt)
         (_, _, view.seq, view.sent_at_s, _, view.running, view.waiting, view.kv_cache_usage,
          view.ttft_ms, view.itl_ms, view.e2e_ms, view.prefill_tokens_per_s,
          view.decode_tokens_per_s, *_) = record
@@ -162,9 +165,23 @@ class WorkerView:
 
     def received_again(self, received_at_s: float, next_read_s: float = 0.0) -> WorkerView:
         """The same report, as if received at `received_at_s` (see the collector)."""
-        view = self._copy()
-        view.received_at_s = received_at_s
+        view = self._same_worker(received_at_s, self.inflight_at_receipt)
+        view.seq = self.seq
+        view.sent_at_s = self.sent_at_s
+        view.running = self.running
+        view.waiting = self.waiting
+        view.kv_cache_usage = self.kv_cache_usage
+        view.ttft_ms = self.ttft_ms
+        view.itl_ms = self.itl_ms
+        view.e2e_ms = self.e2e_ms
+        view.prefill_tokens_per_s = self.prefill_tokens_per_s
+        view.decode_tokens_per_s = self.decode_tokens_per_s
         view.expires_at_s = received_at_s + fresh_for_s(self.ttl_s, next_read_s)
+        view.reported_load = self.reported_load
+        view.utilisation = self.utilisation
+        view.queue_ms_per_request = self.queue_ms_per_request
+        view.kv_pressure_ms = self.kv_pressure_ms
+        view.prefill_ms_per_token = self.prefill_ms_per_token
         return view
 
     @property

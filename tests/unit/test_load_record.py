@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import types
 
 import pytest
 
@@ -24,6 +25,15 @@ from worker.schema import (
 from worker.signing import HeartbeatSigner, Verdict, hmac_sha256_hex, verify_record
 
 SECRET = b"a-test-secret-of-at-least-32-bytes!!"
+
+
+def view_fields() -> list[str]:
+    """Every attribute a view has: its slots (pure build), or the compiled class's
+    attribute descriptors (mypyc keeps no `__slots__`; `static_digest` is one as well)."""
+    names = [name for name, attribute in vars(WorkerView).items()
+             if isinstance(attribute, types.GetSetDescriptorType | types.MemberDescriptorType)]
+    assert len(names) >= 27, names
+    return names
 
 
 def beat(**changes: object) -> Heartbeat:
@@ -150,12 +160,16 @@ def test_a_view_takes_a_newer_records_load_and_keeps_its_heartbeat() -> None:
     again = newer.received_again(150.0)
     assert (again.received_at_s, again.expires_at_s, again.running, again.seq) == (
         150.0, 152.0, 3, 8)
+    assert {name: getattr(again, name) for name in view_fields()
+            if name not in ("received_at_s", "expires_at_s")} == {
+        name: getattr(newer, name) for name in view_fields()
+        if name not in ("received_at_s", "expires_at_s")}
     # A signed record's items (key id and signature after the load) make the same view.
     signed = record_items(HeartbeatSigner("k1", SECRET).signed_record(
         load_record(beat(seq=8, sent_at_s=1_764_500_000.5))))
     assert len(signed) == len(record) + 2 and LoadRecord.of(signed).key_id == "k1"
     from_signed = view.with_load(signed, 101.0, 5)
-    for name in WorkerView.__slots__:
+    for name in view_fields():
         assert getattr(from_signed, name) == getattr(newer, name), name
 
 

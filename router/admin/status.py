@@ -52,6 +52,8 @@ class HealthStatusView(Protocol):
 
     def state_of(self, worker_id: str) -> object: ...
 
+    def region_penalties(self, now_s: float) -> dict[str, float]: ...
+
 
 @dataclass
 class AdminContext:
@@ -184,9 +186,12 @@ async def fleet_status(context: AdminContext) -> dict[str, Any]:
     names = list(configs.current.regions)
     names += sorted(set(in_region) - set(names))
     traffic = context.window.summary()
+    penalties = context.health.region_penalties(now_s) if context.health is not None else {}
     regions = []
     for name in names:
         region = _region(context, name, in_region.get(name, []), name in drained.regions)
+        # added to the region's predicted TTFTs: its first bytes came late (router.health)
+        region["latency_penalty_ms"] = round(penalties.get(name, 0.0), 1)
         seen = traffic.get(name)
         region["traffic"] = None if seen is None else {
             "requests": seen.requests, "errors": seen.errors, "share": seen.share,

@@ -133,6 +133,14 @@ class Health:
             self._refresh_penalties(now_s)
         return self._penalties.get(region, 0.0)
 
+    def region_penalties(self, now_s: float) -> dict[str, float]:
+        """Every region's `region_penalty_ms` now, for operators (/metrics, /admin/status):
+        why this router may prefer a farther region than heartbeats and RTTs alone say."""
+        if not self._excess_ms:
+            return {}
+        self._refresh_penalties(now_s)
+        return dict(self._penalties)
+
     def _refresh_penalties(self, now_s: float) -> None:
         half_life_s = self._half_life_s
         current = {region: ewma * 0.5 ** ((now_s - at_s) / half_life_s)

@@ -118,6 +118,8 @@ class HealthView(Protocol):
 
     def state_of(self, worker_id: str) -> object: ...
 
+    def region_penalties(self, now_s: float) -> dict[str, float]: ...
+
 
 class RetryBudgetView(Protocol):
     denied: int
@@ -183,6 +185,13 @@ class FleetCollector:
         if self.health is not None:
             yield _counter("globalpool_ejections", "Workers ejected by passive health.",
                            float(self.health.ejections_total))
+            penalties = GaugeMetricFamily(
+                "globalpool_region_latency_penalty_ms", "What this router adds to a region's "
+                "predicted TTFT because its first bytes came later than predicted, beyond "
+                "the other regions' (0: as predicted).", labels=["region"])
+            for region, penalty_ms in sorted(self.health.region_penalties(now_s).items()):
+                penalties.add_metric([region], penalty_ms)
+            yield penalties
         if self.retry_budget is not None:
             yield _counter("globalpool_retry_budget_denied",
                            "Retries not made because the retry budget was spent.",

@@ -253,3 +253,26 @@ async def test_replicas_show_each_others_open_requests(fleet: OpsFleet) -> None:
         return bool(sum(body["router"]["peers"].values()) == 0)
 
     await wait_for(second_sees_none_open, timeout_s=2.0)
+
+
+async def test_status_and_metrics_show_a_regions_latency_penalty(fleet: OpsFleet) -> None:
+    """The engine prefills far slower than its heartbeats let the router predict (they
+    report no performance figures, so the router assumes 4,000 tokens/s): streamed first
+    bytes come late, and the router shows what it now adds to us-east's predictions."""
+    await fleet.start({"a": "us-east"}, prefill_tokens_per_s=10.0)
+    status, body = await admin(fleet.url, "GET", "/admin/status")
+    assert status == 200
+    assert [r["latency_penalty_ms"] for r in body["regions"]] == [0.0, 0.0]  # nothing yet
+    for _ in range(5):
+        assert (await chat(fleet.url, {**CHAT, "stream": True}))[0] == 200
+    status, body = await admin(fleet.url, "GET", "/admin/status")
+    assert status == 200
+    regions = {region["name"]: region for region in body["regions"]}
+    assert regions["us-east"]["latency_penalty_ms"] > 50.0, regions["us-east"]
+    assert regions["eu-west"]["latency_penalty_ms"] == 0.0  # no samples: as predicted
+    async with aiohttp.ClientSession() as http, http.get(fleet.url + "/metrics") as response:
+        text = await response.text()
+    line = next(line for line in text.splitlines()
+                if line.startswith('globalpool_region_latency_penalty_ms{region="us-east"}'))
+    assert float(line.split()[-1]) == pytest.approx(
+        regions["us-east"]["latency_penalty_ms"], rel=0.2)

@@ -135,6 +135,10 @@ def test_slow_region_learns_a_penalty_that_decays() -> None:
         (520.0 - 20.0) / 2 - FLOOR, rel=0.05)
     assert health.region_penalty_ms("us-east", 0.0) == 0.0
     assert health.region_penalty_ms("ap-south", 0.0) == 0.0
+    # All of them at once, as /metrics and /admin/status show them: the regions sampled.
+    assert health.region_penalties(10.0) == {
+        "eu-west": pytest.approx((520.0 - 20.0) / 2 - FLOOR, rel=0.05), "us-east": 0.0}
+    assert Health(POLICY, clock=FakeClock(0.0)).region_penalties(0.0) == {}
 
 
 def test_a_slow_region_that_carries_all_the_traffic_is_penalised() -> None:

@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -268,6 +269,17 @@ async def until_served_in(pool: RealPool, origin: str, region: str, *, times: in
     return results
 
 
+def latency_penalties(pool: RealPool) -> list[str]:
+    """The router's latency penalty per region, from its /metrics (for failure messages)."""
+    try:
+        with urllib.request.urlopen(f"{pool.router_url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError as exc:
+        return [f"/metrics unreadable: {exc!r}"]
+    return [line for line in text.splitlines()
+            if line.startswith("globalpool_region_latency_penalty_ms{")]
+
+
 def engine_views(pool: RealPool) -> dict[str, Any]:
     """What each region's latest heartbeat says about load and speed (for failure messages)."""
     views: dict[str, Any] = {}
@@ -421,12 +433,14 @@ async def test_a_drained_worker_finishes_in_flight_requests_then_stops_its_vllm(
     tree = agent.engine_tree()
     client = pool.async_client("us-east")
     opened: list[str] = []
+    routes: list[str] = []
 
     async def stream_one() -> tuple[str, int]:
         raw = await client.chat.completions.with_raw_response.create(
             model=MODEL, messages=CHAT, max_tokens=1500, extra_body=EXACT, stream=True,
             stream_options={"include_usage": True})
         opened.append(raw.headers.get(REGION, ""))
+        routes.append(raw.headers.get(ROUTE, ""))
         tokens = -1
         async for chunk in raw.parse():
             if chunk.usage is not None:
@@ -455,9 +469,10 @@ async def test_a_drained_worker_finishes_in_flight_requests_then_stops_its_vllm(
                         batches.append((3, engine_views(pool)))
                     await asyncio.sleep(0.05)
         except TimeoutError:
-            raise AssertionError(("3 streams did not open in us-east", opened,
+            raise AssertionError(("3 streams did not open in us-east", opened, routes,
                                   "streams sent, and the heartbeats then:", batches,
-                                  "now:", engine_views(pool))) from None
+                                  "now:", engine_views(pool),
+                                  "latency penalties:", latency_penalties(pool))) from None
         agent.process.send_signal(signal.SIGTERM)
         drain_started = time.monotonic()
         open_at_sigterm = sum(not task.done() for task in in_flight)

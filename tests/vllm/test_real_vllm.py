@@ -455,7 +455,8 @@ async def test_a_drained_worker_finishes_in_flight_requests_then_stops_its_vllm(
         # it again) and sends three more, up to 30 in all, until three opened there. In CI
         # once a burst of 18 sent at once all went to eu-west during one stall.
         in_flight = [asyncio.create_task(stream_one()) for _ in range(6)]
-        batches: list[tuple[int, dict[str, Any]]] = [(6, engine_views(pool))]
+        batches: list[tuple[int, dict[str, Any], list[str]]] = [
+            (6, engine_views(pool), latency_penalties(pool))]
         try:
             async with asyncio.timeout(150):
                 while opened.count("us-east") < 3:
@@ -466,11 +467,12 @@ async def test_a_drained_worker_finishes_in_flight_requests_then_stops_its_vllm(
                     if len(opened) == len(in_flight) and len(in_flight) < 30:
                         await until_served_in(pool, "us-east", "us-east", timeout_s=60)
                         in_flight += [asyncio.create_task(stream_one()) for _ in range(3)]
-                        batches.append((3, engine_views(pool)))
+                        batches.append((3, engine_views(pool), latency_penalties(pool)))
                     await asyncio.sleep(0.05)
         except TimeoutError:
             raise AssertionError(("3 streams did not open in us-east", opened, routes,
-                                  "streams sent, and the heartbeats then:", batches,
+                                  "streams sent, and the heartbeats and penalties then:",
+                                  batches,
                                   "now:", engine_views(pool),
                                   "latency penalties:", latency_penalties(pool))) from None
         agent.process.send_signal(signal.SIGTERM)
@@ -504,4 +506,8 @@ async def test_a_drained_worker_finishes_in_flight_requests_then_stops_its_vllm(
         open_at_sigterm, max(b.load.running for b in draining))
     measurements["drain test: streams sent, opened in us-east"] = (
         len(in_flight), opened.count("us-east"))
+    measurements["drain test: the first six streams' routes; penalties before them"] = (
+        dict(Counter(f"{region}:{route}" for region, route in zip(opened[:6], routes[:6],
+                                                                     strict=True))),
+        batches[0][2])
     measurements["SIGTERM -> in-flight done, vLLM stopped, agent exited (s)"] = round(drain_s, 1)

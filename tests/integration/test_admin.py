@@ -276,3 +276,27 @@ async def test_status_and_metrics_show_a_regions_latency_penalty(fleet: OpsFleet
                 if line.startswith('globalpool_region_latency_penalty_ms{region="us-east"}'))
     assert float(line.split()[-1]) == pytest.approx(
         regions["us-east"]["latency_penalty_ms"], rel=0.2)
+
+
+async def test_a_reload_turns_the_per_worker_gauges_off(fleet: OpsFleet, redis_url: str,
+                                                        key_prefix: str) -> None:
+    config = fleet_config(redis_url, key_prefix)
+    config["admin"] = {"config_check_s": 0}  # only on demand
+    await fleet.start({"a": "us-east", "c": "eu-west"}, config=config)
+
+    async def scrape() -> set[str]:
+        async with aiohttp.ClientSession() as http, \
+                http.get(fleet.url + "/metrics") as response:
+            assert response.status == 200
+            return {line.split("{")[0] for line in (await response.text()).splitlines()
+                    if line.startswith("globalpool_worker")}
+
+    assert {"globalpool_workers", "globalpool_worker_capacity_seqs",
+            "globalpool_worker_load_seqs"} <= await scrape()
+    config["router"]["worker_metrics"] = False
+    fleet.write_config(config)
+    status, body = await admin(fleet.url, "POST", "/admin/reload")
+    assert status == 200 and body["result"] == "reloaded"
+    _, body = await admin(fleet.url, "GET", "/admin/status")
+    assert body["config"]["restart_required"] == []
+    assert await scrape() == {"globalpool_workers"}

@@ -1,6 +1,7 @@
 """The admin API and the status page.
 
-    GET  /admin/status            the fleet as this router sees it (JSON)
+    GET  /admin/status            the fleet as this router sees it (JSON; ?workers=N lists
+                                  at most N workers, problems first)
     POST /admin/drain             {"region": "eu-west"} or {"worker": "id"}, "reason" optional
     POST /admin/undrain           the same body
     POST /admin/reload            check regions.yaml now (it is also checked every second)
@@ -51,8 +52,19 @@ def _authorized(request: web.Request) -> AdminContext:
 
 async def _status(request: web.Request) -> web.Response:
     context = _authorized(request)
-    return web.Response(body=await status_json(context), content_type="application/json",
-                        headers={"Cache-Control": "no-store"})
+    return web.Response(body=await status_json(context, _max_workers(request)),
+                        content_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+def _max_workers(request: web.Request) -> int | None:
+    """`?workers=N`: list at most N workers (problems first); every worker without it."""
+    given = request.query.get("workers")
+    if given is None:
+        return None
+    if not given.isdigit() or len(given) > 9:
+        raise ApiError(400, f"'workers' must be a whole number of workers to list, not "
+                            f"{given[:40]!r}", param="workers")
+    return int(given)
 
 
 async def _page(request: web.Request) -> web.Response:

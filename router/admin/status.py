@@ -80,9 +80,23 @@ def _breaker(context: AdminContext, worker_id: str) -> str:
     return str(context.health.state_of(worker_id))
 
 
-def _worker(context: AdminContext, view: WorkerView, freshness_now: float, now_s: float
-            ) -> dict[str, Any]:
-    heartbeat = view.heartbeat
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What routing makes of one worker now: all that a region's summary needs of it, and
+    whether it is a problem (listed first when the document lists only some workers)."""
+
+    view: WorkerView
+    status: str  # ready, drained, ejected, stale, or the state the worker reports
+    drained: bool
+    fresh: bool
+    breaker: str
+
+    @property
+    def problem(self) -> bool:
+        return self.status != LifecycleState.READY.value or self.breaker != "closed"
+
+
+def _seen(context: AdminContext, view: WorkerView, freshness_now: float) -> _Seen:
     drained = context.drain_holder.current.covers(view)
     fresh = view.fresh(freshness_now)
     breaker = _breaker(context, view.worker_id)
@@ -93,7 +107,14 @@ def _worker(context: AdminContext, view: WorkerView, freshness_now: float, now_s
     elif breaker == "open":
         status = "ejected"
     else:
-        status = heartbeat.state.value
+        status = view.heartbeat.state.value
+    return _Seen(view, status, drained, fresh, breaker)
+
+
+def _worker(context: AdminContext, seen: _Seen, now_s: float) -> dict[str, Any]:
+    view = seen.view
+    heartbeat = view.heartbeat
+    status, drained, fresh, breaker = seen.status, seen.drained, seen.fresh, seen.breaker
     return {
         "id": view.worker_id,
         "region": view.region,
@@ -116,12 +137,12 @@ def _worker(context: AdminContext, view: WorkerView, freshness_now: float, now_s
     }
 
 
-def _region(context: AdminContext, name: str, workers: list[dict[str, Any]],
+def _region(context: AdminContext, name: str, workers: list[_Seen],
             drained: bool) -> dict[str, Any]:
     config = context.configs.current
     spec = config.regions.get(name)
-    routable = [w for w in workers if w["status"] == LifecycleState.READY.value]
-    live = [w for w in workers if w["fresh"]]
+    routable = [w for w in workers if w.status == LifecycleState.READY.value]
+    live = [w.view for w in workers if w.fresh]
     if drained:
         health = "drained"
     elif not routable:
@@ -132,10 +153,10 @@ def _region(context: AdminContext, name: str, workers: list[dict[str, Any]],
         health = "ok"
     by_status: dict[str, int] = {}
     for worker in workers:
-        by_status[worker["status"]] = by_status.get(worker["status"], 0) + 1
-    kv = [w["load"]["kv_cache_usage"] for w in live if w["load"]["kv_cache_usage"] is not None]
-    capacity = sum(w["capacity"]["max_num_seqs"] for w in live)
-    load = sum(w["load"]["running"] + w["load"]["waiting"] for w in live)
+        by_status[worker.status] = by_status.get(worker.status, 0) + 1
+    kv = [v.kv_cache_usage for v in live if v.kv_cache_usage is not None]
+    capacity = sum(v.heartbeat.capacity.max_num_seqs for v in live)
+    load = sum(v.running + v.waiting for v in live)
     return {
         "name": name,
         "configured": spec is not None,
@@ -148,7 +169,7 @@ def _region(context: AdminContext, name: str, workers: list[dict[str, Any]],
         "load_seqs": load,
         "utilization": round(load / capacity, 3) if capacity else None,
         "kv_cache_usage": round(sum(kv) / len(kv), 3) if kv else None,
-        "router_inflight": sum(w["load"]["router_inflight"] for w in workers),
+        "router_inflight": sum(context.inflight.own_of(w.view.worker_id) for w in workers),
     }
 
 
@@ -163,24 +184,37 @@ def _events(context: AdminContext, now_s: float, now_unix_s: float) -> list[dict
     return events[:MAX_EVENTS]
 
 
-async def fleet_status(context: AdminContext) -> dict[str, Any]:
-    """The document; workers are described WORKERS_PER_TURN at a time, with the event loop
-    running in between (all of one snapshot; their breakers and open requests as they
-    are when each is described)."""
+async def fleet_status(context: AdminContext, max_workers: int | None = None
+                       ) -> dict[str, Any]:
+    """The document; workers are looked at, and described, WORKERS_PER_TURN at a time, with
+    the event loop running in between (all of one snapshot; their breakers and open
+    requests as they are when each is looked at). Regions summarise every worker;
+    `max_workers` lists at most that many, problems first (not ready, or a breaker not
+    closed), then by region and id: a status page of a 10,000-worker fleet need not
+    carry every one of them every second."""
     now_s = context.clock()
     now_unix_s = time.time()
     snapshot = context.snapshots.current
     freshness_now = snapshot.freshness_now(now_s)
     views = sorted(snapshot.workers.values(), key=lambda v: (v.region, v.worker_id))
-    workers: list[dict[str, Any]] = []
-    for start in range(0, len(views), WORKERS_PER_TURN):
+    seen: list[_Seen] = []
+    for start in range(0, len(views), WORKERS_PER_TURN * 4):
         if start:
             await asyncio.sleep(0)
-        workers += [_worker(context, view, freshness_now, now_s)
-                    for view in views[start:start + WORKERS_PER_TURN]]
-    in_region: dict[str, list[dict[str, Any]]] = {}
-    for worker in workers:
-        in_region.setdefault(worker["region"], []).append(worker)
+        seen += [_seen(context, view, freshness_now)
+                 for view in views[start:start + WORKERS_PER_TURN * 4]]
+    listed = seen
+    if max_workers is not None and max_workers < len(seen):
+        listed = [w for w in seen if w.problem][:max_workers]
+        listed += [w for w in seen if not w.problem][:max_workers - len(listed)]
+    workers: list[dict[str, Any]] = []
+    for start in range(0, len(listed), WORKERS_PER_TURN):
+        if start:
+            await asyncio.sleep(0)
+        workers += [_worker(context, w, now_s) for w in listed[start:start + WORKERS_PER_TURN]]
+    in_region: dict[str, list[_Seen]] = {}
+    for w in seen:
+        in_region.setdefault(w.view.region, []).append(w)
     configs = context.configs
     drained = context.drain_holder.current
     names = list(configs.current.regions)
@@ -192,11 +226,11 @@ async def fleet_status(context: AdminContext) -> dict[str, Any]:
         region = _region(context, name, in_region.get(name, []), name in drained.regions)
         # added to the region's predicted TTFTs: its first bytes came late (router.health)
         region["latency_penalty_ms"] = round(penalties.get(name, 0.0), 1)
-        seen = traffic.get(name)
-        region["traffic"] = None if seen is None else {
-            "requests": seen.requests, "errors": seen.errors, "share": seen.share,
-            "ttft_p50_ms": seen.ttft_p50_ms, "ttft_p99_ms": seen.ttft_p99_ms,
-            "e2e_p50_ms": seen.e2e_p50_ms, "e2e_p99_ms": seen.e2e_p99_ms,
+        recent = traffic.get(name)
+        region["traffic"] = None if recent is None else {
+            "requests": recent.requests, "errors": recent.errors, "share": recent.share,
+            "ttft_p50_ms": recent.ttft_p50_ms, "ttft_p99_ms": recent.ttft_p99_ms,
+            "e2e_p50_ms": recent.e2e_p50_ms, "e2e_p99_ms": recent.e2e_p99_ms,
         }
         regions.append(region)
     unrouted = traffic.get("none")
@@ -222,6 +256,7 @@ async def fleet_status(context: AdminContext) -> dict[str, Any]:
         "redis": {"connected": snapshot.redis_connected,
                   "snapshot_age_s": None if age is None else round(age, 3)},
         "regions": regions,
+        "workers_total": len(seen),  # `workers` lists them all, or max_workers of them
         "workers": workers,
         "unrouted": None if unrouted is None else {
             "requests": unrouted.requests, "errors": unrouted.errors, "share": unrouted.share},
@@ -239,10 +274,10 @@ async def fleet_status(context: AdminContext) -> dict[str, Any]:
     }
 
 
-async def status_json(context: AdminContext) -> bytes:
+async def status_json(context: AdminContext, max_workers: int | None = None) -> bytes:
     """`fleet_status` as JSON, its workers encoded WORKERS_PER_TURN at a time (with the
     event loop running in between) and written last."""
-    status = await fleet_status(context)
+    status = await fleet_status(context, max_workers)
     workers = status.pop("workers")
     encoded = []
     while workers:

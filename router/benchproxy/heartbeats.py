@@ -43,6 +43,8 @@ from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
 WARM_TIMEOUT_S = 30.0
 WAITS_S = 10.0  # the request-wait probe's window (at most `--seconds`)
 PROBE_EVERY_S = 0.02
+# What the status page asks for every second (router/admin/status.html: MAX_WORKERS).
+STATUS_PAGE_READ = "/admin/status?workers=500"
 # The view's age: this many /admin/status reads (after the windows above), 0.1-0.6 s apart
 # at random, so that they do not fall in step with the router's reads of the records.
 VIEW_AGE_READS = 8
@@ -153,14 +155,15 @@ async def _waits(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) 
 async def _request_waits(session: aiohttp.ClientSession, port: int, token: str,
                          seconds: float) -> dict[str, Any]:
     """/health's latency while the router keeps its view (`seconds`), then during one
-    /metrics scrape and one /admin/status read (their time, size and the longest wait)."""
+    /metrics scrape, one whole /admin/status read and one as the status page reads it
+    (their time, size and the longest wait)."""
     base = f"http://127.0.0.1:{port}"
     stop = asyncio.Event()
     probe = asyncio.create_task(_waits(session, f"{base}/health", stop))
     await asyncio.sleep(seconds)
     stop.set()
     result: dict[str, Any] = {"idle": summarize(await probe)}
-    for path in ("/metrics", "/admin/status"):
+    for path in ("/metrics", "/admin/status", STATUS_PAGE_READ):
         stop = asyncio.Event()
         probe = asyncio.create_task(_waits(session, f"{base}/health", stop))
         await asyncio.sleep(0.2)

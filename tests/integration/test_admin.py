@@ -300,3 +300,26 @@ async def test_a_reload_turns_the_per_worker_gauges_off(fleet: OpsFleet, redis_u
     _, body = await admin(fleet.url, "GET", "/admin/status")
     assert body["config"]["restart_required"] == []
     assert await scrape() == {"globalpool_workers"}
+
+
+async def test_status_lists_some_workers_problems_first_and_summarises_all(
+        fleet: OpsFleet) -> None:
+    await fleet.start({"a": "us-east", "b": "us-east", "c": "eu-west", "d": "eu-west"})
+    status, _ = await admin(fleet.url, "POST", "/admin/drain", body={"worker": "d"})
+    assert status == 200
+    status, body = await admin(fleet.url, "GET", "/admin/status?workers=2")
+    assert status == 200 and body["workers_total"] == 4
+    assert [(w["id"], w["status"]) for w in body["workers"]] == [
+        ("d", "drained"), ("c", "ready")]  # the problem, then by region and id
+    regions = {region["name"]: region for region in body["regions"]}
+    assert regions["eu-west"]["workers"] == {"ready": 1, "drained": 1}
+    assert regions["us-east"]["workers"] == {"ready": 2}  # none listed, all summarised
+    assert regions["us-east"]["capacity_seqs"] == 16 and regions["us-east"]["health"] == "ok"
+    _, everything = await admin(fleet.url, "GET", "/admin/status")
+    assert [w["id"] for w in everything["workers"]] == ["c", "d", "a", "b"]  # by region
+    assert everything["regions"] == body["regions"]
+    _, none = await admin(fleet.url, "GET", "/admin/status?workers=0")
+    assert none["workers"] == [] and none["workers_total"] == 4
+    for bad in ("-1", "two", "1e3", ""):
+        status, error = await admin(fleet.url, "GET", f"/admin/status?workers={bad}")
+        assert status == 400 and error["error"]["param"] == "workers", (bad, error)

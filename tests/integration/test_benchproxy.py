@@ -117,6 +117,8 @@ def test_heartbeat_plane_bench_runs_small_and_reports_what_keeping_the_view_cost
     assert waits["idle"]["count"] > 10 and 0 < waits["idle"]["p50"] <= waits["idle"]["max"]
     assert waits["/metrics"]["status"] == 200 and waits["/metrics"]["bytes"] > 300 * 100
     assert waits["/admin/status"]["status"] == 200 and waits["/admin/status"]["bytes"] > 0
+    page = waits["/admin/status?workers=500"]  # what the status page reads: 300 listed
+    assert page["status"] == 200 and 0.9 < page["bytes"] / waits["/admin/status"]["bytes"] < 1.1
     assert "longest /health meanwhile" in done.stdout
     # How old the view is: every worker's age in the status reads, the records' pace.
     ages = result["view_age_ms"]

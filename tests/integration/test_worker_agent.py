@@ -252,9 +252,12 @@ async def test_loop_publishes_keys_with_ttl_on_a_jittered_interval(
     assert [b.seq for b in hbs] == list(range(hbs[0].seq, hbs[0].seq + 8))
     gaps = [b.sent_at_s - a.sent_at_s for a, b in itertools.pairwise(hbs)]
     # Each gap is the jittered interval plus the difference of two probe durations, which
-    # a busy machine stretches; the ±20% bound itself is checked in the unit tests.
+    # a busy machine stretches; the ±20% bound itself is checked in the unit tests. A gap
+    # can be near 0: each cycle is timed from its start, so after a probe that overran
+    # the interval (the first also asks the engine's version) the next beat comes at once
+    # (CI once measured 18 ms after such a probe).
     assert 0.08 <= sum(gaps) / len(gaps) <= 0.15, gaps
-    assert all(0.02 <= gap <= 0.3 for gap in gaps), gaps
+    assert all(0 < gap <= 0.3 for gap in gaps), gaps
     assert 0 < ttl_ms <= 500
     assert stored.state is LifecycleState.READY
     assert stored.models == ("tiny-llama",)

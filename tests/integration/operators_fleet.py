@@ -14,6 +14,7 @@ import aiohttp
 import yaml
 from aiohttp import web
 from opentelemetry.trace import TracerProvider
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import HOLDER, RouterSettings, build_app, router_site
 from router.config import load_config
@@ -158,3 +159,25 @@ async def wait_for(predicate: Any, timeout_s: float = 10.0, interval_s: float = 
             return time.monotonic() - started
         assert time.monotonic() - started < timeout_s, "condition not met in time"
         await asyncio.sleep(interval_s)
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(url: str) -> Samples:
+    """The router's /metrics, parsed: (sample name, sorted labels) -> value."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = await response.text()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: Samples, metric: str, **labels: str) -> float:
+    """The sum over samples of `metric` whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items()
+               if n == metric and set(labels.items()) <= set(ls))

@@ -16,6 +16,8 @@ from tests.integration.operators_fleet import (
     admin,
     chat,
     fleet_config,
+    scrape,
+    value,
     wait_for,
 )
 
@@ -270,12 +272,9 @@ async def test_status_and_metrics_show_a_regions_latency_penalty(fleet: OpsFleet
     regions = {region["name"]: region for region in body["regions"]}
     assert regions["us-east"]["latency_penalty_ms"] > 50.0, regions["us-east"]
     assert regions["eu-west"]["latency_penalty_ms"] == 0.0  # no samples: as predicted
-    async with aiohttp.ClientSession() as http, http.get(fleet.url + "/metrics") as response:
-        text = await response.text()
-    line = next(line for line in text.splitlines()
-                if line.startswith('globalpool_region_latency_penalty_ms{region="us-east"}'))
-    assert float(line.split()[-1]) == pytest.approx(
-        regions["us-east"]["latency_penalty_ms"], rel=0.2)
+    penalty = value(await scrape(fleet.url), "globalpool_region_latency_penalty_ms",
+                    region="us-east")
+    assert penalty == pytest.approx(regions["us-east"]["latency_penalty_ms"], rel=0.2)
 
 
 async def test_a_reload_turns_the_per_worker_gauges_off(fleet: OpsFleet, redis_url: str,
@@ -284,22 +283,19 @@ async def test_a_reload_turns_the_per_worker_gauges_off(fleet: OpsFleet, redis_u
     config["admin"] = {"config_check_s": 0}  # only on demand
     await fleet.start({"a": "us-east", "c": "eu-west"}, config=config)
 
-    async def scrape() -> set[str]:
-        async with aiohttp.ClientSession() as http, \
-                http.get(fleet.url + "/metrics") as response:
-            assert response.status == 200
-            return {line.split("{")[0] for line in (await response.text()).splitlines()
-                    if line.startswith("globalpool_worker")}
+    async def worker_families() -> set[str]:
+        return {name for name, _ in await scrape(fleet.url)
+                if name.startswith("globalpool_worker")}
 
     assert {"globalpool_workers", "globalpool_worker_capacity_seqs",
-            "globalpool_worker_load_seqs"} <= await scrape()
+            "globalpool_worker_load_seqs"} <= await worker_families()
     config["router"]["worker_metrics"] = False
     fleet.write_config(config)
     status, body = await admin(fleet.url, "POST", "/admin/reload")
     assert status == 200 and body["result"] == "reloaded"
     _, body = await admin(fleet.url, "GET", "/admin/status")
     assert body["config"]["restart_required"] == []
-    assert await scrape() == {"globalpool_workers"}
+    assert await worker_families() == {"globalpool_workers"}
 
 
 async def test_status_lists_some_workers_problems_first_and_summarises_all(

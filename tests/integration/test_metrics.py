@@ -8,7 +8,6 @@ import re
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT
 from tests.integration.operators_fleet import (
@@ -17,32 +16,12 @@ from tests.integration.operators_fleet import (
     admin,
     chat,
     fleet_config,
+    scrape,
+    value,
     wait_for,
 )
 
 pytestmark = pytest.mark.integration
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-
-async def scrape(url: str) -> Samples:
-    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
-        assert response.status == 200
-        assert response.headers["Content-Type"].startswith("text/plain")
-        text = await response.text()
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def value(samples: Samples, metric: str, **labels: str) -> float:
-    """The sum over samples of `metric` whose labels include `labels`."""
-    return sum(v for (n, ls), v in samples.items()
-               if n == metric and set(labels.items()) <= set(ls))
-
 
 async def test_metrics_move_under_load(fleet: OpsFleet) -> None:
     await fleet.start({"a": "us-east", "b": "us-east", "c": "eu-west"})

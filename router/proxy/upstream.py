@@ -511,10 +511,11 @@ class UpstreamConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        aborted = self._closed  # by us (`_abort`): the close is not the body's end
         self._closed = True
         self._pool._lost(self)
-        if self._state == _UNTIL_CLOSE and exc is None and self._error is None:
-            self._finish()  # the body's end (unless we aborted it)
+        if self._state == _UNTIL_CLOSE and exc is None and not aborted and self._error is None:
+            self._finish()  # the body's end
         elif not self._complete and self._state != _IDLE:
             why = f": {exc}" if exc is not None else ""
             self._break(f"the upstream closed the connection before the answer was complete{why}")
@@ -779,6 +780,8 @@ class UpstreamConnection(asyncio.Protocol):
     def _break(self, why: str) -> None:
         """The answer cannot complete: abort, and fail whoever waits."""
         self._reusable = False
+        if self._error is None and not self._complete:
+            self._error = f"the sink failed: {exc!r}"  # the answer is cut short here
         self._abort()
         if self._complete or self._error is not None:
             return

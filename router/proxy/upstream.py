@@ -764,6 +764,8 @@ class UpstreamConnection(asyncio.Protocol):
     def _sink_failed(self, exc: Exception) -> None:
         self._sink = self._write_frame = None
         self._reusable = False
+        if self._error is None and not self._complete:
+            self._error = f"the sink failed: {exc!r}"  # the answer is cut short here
         self._abort()
         future = self._pipe_future
         if future is not None and not future.done():
@@ -780,8 +782,6 @@ class UpstreamConnection(asyncio.Protocol):
     def _break(self, why: str) -> None:
         """The answer cannot complete: abort, and fail whoever waits."""
         self._reusable = False
-        if self._error is None and not self._complete:
-            self._error = f"the sink failed: {exc!r}"  # the answer is cut short here
         self._abort()
         if self._complete or self._error is not None:
             return

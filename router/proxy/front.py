@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 from router.proxy.errors import ApiError
 from router.proxy.exchange import error_reply
 from router.proxy.upstream import (
-    MAX_KNOWN_HEADER_LINES,
-    MAX_KNOWN_LINE_CHARS,
+    UNIQUE_VALUE_HEADERS,
     UpstreamConnection,
     UpstreamError,
+    remember_line,
 )
 
 if TYPE_CHECKING:
@@ -60,11 +60,12 @@ _REQUEST_LINES = {f"POST {path} HTTP/1.1": path for path in INFERENCE_PATHS}
 # Header lines seen before, parsed: (lower-case name, value). Clients repeat most of
 # theirs request after request (Host, Content-Type, Accept, User-Agent, Content-Length of
 # a common size), and a lookup costs a third of parsing one. Bounded as the answers'
-# table is (router.proxy.upstream: 1 MB at worst, whatever clients send); lines that carry
-# credentials are never kept.
+# table is (router.proxy.upstream.remember_line: 1 MB at worst, whatever clients send);
+# lines that carry credentials, or a value new in every request, are never kept.
 _HEADER_LINES: dict[str, tuple[str, str]] = {}
 _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key",
                              "api-key"})
+_NOT_KEPT = _SECRET_HEADERS | UNIQUE_VALUE_HEADERS
 
 
 def _header_field(line: str) -> tuple[str, str] | None:
@@ -73,9 +74,8 @@ def _header_field(line: str) -> tuple[str, str] | None:
     if not colon or not name or name[0] in " \t" or name[-1] in " \t":
         return None
     field = (name.lower(), value.strip(" \t"))
-    if (len(_HEADER_LINES) < MAX_KNOWN_HEADER_LINES and len(line) <= MAX_KNOWN_LINE_CHARS
-            and field[0] not in _SECRET_HEADERS):
-        _HEADER_LINES[line] = field
+    if field[0] not in _NOT_KEPT:
+        remember_line(_HEADER_LINES, line, field)
     return field
 
 

@@ -192,12 +192,29 @@ def _parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
 
 
 # Header lines seen before, parsed (a worker's answers repeat most of theirs: Server,
-# Content-Type, the Date of this second...). Bounded (4,096 lines of at most 256
-# characters, here and in the front's table of request lines); lines that set cookies are
-# not kept.
+# Content-Type, the Date of this second...). Bounded, here and in the front's table of
+# request lines (`remember_line`): at most 4,096 lines of at most 256 characters (~1 MB).
+# Lines that set cookies are not kept.
 _HEADER_LINES: dict[str, tuple[str, str]] = {}
 MAX_KNOWN_HEADER_LINES = 4096
 MAX_KNOWN_LINE_CHARS = 256
+# Headers whose value is new in every message (request ids, trace context): a line of
+# theirs is never seen twice, so keeping it would only fill the table. `Date` is kept:
+# its line repeats for a whole second, and parsing it again would cost every answer.
+UNIQUE_VALUE_HEADERS = frozenset({"x-request-id", "request-id", "x-correlation-id",
+                                  "traceparent", "tracestate", "idempotency-key"})
+_NOT_KEPT = UNIQUE_VALUE_HEADERS | {"set-cookie"}
+
+
+def remember_line(known: dict[str, tuple[str, str]], line: str, field: tuple[str, str]) -> None:
+    """Keep `field`, parsed from `line`, in `known` (a table of header lines seen before)
+    unless the line is longer than MAX_KNOWN_LINE_CHARS. A full table is emptied first and
+    refills with the lines in use: frozen full, as it once was, the lines seen since (the
+    Date of each new second, after 68 minutes of them) would be parsed again forever."""
+    if len(line) <= MAX_KNOWN_LINE_CHARS:
+        if len(known) >= MAX_KNOWN_HEADER_LINES:
+            known.clear()
+        known[line] = field
 
 
 def _header_field(line: str) -> tuple[str, str]:
@@ -206,9 +223,8 @@ def _header_field(line: str) -> tuple[str, str]:
     if not colon or not name or " " in name or "\t" in name:
         raise _Malformed(f"header line {line[:100]!r}")
     field = (name.lower(), value.strip(" \t"))
-    if (len(_HEADER_LINES) < MAX_KNOWN_HEADER_LINES and len(line) <= MAX_KNOWN_LINE_CHARS
-            and field[0] != "set-cookie"):
-        _HEADER_LINES[line] = field
+    if field[0] not in _NOT_KEPT:
+        remember_line(_HEADER_LINES, line, field)
     return field
 
 

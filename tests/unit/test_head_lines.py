@@ -58,7 +58,7 @@ def test_other_request_lines_go_elsewhere() -> None:
 
 def test_the_table_of_known_lines_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(front, "_HEADER_LINES", {})
-    monkeypatch.setattr(front, "MAX_KNOWN_HEADER_LINES", 3)
+    monkeypatch.setattr(upstream, "MAX_KNOWN_HEADER_LINES", 3)  # both tables' bound
     long_line = "X-Long: " + "v" * upstream.MAX_KNOWN_LINE_CHARS
     parsed = FrontProtocol._parse_head(_request("Host: r", long_line))
     assert parsed is not None and parsed[1]["x-long"] == "v" * upstream.MAX_KNOWN_LINE_CHARS
@@ -66,7 +66,7 @@ def test_the_table_of_known_lines_is_bounded(monkeypatch: pytest.MonkeyPatch) ->
     for number in range(10):
         parsed = FrontProtocol._parse_head(_request("Host: r", f"X-Trace: {number}"))
         assert parsed is not None and parsed[1]["x-trace"] == str(number)
-    assert len(front._HEADER_LINES) == 3
+    assert len(front._HEADER_LINES) <= 3  # emptied when full (test_bounded_caches)
 
 
 def test_an_answers_known_lines_parse_as_before_and_cookies_are_not_kept(

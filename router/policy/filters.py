@@ -13,43 +13,34 @@ def eligible(snapshot: Snapshot, request: RouteRequest, now_s: float) -> list[Wo
     With no `ready` worker left, `degraded` ones are tried rather than none (fail open:
     an agent reports `degraded` when its probe times out, which an engine busy on an
     overloaded machine can do while it still serves). Raises NoRoute with a reason a
-    client can act on when none is left.
+    client can act on when none is left (`no_route` says which).
     """
     serving = snapshot.serving(request.model)
     if not serving:
-        raise NoRoute(f"no pool serves the model {request.model!r}", model_known=False)
-    if request.allowed_regions is not None:
-        serving = in_allowed_regions(serving, request)
+        raise _no_worker(snapshot, request.model, now_s)
     freshness_now = snapshot.freshness_now(now_s)
+    allowed = (serving if request.allowed_regions is None
+               else in_allowed_regions(serving, request))
     ranked = snapshot.ranked.get(request.model)
     if ranked is not None:
         candidates = _best_of_each_region(ranked, request, freshness_now)
     else:
         candidates = [
             view
-            for view in serving
+            for view in allowed
             if view.ready and view.fresh(freshness_now) and view.worker_id not in request.exclude
         ]
     if not candidates:
         candidates = [
             view
-            for view in serving
+            for view in allowed
             if view.heartbeat.state is LifecycleState.DEGRADED and view.fresh(freshness_now)
             and view.worker_id not in request.exclude
         ]
     if candidates and request.drained:
         candidates = not_drained(candidates, request)
-        if not candidates:
-            raise NoRoute(f"every worker of model {request.model!r} that could take the request "
-                          "is drained")
     if not candidates:
-        if request.allowed_regions is not None:
-            raise NoRoute(f"no worker of model {request.model!r} in the regions this API key "
-                          f"may use ({_regions(request)}) can take a request now",
-                          code="region_unavailable")
-        if all(not view.fresh(freshness_now) for view in serving):
-            raise NoRoute(f"no live worker serves the model {request.model!r}", model_known=False)
-        raise NoRoute(f"no worker of model {request.model!r} can take a request now")
+        raise no_route(serving, request, freshness_now)
     return candidates
 
 
@@ -64,12 +55,49 @@ def in_allowed_regions(
     allowed = request.allowed_regions
     if allowed is None:
         return serving
-    inside = tuple(view for view in serving if view.region in allowed)
-    if not inside:
-        raise NoRoute(f"no worker of model {request.model!r} is in the regions this API key "
-                      f"may use ({_regions(request)}); it is not sent elsewhere",
-                      code="region_unavailable")
-    return inside
+    return tuple(view for view in serving if view.region in allowed)
+
+
+def no_route(serving: tuple[WorkerView, ...], request: RouteRequest,
+             freshness_now: float) -> NoRoute:
+    """Why no worker of `serving` (every worker known to serve the model) can take the
+    request, in order: none is live (`model_unavailable`); every live one is drained,
+    draining or not yet ready, and some are drained or draining (`draining`); data
+    residency forbids every region that has one that could (`region_unavailable`); else
+    those left were tried already, or are starting (`no_capacity`). Only for the answer:
+    it looks at every worker."""
+    model = request.model
+    live = [view for view in serving if view.fresh(freshness_now)]
+    if not live:
+        return NoRoute(f"no live worker serves the model {model!r}", code="model_unavailable")
+    takers = [view for view in live if view.heartbeat.state in _TAKES_REQUESTS]
+    drained = request.drained
+    undrained = [view for view in takers if not drained.covers(view)]
+    if not undrained and any(_draining(view, request) for view in live):
+        return NoRoute(f"every live worker of the model {model!r} is draining or drained "
+                       "(an operator's decision, or the workers are stopping)", code="draining")
+    allowed = request.allowed_regions
+    if allowed is not None and undrained and not any(view.region in allowed
+                                                     for view in undrained):
+        return NoRoute(f"no worker of the model {model!r} in the regions this API key may "
+                       f"use ({_regions(request)}) can take a request now; it is not sent "
+                       "elsewhere", code="region_unavailable")
+    return NoRoute(f"no worker of the model {model!r} can take a request now")
+
+
+_TAKES_REQUESTS = frozenset({LifecycleState.READY, LifecycleState.DEGRADED})
+
+
+def _no_worker(snapshot: Snapshot, model: str, now_s: float) -> NoRoute:
+    """No worker serves `model`: one did lately (503), or maybe none ever did (404)."""
+    if snapshot.knows_model(model, now_s):
+        return NoRoute(f"no live worker serves the model {model!r}", code="model_unavailable")
+    return NoRoute(f"no worker serves the model {model!r} or has lately", model_known=False,
+                   code="model_unavailable")
+
+
+def _draining(view: WorkerView, request: RouteRequest) -> bool:
+    return view.heartbeat.state is LifecycleState.DRAINING or request.drained.covers(view)
 
 
 def _regions(request: RouteRequest) -> str:

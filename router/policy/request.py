@@ -73,12 +73,26 @@ class Decision(NamedTuple):
 
 
 class NoRoute(Exception):
-    """No worker can take the request now; `reason` is safe to show to the client."""
+    """No worker can take the request now, and why.
+
+    `reason` is safe to show to the client: it names the model and at most the regions
+    the client may use, never a worker or an address. `code` is the client's error code,
+    one per cause (the proxy answers 503 with Retry-After for each):
+
+    - `model_unavailable`: no live worker serves the model (its last one died or left);
+    - `region_unavailable`: data residency forbids every region that could serve it;
+    - `draining`: every live worker that could serve it is drained or draining;
+    - `no_capacity`: live, allowed, undrained workers exist, but none can take it now.
+
+    `model_known` is False when no worker serves the model and none has lately (see
+    router.registry.snapshot.MODEL_MEMORY_S): then the model may not exist at all, and
+    the proxy answers 404 unless regions.yaml lists it.
+    """
 
     def __init__(
-        self, reason: str, *, model_known: bool = True, code: str | None = None
+        self, reason: str, *, model_known: bool = True, code: str = "no_capacity"
     ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.model_known = model_known
-        self.code = code  # for the client's error, when more specific than "no_capacity"
+        self.code = code

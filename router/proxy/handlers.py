@@ -327,11 +327,13 @@ _PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
 
 
 def _no_route(exc: NoRoute, *, configured: bool) -> Reply:
+    """The answer when routing found no worker: 404 `model_not_found` for a model that no
+    worker serves or served lately and regions.yaml does not list (`configured`); else
+    503 with Retry-After and the cause's own code (see NoRoute)."""
     if not exc.model_known and not configured:
         return error_reply(404, f"The model does not exist or is not served: {exc.reason}",
                               code="model_not_found", param="model")
-    return error_reply(503, f"no capacity: {exc.reason}", code=exc.code or "no_capacity",
-                          headers={"Retry-After": "1"})
+    return error_reply(503, exc.reason, code=exc.code, headers={"Retry-After": "1"})
 
 
 def _server_timing(record: RequestRecord, attempt: Attempt) -> str:

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Generator, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TypeVar
 
 from worker.schema import Heartbeat, LifecycleState, RecordItems, static_digest
 
+# A model no worker serves any more is remembered this long after its last worker left
+# (a request for it then gets 503 and Retry-After, not 404: a crashed engine is restarted
+# and loads its model within minutes), and at most this many such models, the most
+# recently served kept (heartbeats can name any number of models).
+MODEL_MEMORY_S = 600.0
+MODEL_MEMORY_MAX = 1_000
 # Used until a worker has reported its own figures (no traffic yet).
 DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
 DEFAULT_SERVICE_MS = 2000.0
@@ -229,6 +235,7 @@ def finish(steps: Generator[None, None, T]) -> T:
 _utilisation = operator.attrgetter("utilisation")
 _prefill_ms_per_token = operator.attrgetter("prefill_ms_per_token")
 _kv_pressure_ms = operator.attrgetter("kv_pressure_ms")
+_second = operator.itemgetter(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +281,9 @@ class Snapshot:
     built_at_s: float = 0.0
     redis_connected: bool = False
     last_redis_ok_at_s: float | None = None
+    # model -> when a worker last served it (`built_at_s` of the last snapshot with one),
+    # for models that no worker here serves: see `knows_model` and `remembering`.
+    gone_models: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     # model -> `ready_terms(model)`, filled on first use (a snapshot's views never change)
     _terms: dict[str, tuple[ScoringRow, ...]] = field(default_factory=dict, init=False,
                                                       compare=False, repr=False)
@@ -358,6 +368,36 @@ class Snapshot:
     def serving(self, model: str) -> tuple[WorkerView, ...]:
         return self.by_model.get(model, ())
 
+    def knows_model(self, model: str, now_s: float) -> bool:
+        """Whether some worker serves `model`, or served it less than MODEL_MEMORY_S ago
+        (its last worker died or left: it is likely to come back)."""
+        if model in self.by_model:
+            return True
+        last_s = self.gone_models.get(model)
+        return last_s is not None and now_s - last_s < MODEL_MEMORY_S
+
+    def remembering(self, previous: Snapshot) -> Snapshot:
+        """This snapshot, also remembering the models that `previous` knew and no worker
+        here serves (see `gone_models`), within MODEL_MEMORY_S and MODEL_MEMORY_MAX.
+        Itself when there is nothing to remember (the usual case: the same models)."""
+        served = self.by_model
+        gone = previous.gone_models
+        lost = previous.by_model.keys() - served.keys()
+        if not lost and not gone:
+            return self
+        since_s = self.built_at_s - MODEL_MEMORY_S
+        if not lost and gone.keys().isdisjoint(served) and min(gone.values()) > since_s:
+            kept: Mapping[str, float] = gone  # unchanged: no copy at every build
+        else:
+            remembered = {model: last_s for model, last_s in gone.items()
+                          if last_s > since_s and model not in served}
+            remembered.update(dict.fromkeys(lost, previous.built_at_s))
+            if len(remembered) > MODEL_MEMORY_MAX:
+                newest = sorted(remembered.items(), key=_second, reverse=True)
+                remembered = dict(newest[:MODEL_MEMORY_MAX])
+            kept = MappingProxyType(remembered)
+        return replace(self, gone_models=kept)
+
     def ready_terms(self, model: str) -> tuple[ScoringRow, ...]:
         """The model's `ready` workers, each as (view, worker id, region, expires_at_s,
         kv_pressure_ms, prefill_ms_per_token, queue base, queue_ms_per_request), where the
@@ -408,9 +448,23 @@ class Snapshot:
 
 
 class SnapshotHolder:
-    """The one mutable cell: collectors replace `current`; the request path only reads it."""
+    """The one mutable cell: collectors replace `current`; the request path only reads it.
 
-    __slots__ = ("current",)
+    A snapshot put in `current` is kept as it `remembering` the one it replaces: so the
+    fleet view knows, for a while, the models whose last worker left (see
+    Snapshot.knows_model), although a collector builds each snapshot from its live
+    workers alone.
+    """
+
+    __slots__ = ("_current",)
 
     def __init__(self, initial: Snapshot | None = None) -> None:
-        self.current = initial or Snapshot()
+        self._current = initial or Snapshot()
+
+    @property
+    def current(self) -> Snapshot:
+        return self._current
+
+    @current.setter
+    def current(self, snapshot: Snapshot) -> None:
+        self._current = snapshot.remembering(self._current)

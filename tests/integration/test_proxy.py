@@ -245,7 +245,7 @@ async def test_draining_and_degraded_workers_get_nothing(fleet_factory: FleetFac
     await asyncio.sleep(0.2)
     status, _, body = await _chat(fleet.router_url, CHAT)
     assert status == 503
-    assert json.loads(body)["error"]["code"] == "no_capacity"
+    assert json.loads(body)["error"]["code"] == "draining"
 
 
 async def test_stream_passes_through_chunk_by_chunk(fleet_factory: FleetFactory) -> None:

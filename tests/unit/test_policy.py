@@ -123,7 +123,7 @@ def test_filters_model_state_freshness_and_exclusions() -> None:
     assert pick(snap, exclude=frozenset({"tried"}), clock=clock) == ("good", "spillover")
     with pytest.raises(NoRoute, match="can take a request now"):
         pick(snap, exclude=frozenset({"tried", "good"}), clock=clock)
-    with pytest.raises(NoRoute, match="no pool serves") as caught:
+    with pytest.raises(NoRoute, match="no worker serves the model 'unknown'") as caught:
         pick(snap, model="unknown")
     assert caught.value.model_known is False
 

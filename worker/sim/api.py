@@ -1,4 +1,4 @@
-"""The simulator's HTTP API: vLLM's OpenAI server routes plus /sim/faults.
+"""The simulator's HTTP API: vLLM's OpenAI server routes plus /sim/faults and /sim/arrivals.
 
 `build_app` wires one engine, its metrics and its fault knobs into an aiohttp app. Serve
 it with handler cancellation on (`SimServer` does; aiohttp's TestServer does too), so a
@@ -25,6 +25,7 @@ from worker.sim.engine import Engine, QueueFullError
 from worker.sim.errors import ApiError, json_response
 from worker.sim.faults import FaultInjector, FaultKnobs
 from worker.sim.metrics import CONTENT_TYPE, SimMetrics
+from worker.sim.misbehave import WrongAnswer
 from worker.sim.protocol import GenerationRequest, parse_chat, parse_completion
 from worker.sim.responses import DONE, StreamEncoder, chat_completion, text_completion, usage
 from worker.sim.sequence import FinishReason, Sequence
@@ -49,8 +50,8 @@ class SimHandlers:
             FaultKnobs(error_rate=config.error_rate, slow_factor=config.slow_factor), config.seed
         )
         self._created_s = int(time.time())
-        # Handlers parked by the `hang` fault; released at shutdown so that stopping the
-        # server does not wait for requests that would never end.
+        # Handlers parked by the `hang` and `misbehave` faults; released at shutdown so that
+        # stopping the server does not wait for requests that would never end.
         self._parked: set[asyncio.Future[None]] = set()
 
     def routes(self) -> list[web.RouteDef]:
@@ -63,6 +64,7 @@ class SimHandlers:
             web.get("/metrics", self.metrics),
             web.get("/sim/faults", self.get_faults),
             web.post("/sim/faults", self.set_faults),
+            web.get("/sim/arrivals", self.get_arrivals),
         ]
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -87,6 +89,10 @@ class SimHandlers:
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return json_response(self._faults.knobs.model_dump())
+
+    async def get_arrivals(self, request: web.Request) -> web.Response:
+        """Completion requests read since the knobs last changed (FaultInjector.arrivals)."""
+        return json_response(self._faults.arrivals())
 
     async def set_faults(self, request: web.Request) -> web.StreamResponse:
         """Change the knobs named in the JSON body; answers with all knobs after the change."""
@@ -124,8 +130,12 @@ class SimHandlers:
             generation = parse(await request.read(), self._config)
         except ApiError as exc:
             return exc.response()
-        if self._faults.knobs.hang:
+        self._faults.arrived()
+        knobs = self._faults.knobs
+        if knobs.hang:
             await self._park()
+        if knobs.misbehave != "none":
+            return await WrongAnswer(request, generation, knobs, self._park).play(knobs.misbehave)
         if self._faults.draw_error():
             return ApiError(
                 HTTPStatus.INTERNAL_SERVER_ERROR,
@@ -159,13 +169,18 @@ class SimHandlers:
         await response.write_eof()
         return response
 
-    async def _park(self) -> None:
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    async def _park(self, timeout_s: float | None = None) -> None:
+        """Wait until released at shutdown (CancelledError), or `timeout_s` has passed."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _wake, waiter)
         self._parked.add(waiter)
         try:
             await waiter
         finally:
             self._parked.discard(waiter)
+            if timer is not None:
+                timer.cancel()
 
     async def _stream(
         self,
@@ -287,6 +302,11 @@ class SimHandlers:
                 }
             ],
         }
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def build_app(config: SimConfig, *, clock: Clock | None = None) -> web.Application:

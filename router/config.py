@@ -87,6 +87,12 @@ class ClientTimeouts(_Strict):
     body_s: float = Field(
         default=60.0, gt=0, le=3600, description="reading the whole request body -> 408"
     )
+    stall_s: float = Field(
+        default=60.0, gt=0, le=3600,
+        description="a streaming client that takes none of its answer this long (its "
+        "connection's send buffer full and not draining) is disconnected and counted as a "
+        "client problem; its worker's request is cancelled, never counted against it",
+    )
 
 
 class QueueConfig(_Strict):

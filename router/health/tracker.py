@@ -75,7 +75,9 @@ class Health:
         self._stall_after_s = stall_after_s
         self._stall_factor = stall_factor
         self._views = views  # the current snapshot's workers, for their own reports
-        self._awaiting: dict[int, Attempt] = {}  # streams before their first byte
+        self._awaiting: dict[int, Attempt] = {}  # attempts before their first byte
+        # Answers on their way (Attempt.answering): the read count last seen, and when.
+        self._silence: dict[int, tuple[int, float]] = {}
         self._paused_s: dict[int, float] = {}  # waiting time the router was not running
         self._last_first_byte_s: dict[str, float] = {}
         self._last_any_first_byte_s = -1e18
@@ -170,8 +172,9 @@ class Health:
         breaker = self._breakers.get(attempt.worker_id)
         if breaker is not None:
             breaker.dispatched()
-        if attempt.streamed:
-            self._awaiting[id(attempt)] = attempt  # until its first byte: see check_stalls
+        # Until its first byte (a non-streaming answer's first byte is its whole body):
+        # see check_stalls.
+        self._awaiting[id(attempt)] = attempt
 
     def attempt_finished(self, attempt: Attempt) -> None:
         now_s = self._clock()
@@ -229,18 +232,25 @@ class Health:
 
     # --- stalls: a worker that answers nobody while the others answer -------------------
     def check_stalls(self) -> list[str]:
-        """Find workers whose streams have all waited far past their predicted TTFT for a
-        first byte; eject them and abandon their waiting attempts (retried elsewhere,
-        nothing has reached the client yet).
+        """Find workers that have stopped answering; eject them and abandon the attempts
+        waiting on them (retried elsewhere: nothing has reached their clients yet).
 
-        A worker is stalled when its oldest waiting stream has waited `stall_after_s` and
-        `stall_factor` x its predicted TTFT, the worker has sent no first byte since, and
-        there is evidence that the fault is the worker's: other workers delivered first
-        bytes meanwhile, or the worker's own heartbeat, taken after those requests were
-        sent, counts fewer sequences than this router has waiting there (they never
-        arrived: a partition of the data path). A partition or a hung engine shows up
-        within `stall_after_s`, not after `timeouts.first_byte_s` (which must stay long
-        enough for the longest legitimate queue). Returns the workers found stalled now.
+        Each attempt waits for its first byte (a non-streaming answer's first byte is its
+        whole body). A worker is stalled when an attempt there has waited `stall_after_s`
+        (streams: also `stall_factor` x their predicted TTFT), the worker has answered
+        nothing since that attempt was sent, and there is evidence that the fault is the
+        worker's:
+        - for a stream, other workers delivered first bytes meanwhile;
+        - for any attempt that has received nothing for `stall_after_s` (a long
+          generation is not silence: its engine counts it), the worker's own heartbeat,
+          taken after those requests were sent, counts fewer sequences than this router
+          has waiting there (they never reached its engine: a hung API server, a
+          partition of the data path), or the worker has left the fleet view (its
+          heartbeats stopped; the view drops a worker only while Redis answers, so an
+          outage of Redis is not taken for one).
+        A hung worker so shows within `stall_after_s` whatever the kind of request, not
+        after `timeouts.first_byte_s` or `total_s` (which must stay long enough for the
+        longest legitimate queue and generation). Returns the workers found stalled now.
         """
         now_s = self._clock()
         waiting: dict[str, list[Attempt]] = {}
@@ -250,29 +260,18 @@ class Health:
                 self._saw_first_byte(attempt)
             else:
                 waiting.setdefault(attempt.worker_id, []).append(attempt)
+        for key in [key for key in self._silence if key not in self._awaiting]:
+            del self._silence[key]
         views = self._views()
         stalled: list[str] = []
         for worker_id, attempts in waiting.items():
-            answered_s = self._last_first_byte_s.get(worker_id, -1e18)
-            oldest = min(attempts, key=lambda a: a.started_s)
-            waited_s = now_s - oldest.started_s - self._paused_s.get(id(oldest), 0.0)
-            limit_s = max(self._stall_after_s, self._stall_factor * oldest.predicted_ttft_ms / 1000)
-            if waited_s < limit_s or answered_s >= oldest.started_s:
+            found = self._stall_evidence(worker_id, attempts, views, now_s)
+            if found is None:
                 continue
-            if self._last_any_first_byte_s > oldest.started_s:
-                evidence = "while other workers answer"
-            else:
-                view = views.get(worker_id)
-                if view is None:
-                    continue
-                sent_before = sum(1 for a in attempts
-                                  if a.started_s + HEARTBEAT_SLACK_S < view.received_at_s)
-                if view.reported_load >= sent_before or sent_before == 0:
-                    continue
-                evidence = (f"while its heartbeat counts {view.reported_load} sequences of "
-                            f"the {sent_before} sent there before it")
+            evidence, oldest = found
             stalled.append(worker_id)
-            detail = (f"stalled: no first byte for {waited_s:.1f} s ({len(attempts)} "
+            waited_s = self._waited_s(oldest, now_s)
+            detail = (f"stalled: no answer for {waited_s:.1f} s ({len(attempts)} "
                       f"waiting) {evidence}")
             breaker = self._breakers.get(worker_id)
             if breaker is None:
@@ -284,6 +283,54 @@ class Health:
             for attempt in attempts:
                 attempt.abandon(f"worker {worker_id} stalled")
         return stalled
+
+    def _stall_evidence(self, worker_id: str, attempts: list[Attempt],
+                        views: Mapping[str, WorkerView], now_s: float
+                        ) -> tuple[str, Attempt] | None:
+        """(why, the attempt that shows it) if `worker_id` is stalled (see check_stalls)."""
+        answered_s = self._last_first_byte_s.get(worker_id, -1e18)
+        streams = [a for a in attempts if a.streamed and a.started_s > answered_s]
+        if streams:
+            oldest = min(streams, key=_started)
+            limit_s = max(self._stall_after_s,
+                          self._stall_factor * oldest.predicted_ttft_ms / 1000)
+            if (self._waited_s(oldest, now_s) >= limit_s
+                    and self._last_any_first_byte_s > oldest.started_s):
+                return "while other workers answer", oldest
+        silent = [a for a in attempts if a.started_s > answered_s
+                  and self._waited_s(a, now_s) >= self._stall_after_s
+                  and self._silent_s(a, now_s) >= self._stall_after_s]
+        if not silent:
+            return None
+        oldest = min(silent, key=_started)
+        view = views.get(worker_id)
+        if view is None:
+            # Out of the fleet view: its heartbeats stopped or it said it is gone. (An
+            # empty view says nothing: the router has not read the fleet yet.)
+            return ("after its heartbeats stopped", oldest) if views else None
+        sent_before = sum(1 for a in silent if a.started_s + HEARTBEAT_SLACK_S < view.received_at_s)
+        if sent_before == 0 or view.reported_load >= sent_before:
+            return None
+        return (f"while its heartbeat counts {view.reported_load} sequences of the "
+                f"{sent_before} sent there before it"), oldest
+
+    def _waited_s(self, attempt: Attempt, now_s: float) -> float:
+        """How long `attempt` has waited, less the time this process was not running."""
+        return now_s - attempt.started_s - self._paused_s.get(id(attempt), 0.0)
+
+    def _silent_s(self, attempt: Attempt, now_s: float) -> float:
+        """How long nothing has arrived for `attempt`: since it was sent, or since its
+        answer's body last moved (a non-streaming answer on its way: `answering`)."""
+        answering = attempt.answering
+        if answering is None:
+            return self._waited_s(attempt, now_s)
+        key = id(attempt)
+        reads = answering.reads
+        seen = self._silence.get(key)
+        if seen is None or seen[0] != reads:
+            self._silence[key] = (reads, now_s)
+            return 0.0
+        return now_s - seen[1]
 
     async def watch_stalls(self, interval_s: float = STALL_CHECK_S) -> None:
         """Run `check_stalls` every `interval_s` until cancelled. Time this process was not
@@ -326,3 +373,6 @@ class Health:
         self.events.append(HealthEvent(now_s, worker_id, region, kind, detail))
         log.warning("worker %s (%s) %s: %s", worker_id, region, kind, detail)
 
+
+def _started(attempt: Attempt) -> float:
+    return attempt.started_s

@@ -80,6 +80,14 @@ class Exchange(Protocol):
     async def end_stream(self, tail: bytes) -> None:
         """Write `tail` (maybe empty) and end the stream."""
 
+    def client_pending_bytes(self) -> int:
+        """Bytes written for the client that it has not taken yet (the transport's write
+        buffer): falling while it reads, standing still while it stalls."""
+
+    def abort_client(self) -> None:
+        """Cut the client's connection now (a client that stopped reading): its request
+        is then cancelled as if it had gone away."""
+
 
 InferenceHandler = Callable[[Exchange], Awaitable[Reply]]
 
@@ -139,6 +147,15 @@ class AiohttpExchange:
         if tail:
             await self.response.write(tail)
         await self.response.write_eof()
+
+    def client_pending_bytes(self) -> int:
+        transport = self._request.transport
+        return 0 if transport is None else transport.get_write_buffer_size()
+
+    def abort_client(self) -> None:
+        transport = self._request.transport
+        if transport is not None:
+            transport.abort()
 
     def answer(self, reply: Reply) -> web.StreamResponse:
         """The aiohttp response for `reply`."""

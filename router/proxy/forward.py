@@ -22,11 +22,12 @@ import json
 import os
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
 from urllib.parse import urlsplit
 
 from router.config import GlobalConfig, Timeouts
-from router.proxy.errors import sse_error_event
+from router.proxy.errors import error_body, sse_error_event
 from router.proxy.exchange import Exchange, Reply
 from router.proxy.outcome import Attempt, Failure
 from router.proxy.tls import client_context
@@ -35,7 +36,6 @@ from router.proxy.upstream import (
     ConnectionBroken,
     RequestHead,
     UpstreamConnection,
-    UpstreamError,
     UpstreamPool,
 )
 
@@ -51,7 +51,11 @@ STALE_CONNECTION_RETRIES = 2
 
 
 class UpstreamFailure(Exception):
-    """An attempt failed before anything reached the client; safe to retry elsewhere."""
+    """An attempt failed before anything reached the client; safe to retry elsewhere.
+
+    `message` may be shown to the client: it names no address and quotes nothing the
+    worker sent. `detail` (for logs and traces) adds what the worker or the socket said.
+    """
 
     def __init__(
         self,
@@ -60,51 +64,89 @@ class UpstreamFailure(Exception):
         *,
         status: int = 502,
         retry_after_s: float | None = None,
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.kind = kind
         self.status = status
         self.retry_after_s = retry_after_s
+        self.detail = detail if detail is not None else message
 
 
 class _IdleWatchdog:
-    """Closes an upstream stream that stalls for `idle_s` or runs past `total_s`.
+    """Watches a started stream: a worker that goes silent, a client that stops reading.
 
-    The upstream connection counts its reads; a timer that wakes every quarter of `idle_s`
-    notes when the count last moved, so a stall is caught between `idle_s` and 1.5 x
-    `idle_s` after the last bytes. Nothing is re-armed, and no clock read, per chunk.
+    The upstream connection counts its reads; a timer that wakes every quarter of its
+    shortest bound notes when the count last moved. Silence counts against the worker
+    only while the router is reading from it (`UpstreamConnection.reading`): while a
+    slow client holds the stream back, the router has paused the worker, and its silence
+    is ours. So a stall is caught between `idle_s` and 1.25 x `idle_s` of the router
+    asking for data in vain. While the router is held back, the client is watched
+    instead: when it has taken nothing for `client_stall_s` (its write buffer neither
+    shrank nor let the worker's data flow), it is cut off (`on_client_stall`). A stream
+    past `total_s` ends as the worker's fault if the router was reading, the client's if
+    it was held back. Nothing is re-armed, and no clock read, per chunk.
     """
 
-    __slots__ = ("_deadline", "_handle", "_idle_s", "_loop", "_quiet_since", "_reads",
-                 "_upstream", "fired")
+    __slots__ = ("_client_pending", "_client_stall_s", "_deadline", "_exchange", "_handle",
+                 "_held_since", "_idle_s", "_interval_s", "_loop", "_on_client_stall",
+                 "_quiet_since", "_reads", "_upstream", "client_fired", "fired")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, upstream: UpstreamConnection,
-                 idle_s: float, total_s: float) -> None:
+                 exchange: Exchange, timeouts: Timeouts, client_stall_s: float,
+                 on_client_stall: Callable[[], None]) -> None:
         self._loop = loop
         self._upstream = upstream
-        self._idle_s = idle_s
+        self._exchange = exchange
+        self._idle_s = idle_s = timeouts.idle_s
+        self._client_stall_s = client_stall_s
+        self._on_client_stall = on_client_stall
         now = loop.time()
-        self._deadline = now + total_s
+        self._deadline = now + timeouts.total_s
         self._reads = upstream.reads
         self._quiet_since = now  # the stream's first bytes were just read
-        self.fired: str | None = None
-        self._handle = self._loop.call_later(min(idle_s, total_s) / 4, self._check)
+        self._held_since: float | None = None  # the client holds the stream back since
+        self._client_pending = 0
+        self.fired: str | None = None  # the worker's fault
+        self.client_fired: str | None = None  # the client's
+        self._interval_s = min(idle_s, client_stall_s, timeouts.total_s) / 4
+        self._handle = self._loop.call_later(self._interval_s, self._check)
 
     def _check(self) -> None:
         now = self._loop.time()
-        reads = self._upstream.reads
-        if reads != self._reads:
-            self._reads = reads
-            self._quiet_since = now
-        elif now - self._quiet_since >= self._idle_s:
-            self.fired = f"no data from the worker for {self._idle_s:g} s"
-        if self.fired is None and now >= self._deadline:
-            self.fired = "the request ran past its total timeout"
+        upstream = self._upstream
+        reads = upstream.reads
+        moved = reads != self._reads
+        self._reads = reads
+        if upstream.reading:
+            self._held_since = None
+            if moved:
+                self._quiet_since = now
+            elif now - self._quiet_since >= self._idle_s:
+                self.fired = f"no data from the worker for {self._idle_s:g} s"
+            if self.fired is None and now >= self._deadline:
+                self.fired = "the request ran past its total timeout"
+        else:
+            self._quiet_since = now  # not asking the worker for anything: not its silence
+            self._client_held(now, moved)
         if self.fired is not None:
-            self._upstream.close()
+            upstream.close()
             return
-        self._handle = self._loop.call_later(self._idle_s / 4, self._check)
+        if self.client_fired is not None:
+            self._on_client_stall()
+            return
+        self._handle = self._loop.call_later(self._interval_s, self._check)
+
+    def _client_held(self, now: float, moved: bool) -> None:
+        pending = self._exchange.client_pending_bytes()
+        if self._held_since is None or moved or pending < self._client_pending:
+            self._held_since = now  # (still) taking what it is sent
+        elif now - self._held_since >= self._client_stall_s:
+            self.client_fired = f"the client read nothing for {self._client_stall_s:g} s"
+        if self.client_fired is None and now >= self._deadline:
+            self.client_fired = "the client read too slowly to finish within the total timeout"
+        self._client_pending = pending
 
     def cancel(self) -> None:
         self._handle.cancel()
@@ -238,7 +280,8 @@ async def _send(pool: UpstreamPool, target: Target, payload: bytes,
             upstream = (pool.send_idle(target.host, target.port, payload)
                         or await pool.send(target.host, target.port, payload, ssl=target.ssl))
         except ConnectFailed as exc:
-            raise UpstreamFailure(f"cannot connect to worker: {exc}", Failure.CONNECT) from None
+            raise UpstreamFailure("could not connect to the worker", Failure.CONNECT,
+                                  detail=f"cannot connect to worker: {exc}") from None
         deadline.upstream = upstream
         try:
             await upstream.head()
@@ -268,18 +311,22 @@ def _retryable(status: int) -> Failure | None:
 
 
 async def _refuse_if_failed(upstream: UpstreamConnection) -> bytes | None:
-    """Read a non-200 answer: raise UpstreamFailure if it is worth a retry, else return it."""
+    """Read a non-200 answer: raise UpstreamFailure if it is worth a retry, else return it
+    as the client gets it (an error in OpenAI's format: `client_error_body`)."""
     if upstream.status == 200:
         return None
     body = await _read_all(upstream)
-    kind = _retryable(upstream.status)
+    status = upstream.status
+    kind = _retryable(status)
     if kind is not None:
         raise UpstreamFailure(
-            f"worker answered {upstream.status}: {body[:200].decode(errors='replace')}",
-            kind,
-            status=upstream.status,
+            f"the worker answered {status}", kind, status=status,
             retry_after_s=_retry_after(upstream.headers),
+            detail=f"worker answered {status}: {body[:200].decode(errors='replace')}",
         )
+    if status >= 400:
+        upstream.headers["content-type"] = "application/json"
+        return client_error_body(status, body)
     return body
 
 
@@ -303,28 +350,32 @@ async def forward_unary(
 ) -> Reply:
     """A non-streaming request: the whole answer (with `response_headers`, completed),
     or UpstreamFailure."""
-    deadline = Deadline(timeouts.total_s, pool.loop)
+    # The whole wait is the first-byte phase of a non-streaming answer (it comes when
+    # generation is done), so passive health may abandon it too (Attempt.abandon): a hung
+    # worker is found by its heartbeats, not by total_s.
+    deadline = attempt.first_byte_deadline = Deadline(timeouts.total_s, pool.loop)
     try:
         upstream = await _send(pool, target, payload, deadline)
         answer = upstream.whole_body() if upstream.status == 200 else None
         if answer is not None:
             upstream.release()
         else:
+            attempt.answering = upstream
             answer = await _refuse_if_failed(upstream)
             if answer is None:
                 answer = await _read_all(upstream)
     except ConnectionBroken as exc:
         if deadline.expired:
-            raise UpstreamFailure(f"no answer within {timeouts.total_s:g} s", Failure.TIMEOUT,
-                                  status=504) from None
-        raise UpstreamFailure(f"worker connection failed: {exc}", Failure.RESET) from None
+            raise _unary_timeout(attempt, timeouts) from None
+        raise _broken_before_answer(exc) from None
     except asyncio.CancelledError:
         if deadline.timed_out():
-            raise UpstreamFailure(f"no answer within {timeouts.total_s:g} s (connecting)",
-                                  Failure.TIMEOUT, status=504) from None
+            raise _unary_timeout(attempt, timeouts) from None
         raise
     finally:
         deadline.cancel()
+        attempt.first_byte_deadline = None
+        attempt.answering = None
     attempt.first_byte_s = time.monotonic()
     attempt.status = upstream.status
     return Reply(upstream.status, _answer_headers(response_headers, upstream, attempt), answer)
@@ -338,6 +389,7 @@ async def forward_stream(
     timeouts: Timeouts,
     response_headers: dict[str, str],
     attempt: Attempt,
+    client_stall_s: float = 60.0,
 ) -> Reply:
     """A streaming request, passed through as it arrives without parsing the events
     (`response_headers` are completed for the client)."""
@@ -358,7 +410,7 @@ async def forward_stream(
     except ConnectionBroken as exc:
         if deadline.expired:
             raise _first_byte_timeout(attempt, timeouts) from None
-        raise UpstreamFailure(f"worker connection failed: {exc}", Failure.RESET) from None
+        raise _broken_before_answer(exc) from None
     except asyncio.CancelledError:
         if deadline.timed_out():
             raise _first_byte_timeout(attempt, timeouts) from None
@@ -378,18 +430,27 @@ async def forward_stream(
         upstream.close()
         status, message = refusal
         raise UpstreamFailure(
-            f"worker answered 200, then an error event {status}: {message}", kind,
-            status=status)
+            f"the worker answered 200, then an error event {status}", kind, status=status,
+            detail=f"worker answered 200, then an error event {status}: {message}")
     attempt.first_byte_s = time.monotonic()
     attempt.status = 200
     headers = _answer_headers(response_headers, upstream, attempt)
     headers["Cache-Control"] = "no-cache"
-    watchdog = _IdleWatchdog(pool.loop, upstream, timeouts.idle_s, timeouts.total_s)
+    def client_stalled() -> None:
+        attempt.client_stalled = True
+        exchange.abort_client()  # cancels the request: the upstream is closed below
+
+    watchdog = _IdleWatchdog(pool.loop, upstream, exchange, timeouts, client_stall_s,
+                             client_stalled)
     try:
         broken = await exchange.relay(headers, first, upstream)
+        if attempt.client_stalled:
+            raise ConnectionResetError(watchdog.client_fired)
         if broken is not None:
             attempt.failure = Failure.IDLE if watchdog.fired else Failure.MID_STREAM
-            await exchange.end_stream(sse_error_event(*_ended_early(watchdog, broken)))
+            status, message = _ended_early(watchdog)
+            attempt.error = f"{message}: {broken}"
+            await exchange.end_stream(sse_error_event(status, message, code="upstream_failed"))
         else:
             await exchange.end_stream(b"")
     except (ConnectionError, asyncio.CancelledError):
@@ -405,10 +466,52 @@ async def forward_stream(
 
 def _first_byte_timeout(attempt: Attempt, timeouts: Timeouts) -> UpstreamFailure:
     if attempt.abandoned is not None:
-        return UpstreamFailure(f"abandoned before its first byte: {attempt.abandoned}",
-                               Failure.TIMEOUT, status=504)
+        return _abandoned(attempt.abandoned)
     return UpstreamFailure(f"no first byte within {timeouts.first_byte_s:g} s",
                            Failure.TIMEOUT, status=504)
+
+
+def _unary_timeout(attempt: Attempt, timeouts: Timeouts) -> UpstreamFailure:
+    if attempt.abandoned is not None:
+        return _abandoned(attempt.abandoned)
+    return UpstreamFailure(f"no answer within {timeouts.total_s:g} s", Failure.TIMEOUT,
+                           status=504)
+
+
+def _abandoned(why: str) -> UpstreamFailure:
+    return UpstreamFailure("the worker stopped answering", Failure.TIMEOUT, status=504,
+                           detail=f"abandoned before its first byte: {why}")
+
+
+def _broken_before_answer(exc: ConnectionBroken) -> UpstreamFailure:
+    return UpstreamFailure("the connection to the worker broke before its answer",
+                           Failure.RESET, detail=f"worker connection failed: {exc}")
+
+
+def client_error_body(status: int, body: bytes) -> bytes:
+    """A worker's 4xx (or other non-retried) error as the client gets it: OpenAI-format
+    JSON. vLLM's own errors (`{"error": {...}}`) pass as they are; an older vLLM's flat
+    `{"object": "error", "message": ...}` keeps its message and code; anything else (a
+    `text/plain` "404: Not Found", HTML from a proxy in front of the worker) is replaced
+    by a message that quotes none of it."""
+    try:
+        document = json.loads(body)
+    except ValueError:
+        document = None
+    if isinstance(document, dict):
+        error = document.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return body
+        message = document.get("message")
+        if isinstance(message, str):
+            code = document.get("code")
+            return error_body(status, message[:1000],
+                              code=code if isinstance(code, str) else "upstream_error")
+    phrase = _PHRASES.get(status, "error")
+    return error_body(status, f"the worker answered {status} {phrase}", code="upstream_error")
+
+
+_PHRASES = {status.value: status.phrase for status in HTTPStatus}
 
 
 def _error_event(first: bytes) -> tuple[int, str] | None:
@@ -433,8 +536,9 @@ def _error_event(first: bytes) -> tuple[int, str] | None:
 _ERROR_EVENT_PREFIXES = (b'data: {"error"', b'data:{"error"')
 
 
-def _ended_early(watchdog: _IdleWatchdog, exc: UpstreamError) -> tuple[int, str]:
-    """The status and message of the error event that ends a stream broken off by `exc`."""
+def _ended_early(watchdog: _IdleWatchdog) -> tuple[int, str]:
+    """The status and message of the error event that ends a stream broken off early
+    (safe to show: the socket's own words, with the worker's address, go to the log)."""
     if watchdog.fired is not None:
         return 504, watchdog.fired
-    return 502, f"the worker's stream broke off: {exc}"
+    return 502, "the worker's stream broke off"

@@ -162,6 +162,12 @@ class FrontExchange:
         if not transport.is_closing():
             transport.write(frame)
 
+    def client_pending_bytes(self) -> int:
+        return self._protocol.transport.get_write_buffer_size()
+
+    def abort_client(self) -> None:
+        self._protocol.transport.abort()
+
     async def end_stream(self, tail: bytes) -> None:
         transport = self._protocol.transport
         if tail:
@@ -403,6 +409,10 @@ class FrontProtocol(asyncio.Protocol):
             # after the next read of the sockets before closing.
             self._head_grace = True
             self._timer = self._loop.call_later(HEAD_GRACE_S, self._check_head)
+        elif self.transport.get_write_buffer_size():
+            # The last answer is still unread: a client that stopped reading. close()
+            # would keep its bytes until it reads them, perhaps never.
+            self.transport.abort()
         else:
             self.transport.close()
 

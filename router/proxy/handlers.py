@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -31,6 +32,7 @@ from router.proxy.forward import (
 )
 from router.proxy.outcome import Attempt, Failure, Observer, RequestRecord
 from router.proxy.parse import PREFIX_TOKENS, ParsedRequest, parse_body
+from router.proxy.request_id import request_id_of
 from router.proxy.upstream import UpstreamPool
 from router.registry.snapshot import SnapshotHolder
 from router.telemetry.tracing import inject_current_trace
@@ -46,6 +48,8 @@ SESSION_HEADER = "x-globalpool-session-id"
 CLASS_HEADER = "x-globalpool-class"  # interactive (default) | batch
 TTFT_BUDGET_HEADER = "x-globalpool-ttft-budget-ms"
 TRAFFIC_CLASSES = ("interactive", "batch")
+
+REQUEST_ID_HEADER = "x-request-id"  # the client's own (if sane), else the router's
 
 _UNREAD = "\x00unread"  # not a header value (a NUL cannot be in one)
 
@@ -93,7 +97,8 @@ class Proxy:
         config = self.configs.current  # (`self.config`, without the property's call)
         router_config = config.router
         admission = self.admission
-        rate_headers: Mapping[str, str] | None = None
+        request_id = request_id_of(exchange.headers)
+        rate_headers: Mapping[str, str] | None = {REQUEST_ID_HEADER: request_id}
         try:
             # 401 before the body is read: an unknown client costs no body read.
             principal = (admission.authenticate(exchange.headers, config.auth)
@@ -107,19 +112,37 @@ class Proxy:
             kind = _KIND_BY_PATH[exchange.path]
             parsed = parse_body(body, kind, router_config.max_json_depth)
             if admission is not None and principal is not None:  # else nothing to check
-                rate_headers = await admission.admit(principal, parsed, config.auth)  # 403, 429
+                limits = await admission.admit(principal, parsed, config.auth)  # 403, 429
+                if limits:
+                    rate_headers = {**limits, REQUEST_ID_HEADER: request_id}
             origin = self._origin_region(exchange.headers)
             hints = _routing_hints(exchange.headers)
         except ApiError as exc:
             return _with_headers(api_error_reply(exc), rate_headers)
+        except Exception as exc:
+            log.exception("request %s (%s): internal error in the router before routing",
+                          request_id, exchange.path)
+            self._count_unrouted(exchange.path, received_s, request_id, exc)
+            return _internal_error(request_id, rate_headers)
         record = RequestRecord(model=parsed.model, kind=kind, stream=parsed.stream,
-                               origin_region=origin, received_s=received_s)
+                               origin_region=origin, received_s=received_s,
+                               request_id=request_id)
         try:
             reply = await self._route_and_forward(config, exchange, body, parsed, record,
                                                   principal, hints, rate_headers)
-        except BaseException:
-            record.status = 499  # the client went away (handler cancelled)
+        except (asyncio.CancelledError, ConnectionError):
+            # The client went away: its handler was cancelled (the front, aiohttp), or
+            # writing to it failed. Nothing else is a 499.
+            record.status = 499
             raise
+        except Exception as exc:
+            record.status = 500  # the router's own fault, whatever the attempt was doing
+            record.error = f"internal error: {type(exc).__name__}"
+            log.exception("request %s (%s %s): internal error in the router", request_id,
+                          exchange.path, parsed.model)
+            if record.stream and record.served_by is not None:
+                raise  # the stream had started: its server cuts the connection
+            return _internal_error(request_id, rate_headers)
         else:
             record.status = reply.status
             return _with_headers(reply, rate_headers)
@@ -137,6 +160,7 @@ class Proxy:
     ) -> Reply:
         router_config = config.router
         headers = upstream_headers(exchange.headers)
+        headers["x-request-id"] = record.request_id  # the worker's logs name it too
         if self.propagate_trace:
             inject_current_trace(headers)  # the worker continues this router's span
         session_id, traffic_class, budget_ms = hints
@@ -227,15 +251,22 @@ class Proxy:
                 target = target_of(worker.endpoint)
                 payload = target.request(exchange.path, headers, body)
                 if parsed.stream:
-                    reply = await forward_stream(exchange, self.upstreams, target, payload,
-                                                 router_config.timeouts, reply_headers, attempt)
+                    reply = await forward_stream(
+                        exchange, self.upstreams, target, payload, router_config.timeouts,
+                        reply_headers, attempt, router_config.client_timeouts.stall_s)
+                    if attempt.error is not None:
+                        record.error = attempt.error
+                        log.warning("request %s: stream from %s (%s) ended early: %s",
+                                    record.request_id, worker.worker_id, worker.region,
+                                    attempt.error)
                 else:
                     reply = await forward_unary(self.upstreams, target, payload,
                                                 router_config.timeouts, reply_headers, attempt)
                 return reply
             except UpstreamFailure as failed:
-                log.warning("attempt on %s (%s) failed before first byte: %s",
-                            worker.worker_id, worker.region, failed.message)
+                log.warning("request %s: attempt on %s (%s) failed before first byte: %s",
+                            record.request_id, worker.worker_id, worker.region, failed.detail)
+                attempt.error = failed.detail
                 attempt.failure = failed.kind
                 attempt.status = failed.status
                 attempt.retry_after_s = failed.retry_after_s
@@ -259,7 +290,7 @@ class Proxy:
                 for observer in self.observers:
                     observer.attempt_finished(attempt)
         assert failure is not None
-        record.error = failure.message
+        record.error = failure.detail
         status = failure.status if failure.status in (502, 503, 504) else 502
         return error_reply(
             status,
@@ -267,6 +298,17 @@ class Proxy:
             code="upstream_failed",
             headers={"Retry-After": "1"},
         )
+
+    def _count_unrouted(self, path: str, received_s: float, request_id: str,
+                        exc: Exception) -> None:
+        """A router fault before the request was parsed: observers count it as a 500."""
+        record = RequestRecord(model="", kind=_KIND_BY_PATH.get(path, "chat"), stream=False,
+                               origin_region=self.region, received_s=received_s,
+                               request_id=request_id, status=500,
+                               error=f"internal error: {type(exc).__name__}")
+        record.finished_s = time.monotonic()
+        for observer in self.observers:
+            observer.request_finished(record)
 
     def _authorize(self, headers: dict[str, str], config: GlobalConfig, region: str) -> None:
         """`Authorization: Bearer <key>` in `headers` for `region`'s workers, or none (the
@@ -354,6 +396,12 @@ def _server_timing(record: RequestRecord, attempt: Attempt) -> str:
     if len(record.attempts) > 1:
         parts.append(f"retry;dur={(attempt.started_s - routed) * 1000:.3f}")
     return ", ".join(parts)
+
+
+def _internal_error(request_id: str, headers: Mapping[str, str] | None) -> Reply:
+    return _with_headers(
+        error_reply(500, f"internal error in the router (request {request_id}; the router's "
+                    "log has the details)", code="internal_error"), headers)
 
 
 def _with_headers(reply: Reply, headers: Mapping[str, str] | None) -> Reply:

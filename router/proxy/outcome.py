@@ -19,6 +19,13 @@ class Reschedulable(Protocol):
     def reschedule(self, when: float | None) -> None: ...
 
 
+class ReadCounter(Protocol):
+    """An upstream connection as passive health sees it: how many reads it has made."""
+
+    @property
+    def reads(self) -> int: ...
+
+
 class Failure(StrEnum):
     """Why an attempt failed. All but MID_STREAM happen before the client got a byte."""
 
@@ -44,12 +51,19 @@ class Attempt:
     finished_s: float | None = None
     status: int | None = None
     failure: Failure | None = None
+    error: str | None = None  # what broke it, for logs and traces (may name the worker)
     client_gone: bool = False
+    # The client stopped reading for longer than client_timeouts.stall_s and was cut off:
+    # its problem, never counted against the worker.
+    client_stalled: bool = False
     streamed: bool = False
     retry_after_s: float | None = None
     # While waiting for the first byte: the deadline that `abandon` brings forward.
     first_byte_deadline: Reschedulable | None = None
     abandoned: str | None = None
+    # A non-streaming answer whose head has come: its body is arriving on this connection
+    # (passive health tells a worker sending a large body from one that went silent).
+    answering: ReadCounter | None = None
 
     @property
     def ttfb_s(self) -> float | None:
@@ -82,6 +96,7 @@ class RequestRecord:
     queued_s: float = 0.0  # waited at the router for a worker with room
     finished_s: float | None = None
     error: str | None = None
+    request_id: str = ""  # the client's `x-request-id`, or the router's (router.proxy.request_id)
 
     @property
     def served_by(self) -> Attempt | None:

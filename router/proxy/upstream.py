@@ -374,6 +374,14 @@ class UpstreamConnection(asyncio.Protocol):
         """The whole answer has arrived (its body may still wait in the buffer)."""
         return self._complete
 
+    @property
+    def reading(self) -> bool:
+        """The router is asking the worker for data now: a reader waits or a sink is
+        piped, and reading is not paused (by a slow sink or a full buffer). Only while
+        this holds can silence be the worker's: a stream's idle watchdog counts nothing
+        else, so a client that stops reading never makes its worker look idle."""
+        return not self._reading_paused and (self._sink is not None or self._waiter is not None)
+
     async def head(self) -> tuple[int, dict[str, str]]:
         """Wait for the status line and headers (1xx interim answers are skipped).
 

@@ -79,6 +79,11 @@ class RequestMetrics:
         self.attempt_failures = LabelledCounter(
             "globalpool_attempt_failures", "Failed attempts by region and kind of failure.",
             ["region", "failure"], registry)
+        self.client_disconnects = LabelledCounter(
+            "globalpool_client_disconnects",
+            "Requests ended by their client (status 499): it went away (left), or it "
+            "stopped reading and was cut off (stalled). Never counted against a worker.",
+            ["reason"], registry)
 
     def attempt_finished(self, attempt: Attempt) -> None:
         region = attempt.region
@@ -102,6 +107,9 @@ class RequestMetrics:
         status = record.status
         self.requests.inc((region, model, record.traffic_class or DEFAULT_CLASS, record.kind,
                            _STATUS_LABELS.get(status) or str(status)))
+        if status == 499:
+            stalled = any(attempt.client_stalled for attempt in record.attempts)
+            self.client_disconnects.inc(("stalled" if stalled else "left",))
         if record.routed_s is not None:
             self.route.observe((), record.routed_s - record.received_s)
         if served is None or served.first_byte_s is None or record.finished_s is None:

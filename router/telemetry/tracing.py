@@ -16,6 +16,7 @@ Tests pass their own TracerProvider with an in-memory exporter.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
@@ -76,8 +77,13 @@ def traced(provider: trace.TracerProvider, handler: InferenceHandler) -> Inferen
             span.set_attribute("url.path", exchange.path)
             try:
                 reply = await handler(exchange)
-            except BaseException:
+            except (asyncio.CancelledError, ConnectionError):
                 span.set_attribute("http.response.status_code", 499)  # the client left
+                raise
+            except Exception as exc:  # the router's fault, mid-stream (else a 500 reply)
+                span.set_attribute("http.response.status_code", 500)
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR))
                 raise
             span.set_attribute("http.response.status_code", reply.status)
             if reply.status >= 500:
@@ -130,6 +136,8 @@ class SpanAnnotator:
         span.set_attribute("globalpool.attempts", len(record.attempts))
         span.set_attribute("globalpool.retries", max(0, len(record.attempts) - 1))
         span.set_attribute("globalpool.status", record.status)
+        if record.request_id:
+            span.set_attribute("globalpool.request_id", record.request_id)
         if record.error is not None:
             span.set_attribute("globalpool.error", record.error)
         chosen = record.served_by or (record.attempts[-1] if record.attempts else None)

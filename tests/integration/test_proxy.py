@@ -60,11 +60,12 @@ FleetFactory = Callable[..., Awaitable[Fleet]]
 
 
 def _config(timeouts: dict[str, float],
-            client_timeouts: dict[str, float] | None = None) -> dict[str, object]:
+            client_timeouts: dict[str, float] | None = None,
+            policy: str = "predicted_ttft") -> dict[str, object]:
     return {
         "apiVersion": "globalpool/v1",
         "router": {"region": "us-east", "near_equal_ms": 0.5, "timeouts": timeouts,
-                   "client_timeouts": client_timeouts or {}},
+                   "client_timeouts": client_timeouts or {}, "policy": policy},
         "regions": {
             "us-east": {"rtt_ms": {"eu-west": 80}, "models": ["m"]},
             "eu-west": {"models": ["m"]},
@@ -89,6 +90,7 @@ async def fleet_factory(
     async def make(workers: dict[str, str], timeouts: dict[str, float] | None = None,
                    *, redis: str = redis_url, ttl_s: float = 60.0,
                    client_timeouts: dict[str, float] | None = None,
+                   policy: str = "predicted_ttft",
                    **sim_changes: object) -> Fleet:
         sims: dict[str, SimServer] = {}
         for index, (worker_id, _region) in enumerate(workers.items()):
@@ -109,7 +111,7 @@ async def fleet_factory(
             await publish(worker_id)
         config = parse_config(_config(timeouts or {"connect_s": 1, "first_byte_s": 2,
                                                    "idle_s": 1, "total_s": 10},
-                                      client_timeouts) |
+                                      client_timeouts, policy) |
                               {"redis": {"url": redis, "key_prefix": key_prefix}})
         app = build_app(RouterSettings(config=config, redis_url=redis, region="us-east",
                                        seed=1))

@@ -1,0 +1,140 @@
+"""A hung worker is found within 5 s with the default settings, streaming or not, and what
+waited on it is served elsewhere; a long legitimate generation is never cut.
+
+Runs `globalpool up` as a user would (real router, agents, simulators and Valkey), with the
+router's timeouts and health settings left at their defaults: `total_s` is 900 s, so a
+non-streaming request on a hung worker is rescued only if the router finds the hang
+itself (its agent's heartbeats count none of the requests sent there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from router.devstack.valkey import free_port
+from tests.integration.stack import RunningUp, pid_alive, start_up
+
+pytestmark = pytest.mark.integration
+
+BODY = {"model": "tiny-llama", "max_tokens": 8,
+        "messages": [{"role": "user", "content": "ping"}]}
+FROM_US_EAST = {"x-globalpool-client-region": "us-east"}
+ADMIN_TOKEN = "hung-workers-admin-token"
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningUp]:
+    tmp_path = tmp_path_factory.mktemp("hung")
+    simulated = {"max_num_seqs": 4, "decode_step_ms": 5}
+    config = tmp_path / "regions.yaml"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "globalpool/v1",
+        "redis": {"url": "embedded", "key_prefix": f"gp-{tmp_path.name[-12:]}"},
+        # No timeouts, health or heartbeat settings: the defaults (total_s 900 s).
+        "router": {"region": "us-east", "host": "127.0.0.1", "port": free_port()},
+        "admin": {"token_env": "GP_TEST_ADMIN_TOKEN"},
+        "regions": {
+            "us-east": {"rtt_ms": {"eu-west": 80}, "models": ["tiny-llama"],
+                        "simulated": {"workers": 2, **simulated}},
+            "eu-west": {"models": ["tiny-llama"], "simulated": {"workers": 1, **simulated}},
+        },
+    }))
+    os.environ["GP_TEST_ADMIN_TOKEN"] = ADMIN_TOKEN  # `up`'s children inherit it
+    running = start_up(tmp_path, config)
+    try:
+        yield running
+    finally:
+        assert running.stop() == 0, running.output()
+        assert [pid for pid in running.all_pids() if pid_alive(pid)] == []
+
+
+def _sim_url(up: RunningUp, name: str) -> str:
+    return next(str(c["url"]) for c in up.children() if c["name"] == name)
+
+
+async def _faults(up: RunningUp, name: str, **knobs: object) -> None:
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{_sim_url(up, name)}/sim/faults", json=knobs) as response:
+        assert response.status == 200, await response.text()
+
+
+async def _send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+                ) -> tuple[int, str, float, bytes]:
+    started = time.monotonic()
+    async with session.post(f"{url}/v1/chat/completions", json=body,
+                            headers=FROM_US_EAST) as response:
+        payload = await response.read()
+        return (response.status, response.headers.get("x-globalpool-worker", ""),
+                time.monotonic() - started, payload)
+
+
+async def _events(up: RunningUp) -> list[dict[str, Any]]:
+    async with aiohttp.ClientSession() as session, session.get(
+            f"{up.url}/admin/status?workers=50",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as response:
+        assert response.status == 200, await response.text()
+        status = await response.json()
+    return list(status["events"])  # newest first
+
+
+async def _wait_until_served_by(up: RunningUp, worker: str, limit_s: float = 30.0) -> None:
+    """Until `worker` serves a request again (its breaker has let it back in)."""
+    deadline = time.monotonic() + limit_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            results = await asyncio.gather(*(_send(session, up.url, BODY) for _ in range(4)))
+            if any(served == worker for _, served, _, _ in results):
+                return
+            await asyncio.sleep(0.5)
+    raise AssertionError(f"{worker} never served again within {limit_s} s")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+async def test_a_hung_worker_is_found_within_5_s_and_its_requests_served_elsewhere(
+        up: RunningUp, stream: bool) -> None:
+    await _faults(up, "sim-us-east-1", hang=True)
+    try:
+        async with aiohttp.ClientSession() as session:
+            results = await asyncio.wait_for(asyncio.gather(
+                *(_send(session, up.url, {**BODY, "stream": stream}) for _ in range(8))), 60)
+        statuses = [status for status, _, _, _ in results]
+        assert statuses == [200] * 8, results
+        assert {worker for _, worker, _, _ in results} <= {"us-east-2", "eu-west-1"}
+        slowest_s = max(elapsed for _, _, elapsed, _ in results)
+        # Found within stall_after_s (3 s) of waiting, checked every 0.25 s, plus the
+        # retry; the bound is the issue's 5 s, with room for the heartbeat that shows it.
+        assert slowest_s < 5.0 + 1.0, sorted(round(e, 2) for _, _, e, _ in results)
+        ejected = [e for e in await _events(up)
+                   if e["subject"].startswith("worker us-east-1 ") and e["kind"] == "ejected"]
+        assert ejected and "stalled" in ejected[0]["detail"], ejected
+    finally:
+        await _faults(up, "sim-us-east-1", hang=False)
+    await _wait_until_served_by(up, "us-east-1")
+
+
+async def test_a_long_non_streaming_generation_is_never_cut(up: RunningUp) -> None:
+    # ~1,000 tokens at 5 ms x 2 a step: ~10 s of generation, past stall_after_s three
+    # times over, on engines that count the request as running all along.
+    for name in ("sim-us-east-1", "sim-us-east-2"):
+        await _faults(up, name, slow_factor=2.0)
+    started_unix_s = time.time()
+    try:
+        async with aiohttp.ClientSession() as session:
+            status, worker, elapsed_s, payload = await asyncio.wait_for(
+                _send(session, up.url, {**BODY, "max_tokens": 1000, "ignore_eos": True}), 60)
+    finally:
+        for name in ("sim-us-east-1", "sim-us-east-2"):
+            await _faults(up, name, slow_factor=1.0)
+    assert status == 200, payload
+    assert worker.startswith("us-east-"), worker
+    assert elapsed_s > 6.0, elapsed_s  # it did run long
+    new_events = [e for e in await _events(up) if e["at_unix_s"] >= started_unix_s]
+    assert not [e for e in new_events if e["kind"] == "ejected"], new_events

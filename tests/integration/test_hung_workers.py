@@ -109,6 +109,8 @@ async def test_a_hung_worker_is_found_within_5_s_and_its_requests_served_elsewhe
         assert statuses == [200] * 8, results
         assert {worker for _, worker, _, _ in results} <= {"us-east-2", "eu-west-1"}
         slowest_s = max(elapsed for _, _, elapsed, _ in results)
+        kind = "streaming" if stream else "non-streaming"
+        print(f"hung worker, {kind}: the slowest of 8 requests was served in {slowest_s:.2f} s")
         # Found within stall_after_s (3 s) of waiting, checked every 0.25 s, plus the
         # retry; the bound is the 5 s, with room for the heartbeat that shows it.
         assert slowest_s < 5.0 + 1.0, sorted(round(e, 2) for _, _, e, _ in results)

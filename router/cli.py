@@ -8,6 +8,7 @@
     globalpool drill SCENARIO --out DIR [--quick]   # failover drill under load (DRILLS.md)
     globalpool bench --out DIR [--quick]         # routing policies on one trace (BENCHMARKS.md)
     globalpool bench-proxy --out DIR [--quick]   # proxy cost vs peer routers (BENCHMARKS.md)
+    globalpool bench-memory [--tree DIR]         # router RSS over 100,000 requests, https
     globalpool bench-instructions [--tree DIR]   # instructions per request (callgrind)
     globalpool status [--router URL] [--watch]   # regions and workers, from the admin API
 """
@@ -86,6 +87,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from router.compiled import add_parser as add_compile_parser
 
     add_compile_parser(commands)
+
+    from router.benchproxy import memory
+
+    bench_memory = commands.add_parser(
+        "bench-memory", help="router memory over 100,000 requests with new header lines, "
+        "and with 10,000 https workers")
+    memory.add_arguments(bench_memory)
+    bench_memory.set_defaults(run=memory.run_command)
 
     from router.bench.cli import add_bench_arguments, run_bench_command
 

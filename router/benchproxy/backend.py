@@ -11,6 +11,11 @@ framework, no JSON parsing. It answers
 - `GET /bench/connections`: connections accepted so far (all ports), so the benchmark
   can tell whether a router reuses its upstream connections.
 
+`--distinct-headers` gives every answer header lines no answer had before (a Date one
+second after the last one's, an X-Request-Id, an X-Seq): what hours of traffic show a
+router's tables of known header lines, in a minute (`globalpool bench-memory`).
+`--tls-cert`/`--tls-key` serve https instead of http.
+
 Inter-token delay is chosen by the request's model name (`--delay-ms MODEL=MS`), because
 the model field is the one knob every router forwards unchanged. With no delay each token
 is still written separately, one per event-loop turn, as an engine emits them.
@@ -25,7 +30,10 @@ import asyncio
 import json
 import re
 import signal
+import ssl
+import time
 from collections.abc import Callable
+from email.utils import formatdate
 from typing import Any, cast
 
 from router.benchproxy.procs import new_event_loop
@@ -100,6 +108,23 @@ class Responses:
         return cached
 
 
+class DistinctHeaders:
+    """Header lines for each answer that no answer had before (`--distinct-headers`)."""
+
+    def __init__(self, first_date_s: int) -> None:
+        self._answers = 0
+        self._first_date_s = first_date_s
+
+    def add(self, answer: bytes) -> bytes:
+        """`answer` with a new Date, X-Request-Id and X-Seq after its status line."""
+        self._answers += 1
+        seq = self._answers
+        lines = (f"Date: {formatdate(self._first_date_s + seq, usegmt=True)}\r\n"
+                 f"X-Request-Id: backend-{seq:x}\r\nX-Seq: {seq}\r\n").encode()
+        status_end = answer.index(b"\r\n") + 2
+        return answer[:status_end] + lines + answer[status_end:]
+
+
 class Counters:
     """What the benchmark asks the backends about itself (GET /bench/connections)."""
 
@@ -145,7 +170,8 @@ class BackendProtocol(asyncio.Protocol):
     """One client connection: HTTP/1.1 keep-alive, requests answered in order."""
 
     def __init__(self, responses: Responses, delays_s: dict[bytes, float],
-                 models: list[str]) -> None:
+                 models: list[str], distinct: DistinctHeaders | None = None) -> None:
+        self._distinct = distinct
         self._responses = responses
         self._delays_s = delays_s
         self._models = models
@@ -211,14 +237,17 @@ class BackendProtocol(asyncio.Protocol):
         named = _MODEL.search(body)
         model = named.group(1) if named else b"bench"
         if _STREAM_TRUE.search(body) is None:
-            transport.write(self._responses.unary(model, tokens))
+            transport.write(self._headed(self._responses.unary(model, tokens)))
             self._finish()
             return
         first, token, tail = self._responses.stream(model, tokens)
         delay_s = self._delays_s.get(model, 0.0)
-        transport.write(first)
+        transport.write(self._headed(first))
         self._busy = True
         self._next_token(token, tail, tokens - 1, delay_s)
+
+    def _headed(self, answer: bytes) -> bytes:
+        return answer if self._distinct is None else self._distinct.add(answer)
 
     def _next_token(self, token: bytes, tail: bytes, left: int, delay_s: float) -> None:
         step: Callable[[], None]
@@ -253,14 +282,17 @@ class BackendProtocol(asyncio.Protocol):
 
 
 async def serve(ports: list[int], delays_ms: dict[str, float], models: list[str],
-                host: str = "127.0.0.1") -> None:
-    """Listen on every port until SIGTERM/SIGINT; prints `ready` once all are bound."""
+                host: str = "127.0.0.1", *, distinct_headers: bool = False,
+                tls: ssl.SSLContext | None = None) -> None:
+    """Listen on every port until SIGTERM/SIGINT; prints `ready` once all are bound.
+    `distinct_headers`: see DistinctHeaders; `tls`: serve https with this context."""
     loop = asyncio.get_running_loop()
+    distinct = DistinctHeaders(int(time.time())) if distinct_headers else None
     responses = Responses()
     delays_s = {name.encode(): ms / 1000.0 for name, ms in delays_ms.items()}
     servers = [
-        await loop.create_server(lambda: BackendProtocol(responses, delays_s, models),
-                                 host, port, backlog=4096)
+        await loop.create_server(lambda: BackendProtocol(responses, delays_s, models, distinct),
+                                 host, port, backlog=4096, ssl=tls)
         for port in ports
     ]
     stop = asyncio.Event()
@@ -272,10 +304,22 @@ async def serve(ports: list[int], delays_ms: dict[str, float], models: list[str]
         server.close()
 
 
+def _server_tls(cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    if cert is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, action="append", required=True)
+    parser.add_argument("--distinct-headers", action="store_true",
+                        help="new Date, X-Request-Id and X-Seq lines in every answer")
+    parser.add_argument("--tls-cert", default=None, help="serve https: certificate (PEM)")
+    parser.add_argument("--tls-key", default=None, help="its private key (PEM)")
     parser.add_argument("--delay-ms", action="append", default=[], metavar="MODEL=MS",
                         help="inter-token delay for requests naming MODEL")
     parser.add_argument("--model", action="append", default=None,
@@ -288,7 +332,9 @@ def main() -> None:
     models = args.model or ["bench", *delays]
     loop = new_event_loop()
     try:
-        loop.run_until_complete(serve(args.port, delays, models, args.host))
+        loop.run_until_complete(serve(
+            args.port, delays, models, args.host, distinct_headers=args.distinct_headers,
+            tls=_server_tls(args.tls_cert, args.tls_key)))
     finally:
         loop.close()
 

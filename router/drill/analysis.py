@@ -17,7 +17,10 @@ Definitions (also written into every report):
   status 200, complete stream, served outside the target, not retried. None if no such
   window began while the fault lasted.
 - `time_to_return_s`: from the fault's end to the first 1-s window in which the target
-  serves at least half its pre-fault share of requests again.
+  serves at least half its pre-fault share of requests again. The load goes on after the
+  fault until that is seen (`returned`), then a little longer, within a bound
+  (router.drill.run); None if it was not seen by then, or the target served nothing
+  before the fault.
 - For a fault without a target (Redis outage) both come from the router's /health:
   detect = fault -> first answer with `redis_connected: false`; recover = Redis back ->
   first answer with `redis_connected: true` and every worker known again.
@@ -36,6 +39,9 @@ from router.devstack.loadgen import RequestResult
 
 QUIET_S = 1.0
 REROUTE_WINDOW_S = 1.0
+# While the load runs, only requests started this long ago are judged: they have ended
+# (after the fault nothing holds a request that long), so their windows are complete.
+RETURN_LAG_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -137,10 +143,7 @@ def time_to_return(requests: Sequence[RequestResult], target: Target,
     """Seconds from the fault's end to the start of the first 1-s window in which the
     target serves at least half the share of requests it served before the fault; None if
     that did not happen before the end (or the target served nothing before)."""
-    before = [r for r in requests if timeline.phase(r.start_s) == "before"]
-    if not before:
-        return None
-    share_before = sum(1 for r in before if target.serves(r)) / len(before)
+    share_before = share_before_fault(requests, target, timeline)
     if share_before == 0:
         return None
     after = [r for r in requests if r.start_s >= timeline.cleared_s]
@@ -152,6 +155,26 @@ def time_to_return(requests: Sequence[RequestResult], target: Target,
                 share_before / 2):
             return moment - timeline.cleared_s
     return None
+
+
+def share_before_fault(requests: Sequence[RequestResult], target: Target,
+                       timeline: Timeline) -> float:
+    """The share of the `before` phase's requests that the target served (0 if none)."""
+    before = [r for r in requests if timeline.phase(r.start_s) == "before"]
+    if not before:
+        return 0.0
+    return sum(1 for r in before if target.serves(r)) / len(before)
+
+
+def returned(requests: Sequence[RequestResult], target: Target, timeline: Timeline,
+             now_s: float) -> bool:
+    """Whether the return can be told by `now_s`, while the load still runs (`requests`:
+    those that have ended): `time_to_return` finds it among the requests started before
+    `now_s - RETURN_LAG_S`, or there is no share to return to (then it never will)."""
+    if share_before_fault(requests, target, timeline) == 0:
+        return True
+    so_far = replace(timeline, end_s=now_s - RETURN_LAG_S)
+    return time_to_return(requests, target, so_far) is not None
 
 
 def health_times(polls: Sequence[dict[str, Any]], timeline: Timeline,

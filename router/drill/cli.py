@@ -23,7 +23,9 @@ def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long the fault lasts (default 30; --quick: 6, "
                         "redis-outage 8)")
     parser.add_argument("--quick", action="store_true",
-                        help="short phases (warmup 2 s, before 4 s, after 5 s) for tests")
+                        help="short phases (warmup 2 s, before 4 s, after 5 s; as with "
+                        "any drill, the load goes on until the target serves again, at most "
+                        "60 s after the clear, then 3 s more)")
     parser.add_argument("--region", default=None,
                         help="the region to break (default: the router's own region)")
     parser.add_argument("--rate", type=float, default=20.0,

@@ -35,11 +35,14 @@ DEFINITIONS = {
                          "Not defined for a Redis outage (nothing to reroute)",
     "time_to_return_s": "fault cleared -> start of the first 1-s window in which the target "
                         "serves at least half the share of requests it served before the "
-                        "fault",
+                        "fault. The load goes on until then (at most options.return_wait_s "
+                        "after the clear is done), and options.after_return_s more; null if "
+                        "that wait ran out, or the target served nothing before the fault",
     "time_to_recover_s": "Redis back -> first /health answer with redis_connected=true and "
                          "every worker known",
     "phases": "by request start: before = [warmup end, fault), during = [fault, cleared), "
-              "after = [cleared, end]",
+              "after = [cleared, end]; the end is at least options.after_s after the clear, "
+              "and options.after_return_s after the return",
     "ttft": "client-side time from sending the request to the first SSE event carrying a "
             "token; percentiles over requests that succeeded, nearest rank",
     "failed": "before_first_byte: no body byte reached the client (error status, connect "

@@ -4,8 +4,13 @@
     0      w        F                    C                 E      seconds since load start
 
 The load runs from 0 to E without a pause; the fault is injected at F and cleared at C.
-Every request is recorded (router.devstack.loadgen); the router's /health is polled
-every 0.25 s and its /admin/status every second (for its own ejection events).
+E is at least C + `after_s`; the load goes on past it until the target serves its share
+again (the router sees Redis and every worker again, for a Redis outage), then
+`after_return_s` more, so that the `after` phase measures the return and the traffic
+back on the target; but no longer than `return_wait_s` from the moment the clear is
+done (engines listening, agents running, path healed). Every request is recorded
+(router.devstack.loadgen); the router's /health is polled every 0.25 s and its
+/admin/status every second (for its own ejection events).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,7 @@ from router.config import load_config
 from router.devstack.loadgen import LoadGenerator, LoadSpec, LoadTarget, RequestResult
 from router.devstack.stack import LocalStack
 from router.devstack.valkey import free_port
+from router.drill import analysis
 from router.drill.analysis import Timeline
 from router.drill.report import DrillFacts, build_report, write_outputs
 from router.drill.scenarios import DrillContext, FaultSettings, Scenario
@@ -45,7 +51,9 @@ class DrillOptions:
     fault_s: float
     warmup_s: float = 3.0
     before_s: float = 10.0
-    after_s: float = 20.0
+    after_s: float = 20.0  # the least the load goes on after the clear (see the module doc)
+    after_return_s: float = 3.0  # load after the return is seen
+    return_wait_s: float = 60.0  # the longest wait for the return once the clear is done
     rate_per_s: float = 20.0
     max_tokens: int = 16
     request_timeout_s: float = 60.0
@@ -55,6 +63,7 @@ class DrillOptions:
 
     @property
     def timeline(self) -> Timeline:
+        """The schedule as planned: the load ends at `end_s` at the earliest."""
         fault = self.warmup_s + self.before_s
         cleared = fault + self.fault_s
         return Timeline(warmup_end_s=self.warmup_s, fault_s=fault, cleared_s=cleared,
@@ -169,8 +178,10 @@ async def run_drill(options: DrillOptions, say: Callable[[str], None]) -> dict[s
                                  copy=options.settings.drain_via == "config")
     config = load_config(config_path)
     timeline = options.timeline
-    say(f"drill {options.scenario}: {options.rate_per_s:g} req/s for {timeline.end_s:g} s; "
-        f"fault at t={timeline.fault_s:g}s for {options.fault_s:g} s; out: {options.out}")
+    say(f"drill {options.scenario}: {options.rate_per_s:g} req/s for {timeline.end_s:g} s "
+        f"or more (until the target is back, at most {options.return_wait_s:g} s after the "
+        f"clear); fault at t={timeline.fault_s:g}s for {options.fault_s:g} s; "
+        f"out: {options.out}")
     stack = LocalStack(
         config, config_path, host="127.0.0.1", port=free_port(),
         log_dir=options.out / "logs",
@@ -192,10 +203,13 @@ async def run_drill(options: DrillOptions, say: Callable[[str], None]) -> dict[s
 async def _drive(options: DrillOptions, stack: LocalStack, timeline: Timeline,
                  say: Callable[[str], None]) -> dict[str, Any]:
     router_region = stack.router_regions[0]
+    # A bound only: the load is stopped when the after phase has what it needs. The clear
+    # itself takes time too (a drain waits up to 10 s for the agents to leave).
+    longest_s = timeline.end_s + options.return_wait_s + options.after_return_s + 60.0
     spec = LoadSpec(
         targets=[LoadTarget(stack.router_url, origin_region=router_region)],
-        duration_s=timeline.end_s, rate_per_s=options.rate_per_s,
-        max_requests=int(options.rate_per_s * timeline.end_s) + 10,
+        duration_s=longest_s, rate_per_s=options.rate_per_s,
+        max_requests=int(options.rate_per_s * longest_s) + 10,
         request_timeout_s=options.request_timeout_s, max_tokens=options.max_tokens,
         model=stack.config.models[0], seed=options.seed,
     )
@@ -205,7 +219,8 @@ async def _drive(options: DrillOptions, stack: LocalStack, timeline: Timeline,
                            say=say)
     scenario = Scenario.registry[options.scenario](context)
     expected_workers = len(stack.by_role("sim"))
-    load = asyncio.create_task(generator.run())
+    stop = asyncio.Event()
+    load = asyncio.create_task(generator.run(stop))
     await generator.started.wait()
     assert generator.started_at_s is not None
     context.t0_s = generator.started_at_s
@@ -218,6 +233,9 @@ async def _drive(options: DrillOptions, stack: LocalStack, timeline: Timeline,
         await scenario.inject()
         await scenario.hold(timeline.cleared_s)
         await scenario.clear()
+        timeline = replace(timeline, end_s=await _after_phase(
+            options, timeline, scenario, generator, observer, expected_workers))
+        stop.set()
         results = await load
         context.mark(f"load ends: {len(results)} requests")
         await asyncio.sleep(0.5)  # one more admin poll for the last router events
@@ -241,6 +259,45 @@ async def _drive(options: DrillOptions, stack: LocalStack, timeline: Timeline,
                       "load_average_1m_at_start": load_at_start}
     write_outputs(options.out, report, results, context.t0_s, observer.health)
     return report
+
+
+async def _after_phase(options: DrillOptions, timeline: Timeline, scenario: Scenario,
+                       generator: LoadGenerator, observer: _Observer,
+                       expected_workers: int) -> float:
+    """Wait, once the fault is cleared, until the load may end (see the module doc);
+    returns that moment (seconds since the load started)."""
+    context = scenario.context
+    wait_until_s = context.now_s() + options.return_wait_s
+    returned_at_s: float | None = None
+    while True:
+        now_s = context.now_s()
+        if returned_at_s is None:
+            seen = _return_seen(scenario, timeline, generator, observer, expected_workers)
+            if seen is not None:
+                returned_at_s = now_s
+                context.mark(f"{seen}: load for {options.after_return_s:g} s more")
+        if now_s >= timeline.end_s:
+            if returned_at_s is not None and now_s >= returned_at_s + options.after_return_s:
+                return round(now_s, 2)
+            if returned_at_s is None and now_s >= wait_until_s:
+                context.mark(f"no return within {options.return_wait_s:g} s of the clear")
+                return round(now_s, 2)
+        await asyncio.sleep(0.25)
+
+
+def _return_seen(scenario: Scenario, timeline: Timeline, generator: LoadGenerator,
+                 observer: _Observer, expected_workers: int) -> str | None:
+    """What the drill has seen return so far (for its events), or None."""
+    target = scenario.target()
+    if not target:
+        _, recovered = analysis.health_times(observer.health, timeline, expected_workers)
+        return None if recovered is None else "the router sees Redis and every worker again"
+    requests = analysis.relative(generator.results, scenario.context.t0_s)
+    if analysis.share_before_fault(requests, target, timeline) == 0:
+        return f"{target.label} served nothing before the fault: no return to wait for"
+    if analysis.returned(requests, target, timeline, scenario.context.now_s()):
+        return f"{target.label} serves its share again"
+    return None
 
 
 def _options_json(options: DrillOptions) -> dict[str, Any]:

@@ -40,6 +40,9 @@ async def _drill(tmp_path: Path, scenario: str, fault_s: float = 5.0,
         config_path=drill_config(tmp_path, **(config or {})),
         settings=FaultSettings(region="us-east", **settings), fault_s=fault_s,
         warmup_s=1.0, before_s=3.0, after_s=3.0, rate_per_s=20.0, request_timeout_s=20.0,
+        # Short: a region the router avoids for its late first bytes takes ~20 s to win
+        # traffic back (the penalty's half-life is 10 s); those drills are not waited for.
+        return_wait_s=5.0, after_return_s=2.0,
     )
     report = await run_drill(options, say=print)
     for name in ("report.json", "report.md", "timeline.png", "requests.jsonl"):
@@ -68,12 +71,18 @@ def test_kill_region_through_the_command(tmp_path: Path) -> None:
     _no_failure_before_first_byte(report)
     assert report["time_to_reroute_s"] is not None and report["time_to_reroute_s"] <= 1.0
     assert report["phases"]["during"]["served_by_region"].keys() == {"eu-west"}
+    # The load goes on until the restarted engines serve again, and a little longer.
+    assert report["time_to_return_s"] is not None, report["events"]
+    back = next(e["t_s"] for e in report["events"] if "serves its share again" in e["what"])
+    assert report["timeline"]["end_s"] >= back + 2.9
+    assert report["phases"]["after"]["served_by_region"].get("us-east", 0) > 0
 
 
 async def test_drain_region_by_sigterm_fails_nothing(tmp_path: Path) -> None:
     report = await _drill(tmp_path, "drain-region")
     assert report["failed"]["total"] == 0, report["phases"]
     assert report["time_to_detect_s"] is not None and report["time_to_detect_s"] <= 1.0
+    assert report["time_to_return_s"] is not None, report["events"]  # agents back
 
 
 async def test_drain_region_by_admin_api_fails_nothing(tmp_path: Path) -> None:

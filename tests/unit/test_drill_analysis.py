@@ -9,6 +9,7 @@ from router.drill.analysis import (
     per_second,
     percentile,
     phase_stats,
+    returned,
     time_to_detect,
     time_to_reroute,
     time_to_return,
@@ -73,6 +74,23 @@ def test_return_after_clearing() -> None:
     back = time_to_return([*before, *_steady(10, 22.5), *_steady(22.5, 30, "us-east")],
                           US_EAST, TIMELINE)
     assert back is not None and abs(back - 2.0) < 1e-9  # the window [22, 23) is half back
+
+
+def test_the_return_is_told_while_the_load_runs_once_its_window_has_ended() -> None:
+    before = _steady(1, 10, "us-east")
+    so_far = [*before, *_steady(10, 22.5), *_steady(22.5, 23.6, "us-east")]
+    # The window [22, 23) is half back: told once RETURN_LAG_S has passed since its end.
+    assert not returned(so_far, US_EAST, TIMELINE, now_s=23.6)
+    assert returned(so_far, US_EAST, TIMELINE, now_s=24.05)
+    assert not returned([*before, *_steady(10, 40)], US_EAST, TIMELINE, now_s=40.0)
+    # Past the planned end too: a return late in a long wait still counts.
+    late = [*before, *_steady(10, 35), *_steady(35, 37, "us-east")]
+    assert returned(late, US_EAST, TIMELINE, now_s=37.0)
+
+
+def test_a_target_that_served_nothing_before_has_no_return_to_wait_for() -> None:
+    assert returned(_steady(1, 25), US_EAST, TIMELINE, now_s=21.0)
+    assert returned([], US_EAST, TIMELINE, now_s=21.0)
 
 
 def test_phases_and_seconds() -> None:

@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import signal
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +32,10 @@ from router.proxy.exchange import AiohttpExchange, InferenceHandler
 from router.proxy.handlers import Proxy
 from router.proxy.site import FrontSite
 from router.proxy.upstream import UpstreamPool
+from router.readiness import CollectorState, readiness
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry.peers import PeerExchange
+from router.supervisor import Supervised
 from worker import redis_client
 from worker.schema import HeartbeatKeys
 from worker.signing import keys_from_environ
@@ -75,6 +78,8 @@ UPSTREAM_KEEPALIVE_S = 4.0
 ADMISSION = web.AppKey("admission", Admission)
 # Auth, rate-limit, residency and heartbeat-verification counters (for /metrics).
 SECURITY_STATS = web.AppKey("security_stats", SecurityStats)
+# The supervised background tasks, by name (router.supervisor): crashes are restarted.
+BACKGROUND: web.AppKey[dict[str, Supervised]] = web.AppKey("background")
 
 
 def build_app(settings: RouterSettings) -> web.Application:
@@ -101,6 +106,7 @@ def build_app(settings: RouterSettings) -> web.Application:
     app.router.add_post("/v1/embeddings", _inference)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
     return app
 
 
@@ -118,6 +124,17 @@ async def _health(request: web.Request) -> web.Response:
     return await request.app[PROXY].health_check(request)
 
 
+async def _ready(request: web.Request) -> web.Response:
+    """GET /ready: 200 when this router can route now, else 503 with the reason."""
+    app = request.app
+    collector = app[BACKGROUND]["heartbeat-collector"]
+    ready, document = readiness(
+        app[HOLDER].current,
+        CollectorState(collector.running, collector.crashes, collector.last_error),
+        app[OPERATIONS].configs.current.router.fail_static_s, time.monotonic())
+    return web.json_response(document, status=200 if ready else 503)
+
+
 async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
     """Redis clients and the heartbeat collector, for the app's lifetime."""
     settings = app[SETTINGS]
@@ -130,7 +147,8 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         max_backoff_s=health_config.max_backoff_s,
     ), stall_after_s=health_config.stall_after_s, stall_factor=health_config.stall_factor,
        views=lambda: app[HOLDER].current.workers)
-    stalls = asyncio.create_task(health.watch_stalls(), name="stall-watch")
+    background = app[BACKGROUND] = {}
+    background["stall-watch"] = Supervised("stall-watch", health.watch_stalls).start()
     redis = redis_client.connect(settings.redis_url)
     pubsub_redis = redis_client.connect_pubsub(settings.redis_url)
     keys = (keys_from_environ(os.environ) if settings.heartbeat_keys is None
@@ -150,20 +168,22 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         agent_interval_s=lambda: app[OPERATIONS].configs.current.heartbeat.interval_s,
     )
     app[COLLECTOR] = collector
-    task = asyncio.create_task(collector.run(), name="heartbeat-collector")
+    # A crash marks the view as not kept (readiness fails) until the restart reads Redis.
+    background["heartbeat-collector"] = Supervised(
+        "heartbeat-collector", collector.run, on_down=lambda _exc: collector.mark_down()
+    ).start()
     peers = app[PEERS] = PeerExchange(
         redis=redis, pubsub_redis=pubsub_redis,
         channel=f"{settings.config.redis.key_prefix}:routers:inflight", inflight=inflight,
         interval_s=lambda: app[OPERATIONS].configs.current.router.peer_interval_ms / 1000.0,
         keys=keys, stats=app[SECURITY_STATS])
-    peer_task = asyncio.create_task(peers.run(), name="peer-exchange")
+    background["peer-exchange"] = Supervised("peer-exchange", peers.run).start()
     with contextlib.suppress(TimeoutError):
-        # Serve sooner with an empty view rather than never if Redis is down at start.
+        # Serve sooner with an empty view rather than never if Redis is down at start
+        # (/ready says 503 meanwhile, and the collector's log says why).
         await asyncio.wait_for(collector.synced.wait(), timeout=3.0)
     yield
-    for running in (task, stalls, peer_task):
-        running.cancel()
-    await asyncio.gather(task, stalls, peer_task, return_exceptions=True)
+    await asyncio.gather(*(task.stop() for task in background.values()))
     await redis.aclose()
     await pubsub_redis.aclose()
 
@@ -225,12 +245,21 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
 async def _operations(app: web.Application) -> AsyncIterator[None]:
     """Drain flags, config hot reload and the admin context, for the app's lifetime."""
     operations = app[OPERATIONS]
+    fleet_tasks: dict[str, Supervised] = app[BACKGROUND]
     await operations.start(app, redis_url=app[SETTINGS].redis_url, proxy=app[PROXY],
                            snapshots=app[HOLDER], inflight=app[_INFLIGHT],
                            security=app[SECURITY_STATS], heartbeat_counts=app[COLLECTOR].counts,
-                           heartbeat_upkeep=app[COLLECTOR].upkeep)
+                           heartbeat_upkeep=app[COLLECTOR].upkeep,
+                           background=lambda: _task_states(fleet_tasks,
+                                                           operations.supervised))
     yield
     await operations.stop()
+
+
+def _task_states(*groups: Mapping[str, Supervised]) -> dict[str, tuple[bool, int]]:
+    """Every supervised task's (running, crashes), for /metrics."""
+    return {name: (task.running, task.crashes)
+            for group in groups for name, task in group.items()}
 
 
 # Python's cyclic garbage collector, set for this process: a router holds a large

@@ -141,6 +141,12 @@ class RouterConfig(_Strict):
         "of every worker: ~40,000 samples and 3.2 MB a scrape at 10,000 workers); false "
         "keeps the count of workers by region and state",
     )
+    fail_static_s: float = Field(
+        default=300.0, gt=0, le=86_400,
+        description="while Redis is unreachable the router keeps serving from its last view "
+        "of the fleet (fail static) and stays ready for this long; past it /ready answers "
+        "503 and load balancers send clients to replicas that can see the fleet",
+    )
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_attempts: int = Field(
         default=3, ge=1, le=5, description="attempts per request; retries only before first byte"

@@ -170,7 +170,7 @@ module "global_lb" {
   domain        = var.domain
   router_groups = { for name, router in module.router : name => router.instance_group }
   port          = module.topology.router.port
-  health_path   = module.topology.router.health_path
+  health_path   = module.topology.router.ready_path
   timeout_s     = module.topology.router.lb_timeout_s
   dns_zone_name = var.dns_zone_name
 }

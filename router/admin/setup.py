@@ -8,7 +8,6 @@ inference handler (traced or not), and runs `start()`/`stop()` in its cleanup co
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
@@ -35,6 +34,7 @@ from router.proxy.exchange import InferenceHandler
 from router.proxy.handlers import Proxy
 from router.proxy.outcome import Observer
 from router.registry.snapshot import SnapshotHolder
+from router.supervisor import Supervised
 from router.telemetry.metrics import FleetCollector, RequestMetrics, metrics_handler
 from router.telemetry.security import SecurityCollector
 from router.telemetry.tracing import SpanAnnotator, traced, tracer_provider_from_env
@@ -58,7 +58,8 @@ class Operations:
     window: TrafficWindow = field(default_factory=TrafficWindow)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     metrics: RequestMetrics = field(init=False)
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # Background tasks (drain flags, config watcher), supervised: restarted on a crash.
+    supervised: dict[str, Supervised] = field(default_factory=dict)
     _store: DrainStore | None = None
     _redis: Redis | None = None
     _fleet: FleetCollector | None = None
@@ -98,7 +99,9 @@ class Operations:
                     snapshots: SnapshotHolder, inflight: InFlight,
                     security: SecurityStats | None = None,
                     heartbeat_counts: Callable[[], Mapping[str, int]] | None = None,
-                    heartbeat_upkeep: Callable[[], Mapping[str, float]] | None = None) -> None:
+                    heartbeat_upkeep: Callable[[], Mapping[str, float]] | None = None,
+                    background: Callable[[], Mapping[str, tuple[bool, int]]] | None = None
+                    ) -> None:
         """Begin following drain flags and the config file; expose the admin context."""
         config = self.configs.current
         self.drains.set_configured(_configured_drains(config))
@@ -106,13 +109,13 @@ class Operations:
         store = DrainStore(redis, DrainKeys(config.redis.key_prefix), self.drains)
         self._store = store
         await store.refresh()
-        self._tasks.append(asyncio.create_task(store.run(), name="drain-flags"))
+        self.supervised["drain-flags"] = Supervised("drain-flags", store.run).start()
         watcher: ConfigWatcher | None = None
         if self.configs.path is not None:
             watcher = ConfigWatcher(self.configs, self.configs.path, router_region=self.region,
                                     interval_s=lambda: self.configs.current.admin.config_check_s,
                                     extra_checks=self._policy_known)
-            self._tasks.append(asyncio.create_task(watcher.run(), name="config-watcher"))
+            self.supervised["config-watcher"] = Supervised("config-watcher", watcher.run).start()
         self.configs.on_swap(lambda old, new: self._swapped(proxy, old, new))
         self.configs.on_refused(self._refused)
         self._fleet = FleetCollector(
@@ -120,7 +123,7 @@ class Operations:
             health=proxy.health, retry_budget=proxy.retry_budget,
             queue=proxy.queue.backlog if proxy.queue is not None else None,
             upstream_stats=proxy.upstreams.stats, heartbeat_counts=heartbeat_counts,
-            heartbeat_upkeep=heartbeat_upkeep)
+            heartbeat_upkeep=heartbeat_upkeep, background=background)
         self.registry.register(self._fleet)
         if security is not None:
             self.registry.register(SecurityCollector(security))
@@ -136,11 +139,7 @@ class Operations:
         return await self._fleet.worker_exposition() if self._fleet is not None else b""
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*(task.stop() for task in self.supervised.values()))
         if self._redis is not None:
             await self._redis.aclose()
         if self.owns_tracer_provider and isinstance(self.tracer_provider, TracerProvider):

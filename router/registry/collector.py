@@ -62,6 +62,9 @@ from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState, LoadRecord, 
 
 log = logging.getLogger("globalpool.registry")
 
+# While Redis stays unreachable, the log says so again this often (s).
+UNREACHABLE_LOG_EVERY_S = 10.0
+
 # A new snapshot at most this often: rebuilding per message would cost O(workers) per
 # heartbeat at scale; 20 ms is well below a heartbeat interval. Taking in the load records
 # and building cost O(workers) (~60-80 ms for 10,000), so the interval also grows, up to
@@ -227,6 +230,8 @@ class HeartbeatCollector:
         self.upkeep_cpu_s = 0.0
         self.builds = 0
         self.synced = asyncio.Event()
+        self._fault: Exception | None = None  # inject_fault
+        self._faults_left = 0
 
     def counts(self) -> dict[str, int]:
         """What it has taken in so far (exported as globalpool_* counters)."""
@@ -251,24 +256,59 @@ class HeartbeatCollector:
         return spent
 
     async def run(self) -> None:
-        """Run until cancelled; never raises for Redis trouble."""
+        """Run until cancelled; never raises for Redis trouble (anything else it raises
+        is a bug: `router.supervisor` restarts it, after `mark_down`).
+
+        While Redis cannot be reached the log says so at once and every
+        UNREACHABLE_LOG_EVERY_S, and the router serves from its last view (fail static)."""
         backoff_s = 0.05
+        unreachable_logged_s: float | None = None
         while True:
             try:
                 await self._follow()
             except (RedisError, OSError) as exc:
                 raise_if_cancelling()  # shutting down must still stop this loop
-                if self._connected:
-                    log.warning("redis unreachable, serving from last snapshot (fail static): %s",
-                                exc)
+                now = self._clock()
+                if (unreachable_logged_s is None or self._connected
+                        or now - unreachable_logged_s >= UNREACHABLE_LOG_EVERY_S):
+                    unreachable_logged_s = now
+                    known = len(self._views)
+                    log.warning("redis unreachable (%s); %s", _redis_problem(exc),
+                                f"serving from the last view of {known} workers (fail static)"
+                                if self._last_ok_at_s is not None else
+                                "no view of the fleet yet: every request gets 503")
                 self._connected = False
                 self._publish()
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(self._max_backoff_s, backoff_s * 2)
             else:  # _follow only returns on cancellation paths; loop defensively
                 backoff_s = 0.05
+            if self._connected:
+                unreachable_logged_s = None
+
+    def inject_fault(self, exc: Exception, times: int = 1) -> None:
+        """Make the loop raise `exc` at its next turn and at the start of its next
+        `times - 1` runs: a fault hook, for tests and drills that show a crash is noticed,
+        counted and restarted (`router.supervisor`)."""
+        self._fault = exc
+        self._faults_left = times
+
+    def mark_down(self) -> None:
+        """The loop has crashed: publish a view that says it is not being kept (readiness
+        fails until the restarted loop has read Redis again)."""
+        self._connected = False
+        self._publish()
+
+    def _raise_injected_fault(self) -> None:
+        fault = self._fault
+        if fault is not None:
+            self._faults_left -= 1
+            if self._faults_left <= 0:
+                self._fault = None
+            raise fault
 
     async def _follow(self) -> None:
+        self._raise_injected_fault()
         async with Subscription(self._pubsub_redis, self._keys.channel) as subscription:
             await self._full_read(reconnected=not self._connected)
             if not self._connected:
@@ -284,6 +324,7 @@ class HeartbeatCollector:
             dirty = False
             while True:
                 raise_if_cancelling()  # redis-py may have swallowed a cancellation
+                self._raise_injected_fault()
                 now = self._clock()
                 wait_s = max(0.0, min(now + 0.25 if not dirty
                                       else published_at + self._rebuild_every_s,
@@ -689,3 +730,9 @@ class HeartbeatCollector:
         self._rebuild_every_s = min(
             MAX_REBUILD_INTERVAL_S, MAX_INTERVAL_GROWTH * self._rebuild_every_s,
             max(MIN_REBUILD_INTERVAL_S, cost_s / (self._cpu_share() * MEASURED_SHARE)))
+
+
+def _redis_problem(exc: BaseException) -> str:
+    """What went wrong, in one line (redis-py's messages can be long or empty)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__

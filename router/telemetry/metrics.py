@@ -150,6 +150,8 @@ class FleetCollector:
     heartbeat_counts: Callable[[], Mapping[str, int]] | None = None
     # What keeping the fleet view costs (router.registry.HeartbeatCollector.upkeep).
     heartbeat_upkeep: Callable[[], Mapping[str, float]] | None = None
+    # The supervised background tasks: name -> (running, crashes) (router.supervisor).
+    background: Callable[[], Mapping[str, tuple[bool, int]]] | None = None
     clock: Callable[[], float] = time.monotonic
 
     def collect(self) -> Iterator[Metric]:
@@ -190,6 +192,8 @@ class FleetCollector:
         for name in self.drains.configured:  # `drain: true` in regions.yaml
             drained.add_metric(["region", name], 1.0)
         yield drained
+        if self.background is not None:
+            yield from _background_tasks(self.background())
         if self.health is not None:
             yield _counter("globalpool_ejections", "Workers ejected by passive health.",
                            float(self.health.ejections_total))
@@ -301,6 +305,20 @@ WORKER_GAUGES = (
 
 # Workers written to /metrics between two turns of the event loop (~1-2 ms).
 WORKERS_PER_TURN = 1000
+
+
+def _background_tasks(tasks: Mapping[str, tuple[bool, int]]) -> Iterator[Metric]:
+    up = GaugeMetricFamily("globalpool_background_task_up",
+                           "1 while the background task runs (0: crashed, restarting).",
+                           labels=["task"])
+    crashes = CounterMetricFamily("globalpool_background_task_crashes",
+                                  "Crashes of the background task (each was restarted).",
+                                  labels=["task"])
+    for name, (running, crashed) in sorted(tasks.items()):
+        up.add_metric([name], 1.0 if running else 0.0)
+        crashes.add_metric([name], float(crashed))
+    yield up
+    yield crashes
 
 
 def _family(name: str, documentation: str, samples: list[str]) -> str:

@@ -39,9 +39,9 @@ variable "port" {
 }
 
 variable "health_path" {
-  description = "The routers' health endpoint."
+  description = "The routers' readiness endpoint: 503 while a replica cannot route (no view of the fleet, its collector down, fail static past its bound)."
   type        = string
-  default     = "/health"
+  default     = "/ready"
 }
 
 variable "timeout_s" {

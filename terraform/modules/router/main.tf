@@ -54,7 +54,7 @@ variable "port" {
 }
 
 variable "health_path" {
-  description = "The routers' health endpoint."
+  description = "The routers' liveness endpoint, for autohealing (the load balancer uses /ready)."
   type        = string
   default     = "/health"
 }

@@ -47,7 +47,8 @@ output "router" {
   description = "What router replicas need from regions.yaml: port, load balancer timeout, and where their secrets go."
   value = {
     port        = local.router_port
-    health_path = "/health"
+    health_path = "/health" # liveness: autohealing replaces a replica that fails it
+    ready_path  = "/ready"  # readiness: the load balancer sends clients only to replicas that can route
     # A streamed answer may take router.timeouts.total_s; the load balancer must not cut it first.
     lb_timeout_s = ceil(local.router_total_s) + 30
     # admin.token_env: the variable that holds the admin token.

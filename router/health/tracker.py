@@ -38,6 +38,8 @@ PENALTY_REFRESH_S = 0.05
 STALL_CHECK_S = 0.25
 # A heartbeat received this long after a request was sent should count it (s).
 HEARTBEAT_SLACK_S = 0.5
+# How often what passive health remembers is pruned (s): see Health.prune.
+PRUNE_EVERY_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +338,7 @@ class Health:
         """Run `check_stalls` every `interval_s` until cancelled. Time this process was not
         running (its host stalled) does not count as waiting: nobody could answer."""
         loop = asyncio.get_running_loop()
+        next_prune_s = loop.time() + PRUNE_EVERY_S
         while True:
             before = loop.time()
             await asyncio.sleep(interval_s)
@@ -346,6 +349,28 @@ class Health:
                                   for key in self._awaiting}
             if self._awaiting:
                 self.check_stalls()
+            if loop.time() >= next_prune_s:
+                self.prune()
+                next_prune_s = loop.time() + PRUNE_EVERY_S
+
+    def prune(self) -> None:
+        """Forget what no longer matters, so that nothing here grows with the fleet's
+        churn or with time: first bytes older than every waiting attempt (the stall check
+        only compares answers with attempts sent before them), busy marks that have run
+        out, and breakers of workers that have left the fleet view and whose ejection is
+        over (a breaker left behind would keep `quiet` false: every routing decision
+        would take the slower path)."""
+        now_s = self._clock()
+        oldest_s = min((a.started_s for a in self._awaiting.values()), default=now_s)
+        self._last_first_byte_s = {worker: at_s for worker, at_s
+                                   in self._last_first_byte_s.items() if at_s >= oldest_s}
+        self._busy_until_s = {w: t for w, t in self._busy_until_s.items() if t > now_s}
+        views = self._views()
+        if views:
+            gone = [worker for worker, breaker in self._breakers.items()
+                    if worker not in views and breaker.open_until_s <= now_s]
+            for worker in gone:
+                del self._breakers[worker]
 
     def _saw_first_byte(self, attempt: Attempt) -> None:
         self._paused_s.pop(id(attempt), None)
@@ -354,8 +379,6 @@ class Health:
             return
         if first_byte_s > self._last_first_byte_s.get(attempt.worker_id, -1e18):
             self._last_first_byte_s[attempt.worker_id] = first_byte_s
-            if len(self._last_first_byte_s) > 8192:
-                self._last_first_byte_s.clear()  # departed workers; the next answers refill it
         self._last_any_first_byte_s = max(self._last_any_first_byte_s, first_byte_s)
 
     def _learn_latency(self, attempt: Attempt, now_s: float) -> None:

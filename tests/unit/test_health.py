@@ -245,3 +245,21 @@ def test_a_worker_whose_own_heartbeat_misses_my_requests_is_stalled() -> None:
     for attempt in [streaming("a", "us-east", 0.1 * i) for i in range(3)]:
         busy.dispatched(attempt)
     assert busy.check_stalls() == []  # a long queue there, not a partition
+
+
+def test_prune_forgets_departed_workers_and_spent_marks_but_nothing_that_matters() -> None:
+    clock = FakeClock(0.0)
+    views: dict[str, WorkerView] = {"here": view("here"), "busy": view("busy")}
+    health = Health(POLICY, clock=clock, views=lambda: views)
+    for worker_id in ("gone", "here"):  # both ejected (a refused connection)
+        health.attempt_finished(attempt(worker_id, Failure.CONNECT))
+    health.attempt_finished(attempt("busy", Failure.BUSY, retry_after_s=1.0))
+    clock.now = 10.0  # every backoff and busy mark has run out
+    assert health.state_of("gone") is BreakerState.HALF_OPEN
+    health.prune()
+    assert health.state_of("gone") is BreakerState.CLOSED  # forgotten: it left the view
+    assert health.state_of("here") is BreakerState.HALF_OPEN  # still in the fleet: kept
+    assert not health.quiet
+    views.pop("here")  # it leaves too: nothing is left to remember
+    health.prune()
+    assert health.quiet

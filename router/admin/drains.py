@@ -8,6 +8,14 @@ command applies it at once. Requests already running on a drained worker finish.
 
 If Redis is unreachable the replica keeps the drain flags it last read (fail static) and
 a drain command fails with a clear error instead of half-applying.
+
+Drains are an operator's intent and must outlive a Redis that restarts empty (no
+persistence, a failover to an empty replica). Every write also sets an epoch key
+(`<prefix>:drains:epoch`) beside the hash. A replica that reads no epoch while it knows
+flags concludes that Redis lost them, not that someone undrained (an undrain deletes
+one field and leaves the epoch), and writes back what it knows, with a new epoch, an
+event and a log line: every replica that knew the flags does so within one poll of Redis
+answering again. An operator who wants them gone undrains.
 """
 
 from __future__ import annotations
@@ -15,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -37,6 +46,7 @@ class DrainKeys:
 
     def __init__(self, prefix: str) -> None:
         self.hash = f"{prefix}:drains"
+        self.epoch = f"{prefix}:drains:epoch"
 
     @staticmethod
     def field(kind: TargetKind, name: str) -> str:
@@ -118,17 +128,23 @@ class DrainStore:
     """Reads and writes the drain flags; `run()` keeps `holder` current."""
 
     def __init__(self, redis: Redis, keys: DrainKeys, holder: DrainHolder,
-                 *, poll_s: float = 0.5) -> None:
+                 *, poll_s: float = 0.5,
+                 on_restored: Callable[[list[DrainRecord]], None] | None = None) -> None:
+        """`on_restored(records)`: this replica wrote back flags that Redis had lost."""
         self._redis = redis
         self._keys = keys
         self.holder = holder
         self._poll_s = poll_s
+        self._on_restored = on_restored
+        self.restored_total = 0  # flags written back after Redis lost them
 
     async def drain(self, kind: TargetKind, name: str, *, reason: str, by: str) -> DrainRecord:
         record = DrainRecord(kind, name, time.time(), reason, by)
         try:
-            await self._redis.hset(self._keys.hash, DrainKeys.field(kind, name),
-                                   record.to_json())
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hset(self._keys.hash, DrainKeys.field(kind, name), record.to_json())
+                pipe.set(self._keys.epoch, _new_epoch(), nx=True)
+                await pipe.execute()
         except (RedisError, OSError) as exc:
             raise_if_cancelling()
             raise DrainError(f"cannot store the drain flag in Redis: {exc}") from None
@@ -146,9 +162,16 @@ class DrainStore:
         return bool(removed)
 
     async def refresh(self) -> None:
-        """One full read of the flags; on a Redis error the last read stays in force."""
+        """One full read of the flags; on a Redis error the last read stays in force.
+        Flags that Redis lost (no epoch) are written back (see the module doc)."""
         try:
-            raw = await self._redis.hgetall(self._keys.hash)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self._keys.hash)
+                pipe.exists(self._keys.epoch)
+                raw, epoch_exists = await pipe.execute()
+            if not epoch_exists and self.holder.records:
+                await self._restore()
+                return
         except (RedisError, OSError) as exc:
             raise_if_cancelling()
             log.debug("drain flags not refreshed (keeping the last read): %s", exc)
@@ -163,9 +186,29 @@ class DrainStore:
             self.holder.replace(records)
         self.holder.last_read_unix_s = time.time()
 
+    async def _restore(self) -> None:
+        """Write back the flags this replica knows (Redis came back without them)."""
+        known = list(self.holder.records.values())
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for record in known:
+                pipe.hsetnx(self._keys.hash, DrainKeys.field(record.kind, record.name),
+                            record.to_json())
+            pipe.set(self._keys.epoch, _new_epoch(), nx=True)
+            await pipe.execute()
+        self.restored_total += len(known)
+        log.warning("drain flags restored: Redis had lost them (it came back empty); "
+                    "wrote back %s", ", ".join(f"{r.kind} {r.name}" for r in known))
+        if self._on_restored is not None:
+            self._on_restored(known)
+        self.holder.last_read_unix_s = time.time()
+
     async def run(self) -> None:
         """Re-read the flags every `poll_s` until cancelled."""
         while True:
             await self.refresh()
             raise_if_cancelling()  # redis-py may have swallowed a cancellation
             await asyncio.sleep(self._poll_s)
+
+
+def _new_epoch() -> str:
+    return f"{time.time():.6f}-{secrets.token_hex(4)}"

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from router.admin.auth import AdminAuth
-from router.admin.drains import DrainHolder, DrainKeys, DrainStore
+from router.admin.drains import DrainHolder, DrainKeys, DrainRecord, DrainStore
 from router.admin.events import EventLog
 from router.admin.routes import ADMIN, add_admin_routes
 from router.admin.status import AdminContext
@@ -106,7 +106,8 @@ class Operations:
         config = self.configs.current
         self.drains.set_configured(_configured_drains(config))
         redis = self._redis = redis_client.connect(redis_url, max_connections=4)
-        store = DrainStore(redis, DrainKeys(config.redis.key_prefix), self.drains)
+        store = DrainStore(redis, DrainKeys(config.redis.key_prefix), self.drains,
+                           on_restored=self._drains_restored)
         self._store = store
         await store.refresh()
         self.supervised["drain-flags"] = Supervised("drain-flags", store.run).start()
@@ -137,6 +138,12 @@ class Operations:
     async def _worker_exposition(self) -> bytes:
         """The fleet's gauges by worker, once the fleet is followed (`start`)."""
         return await self._fleet.worker_exposition() if self._fleet is not None else b""
+
+    def _drains_restored(self, records: list[DrainRecord]) -> None:
+        for record in records:
+            self.events.record("drain_restored", f"{record.kind} {record.name}",
+                               "Redis came back without the drain flag; this router wrote "
+                               "it back")
 
     async def stop(self) -> None:
         await asyncio.gather(*(task.stop() for task in self.supervised.values()))

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
+from pathlib import Path
 
 import aiohttp
 import pytest
 
+from router.admin.drains import DrainKeys
+from router.devstack.valkey import EmbeddedValkey
+from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import (
     CHAT,
     TOKEN,
@@ -20,6 +25,7 @@ from tests.integration.operators_fleet import (
     value,
     wait_for,
 )
+from worker.redis_client import connect
 
 pytestmark = pytest.mark.integration
 
@@ -319,3 +325,62 @@ async def test_status_lists_some_workers_problems_first_and_summarises_all(
     for bad in ("-1", "two", "1e3", ""):
         status, error = await admin(fleet.url, "GET", f"/admin/status?workers={bad}")
         assert status == 400 and error["error"]["param"] == "workers", (bad, error)
+
+
+async def test_drains_come_back_when_redis_returns_empty(
+        tmp_path: Path, start_sim: StartSim, key_prefix: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("GLOBALPOOL_ADMIN_TOKEN", TOKEN)
+    server = EmbeddedValkey.start()
+    fleet = OpsFleet(server.url, key_prefix, tmp_path, start_sim)
+    try:
+        await fleet.start({"a": "us-east", "b": "eu-west"}, replicas=2)
+        first, second = fleet.urls
+        status, _ = await admin(first, "POST", "/admin/drain",
+                                body={"region": "us-east", "reason": "maintenance"})
+        assert status == 200
+
+        async def served_in(region: str) -> bool:
+            return [(await chat(url))[1] for url in fleet.urls] == [region] * len(fleet.urls)
+
+        async def obeyed() -> bool:
+            return await served_in("eu-west")
+
+        await wait_for(obeyed, timeout_s=5.0)
+        server.stop()
+        server = EmbeddedValkey.start(port=server.port)  # no persistence: it comes back empty
+        returned_at = time.monotonic()
+        for worker_id in ("a", "b"):  # as their agents would, at their next heartbeat
+            await fleet.publish(worker_id)
+        flags = connect(server.url)
+        try:
+            async def restored() -> bool:
+                return bool(await flags.hgetall(DrainKeys(key_prefix).hash))
+
+            await wait_for(restored, timeout_s=10.0, interval_s=0.02)
+            restored_after_s = time.monotonic() - returned_at
+        finally:
+            await flags.aclose()
+        print(f"drain flags back in Redis {restored_after_s:.3f} s after it returned empty")
+        assert restored_after_s < 1.0, restored_after_s
+        assert {(await chat(url))[1] for url in fleet.urls for _ in range(3)} == {"eu-west"}
+        _, body = await admin(second, "GET", "/admin/status")
+        assert [(d["kind"], d["name"], d["reason"]) for d in body["drains"]] == [
+            ("region", "us-east", "maintenance")]
+        events = [e for url in fleet.urls for e in (await admin(url, "GET", "/admin/status"))[1]
+                  ["events"]]  # on the replica(s) that wrote the flag back
+        assert any(e["kind"] == "drain_restored" for e in events), events
+        assert "drain flags restored" in caplog.text
+        # An undrain is not taken for a loss: the flag stays gone on every replica.
+        status, _ = await admin(first, "POST", "/admin/undrain", body={"region": "us-east"})
+        assert status == 200
+
+        async def back() -> bool:
+            return await served_in("us-east")
+
+        await wait_for(back, timeout_s=5.0)
+        await asyncio.sleep(1.2)  # two polls more: nobody writes it back
+        assert await back()
+    finally:
+        await fleet.close()
+        server.stop()

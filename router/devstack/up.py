@@ -12,6 +12,7 @@ from pathlib import Path
 
 from router.config import GlobalConfig
 from router.devstack.stack import LocalStack, StackError
+from router.devstack.valkey import EmbeddedRedisError
 
 
 def _say(line: str) -> None:
@@ -79,6 +80,8 @@ async def _serve(stack: LocalStack, state_file: Path | None) -> int:
                     reported.add(child.pid)
                     _say(f"note: {child.role} {child.name} (pid {child.pid}) exited with "
                          f"{child.process.returncode}; see {child.log_path}")
+            if not await _valkey_kept(stack, state_file):
+                return 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
         _say("stopping: router, workers (drain), simulators, valkey ...")
@@ -86,6 +89,29 @@ async def _serve(stack: LocalStack, state_file: Path | None) -> int:
     finally:
         await stack.stop()
         _say("stopped; no child process left running")
+
+
+async def _valkey_kept(stack: LocalStack, state_file: Path | None) -> bool:
+    """If the embedded Valkey died, say so and start it again on its port (its data is
+    gone, as after any crash without persistence: agents publish again at their next
+    heartbeat, routers restore their drains). False: it could not be restarted (`up`
+    then stops, having said why)."""
+    valkey = stack.valkey
+    if valkey is None or valkey.process.poll() is None:  # poll() also reaps it
+        return True
+    _say(f"note: valkey (pid {valkey.pid}) exited with {valkey.process.returncode}; "
+         f"starting it again on port {valkey.port} (its data is lost; agents publish "
+         "again within a heartbeat)")
+    try:
+        await stack.start_redis()
+    except (EmbeddedRedisError, OSError) as exc:
+        print(f"globalpool up: valkey could not be restarted: {exc}; stopping",
+              file=sys.stderr, flush=True)
+        return False
+    _say(f"valkey running again (pid {stack.valkey.pid if stack.valkey else '?'})")
+    if state_file is not None:
+        stack.write_state(state_file)
+    return True
 
 
 def run_up(args: argparse.Namespace, config: GlobalConfig) -> int:

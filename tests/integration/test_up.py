@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import signal
 import socket
 import subprocess
@@ -9,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from tests.conftest import ROOT
@@ -63,3 +67,35 @@ def test_busy_port_fails_cleanly(tmp_path: Path) -> None:
     assert "globalpool up failed: router exited" in result.stderr
     assert "address already in use" in result.stderr.lower()
     assert "stopped; no child process left running" in result.stdout
+
+
+def test_a_dead_valkey_is_reported_restarted_and_reaped(tmp_path: Path) -> None:
+    up = start_up(tmp_path, small_config(tmp_path))
+    try:
+        old_pid = int(up.state["redis_pid"])
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while "valkey running again" not in up.output():
+            assert time.monotonic() < deadline, up.output()
+            assert up.process.poll() is None, up.output()
+            time.sleep(0.1)
+        output = up.output()
+        assert f"note: valkey (pid {old_pid}) exited with -9" in output
+        assert not pid_alive(old_pid)  # reaped: no `valkey-server <defunct>` left behind
+        state = json.loads((tmp_path / "up-state.json").read_text())
+        assert int(state["redis_pid"]) != old_pid and pid_alive(int(state["redis_pid"]))
+
+        async def served_again() -> None:  # agents publish again; the router follows
+            async with aiohttp.ClientSession() as session:
+                while True:
+                    async with session.post(
+                            f"{up.url}/v1/chat/completions",
+                            json={"model": "tiny-llama", "max_tokens": 2,
+                                  "messages": [{"role": "user", "content": "hi"}]}) as reply:
+                        if reply.status == 200:
+                            return
+                    await asyncio.sleep(0.2)
+
+        asyncio.run(asyncio.wait_for(served_again(), 20))
+    finally:
+        assert up.stop() == 0, up.output()

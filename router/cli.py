@@ -6,6 +6,7 @@
     globalpool sim --port P            # the engine simulator
     globalpool check-config FILE
     globalpool drill SCENARIO --out DIR [--quick]   # failover drill under load (DRILLS.md)
+    globalpool drill hostile --out DIR [--quick]    # worker faults x client behaviours
     globalpool bench --out DIR [--quick]         # routing policies on one trace (BENCHMARKS.md)
     globalpool bench-proxy --out DIR [--quick]   # proxy cost vs peer routers (BENCHMARKS.md)
     globalpool bench-memory [--tree DIR]         # router RSS over 100,000 requests, https
@@ -28,6 +29,14 @@ DEFAULT_CONFIG = "regions.yaml"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    from router.drill.cli import hostile_argv
+
+    hostile = hostile_argv(arguments)
+    if hostile is not None:
+        from router.drill.hostile.cli import main as run_hostile
+
+        return run_hostile(hostile)
     parser = argparse.ArgumentParser(
         prog="globalpool", description="A multi-region global request router for LLM inference."
     )
@@ -119,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_status_arguments(status)
     status.set_defaults(run=run_status)
 
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

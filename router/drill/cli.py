@@ -6,15 +6,34 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 SCENARIOS = ("kill-region", "drain-region", "partition-region", "slow-region", "redis-outage",
              "worker-flap")
+HOSTILE = "hostile"  # worker faults x client behaviours: flags of its own (drill.hostile.cli)
 EXIT_GOALS_NOT_MET = 3
 
 
+def hostile_argv(argv: Sequence[str]) -> list[str] | None:
+    """For `globalpool [--log-level L] drill hostile ARGS...`: the arguments for the
+    hostile drill's own parser (ARGS, then the global options); None for any other
+    command, which the scenario choices below then parse."""
+    rest = list(argv)
+    before: list[str] = []
+    while rest and rest[0].startswith("--log-level"):
+        before.append(rest.pop(0))
+        if "=" not in before[-1] and rest:
+            before.append(rest.pop(0))
+    if rest[:2] != ["drill", HOSTILE]:
+        return None
+    return rest[2:] + before
+
+
 def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", choices=SCENARIOS)
+    parser.add_argument("scenario", choices=SCENARIOS,
+                        help=f"the fault to drill; or `{HOSTILE}`, worker faults x client "
+                        f"behaviours, which takes flags of its own (drill {HOSTILE} --help)")
     parser.add_argument("--out", required=True, type=Path,
                         help="folder for report.json, report.md, timeline.png, raw records "
                         "and the children's logs")

@@ -18,7 +18,9 @@ router's tables of known header lines, in a minute (`globalpool bench-memory`).
 
 Inter-token delay is chosen by the request's model name (`--delay-ms MODEL=MS`), because
 the model field is the one knob every router forwards unchanged. With no delay each token
-is still written separately, one per event-loop turn, as an engine emits them.
+is still written separately, one per event-loop turn, as an engine emits them. So is the
+size of each token's event (`--token-chars MODEL=N`: N characters of content instead of
+`tok `), for events as large as an engine's with logprobs.
 
     python -m router.benchproxy.backend --port 9001 --port 9002 --delay-ms bench-paced=10
 """
@@ -63,9 +65,10 @@ def _event(document: Any) -> bytes:
 class Responses:
     """Pre-encoded answers, built once per (model, token count) and kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, token_chars: dict[bytes, int] | None = None) -> None:
         self._unary: dict[tuple[bytes, int], bytes] = {}
         self._stream: dict[tuple[bytes, int], tuple[bytes, bytes, bytes]] = {}
+        self._token_chars = token_chars or {}  # per model: a streamed token's content size
 
     def unary(self, model: bytes, tokens: int) -> bytes:
         key = (model, tokens)
@@ -90,10 +93,12 @@ class Responses:
         cached = self._stream.get(key)
         if cached is None:
             name = model.decode()
+            chars = self._token_chars.get(model)
+            content = "tok " if chars is None else ("tok " * (chars // 4 + 1))[:chars]
             token = _event({
                 "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": _CREATED,
                 "model": name,
-                "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
+                "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
             })
             tail = _event({
                 "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": _CREATED,
@@ -282,13 +287,14 @@ class BackendProtocol(asyncio.Protocol):
 
 
 async def serve(ports: list[int], delays_ms: dict[str, float], models: list[str],
-                host: str = "127.0.0.1", *, distinct_headers: bool = False,
-                tls: ssl.SSLContext | None = None) -> None:
+                host: str = "127.0.0.1", token_chars: dict[str, int] | None = None, *,
+                distinct_headers: bool = False, tls: ssl.SSLContext | None = None) -> None:
     """Listen on every port until SIGTERM/SIGINT; prints `ready` once all are bound.
+    `token_chars`: per model, the content size of each streamed token (default `tok `).
     `distinct_headers`: see DistinctHeaders; `tls`: serve https with this context."""
     loop = asyncio.get_running_loop()
     distinct = DistinctHeaders(int(time.time())) if distinct_headers else None
-    responses = Responses()
+    responses = Responses({name.encode(): n for name, n in (token_chars or {}).items()})
     delays_s = {name.encode(): ms / 1000.0 for name, ms in delays_ms.items()}
     servers = [
         await loop.create_server(lambda: BackendProtocol(responses, delays_s, models, distinct),
@@ -324,17 +330,22 @@ def main() -> None:
                         help="inter-token delay for requests naming MODEL")
     parser.add_argument("--model", action="append", default=None,
                         help="model names listed by /v1/models (default: bench)")
+    parser.add_argument("--token-chars", action="append", default=[], metavar="MODEL=N",
+                        help="characters of content per streamed token for requests naming "
+                        "MODEL (default: 4)")
     args = parser.parse_args()
     delays = {}
     for item in args.delay_ms:
         name, _, ms = item.partition("=")
         delays[name] = float(ms)
     models = args.model or ["bench", *delays]
+    token_chars = {name: int(n) for name, _, n in
+                   (item.partition("=") for item in args.token_chars)}
     loop = new_event_loop()
     try:
         loop.run_until_complete(serve(
-            args.port, delays, models, args.host, distinct_headers=args.distinct_headers,
-            tls=_server_tls(args.tls_cert, args.tls_key)))
+            args.port, delays, models, args.host, token_chars,
+            distinct_headers=args.distinct_headers, tls=_server_tls(args.tls_cert, args.tls_key)))
     finally:
         loop.close()
 

@@ -11,6 +11,7 @@
     globalpool bench-proxy --out DIR [--quick]   # proxy cost vs peer routers (BENCHMARKS.md)
     globalpool bench-memory [--tree DIR]         # router RSS over 100,000 requests, https
     globalpool bench-instructions [--tree DIR]   # instructions per request (callgrind)
+    globalpool bench-slow-readers --out DIR      # slow readers among 2,000 streams (DRILLS.md)
     globalpool status [--router URL] [--watch]   # regions and workers, from the admin API
 """
 
@@ -23,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from router.config import ConfigError, GlobalConfig, load_config
+from router.config import ConfigError, GlobalConfig, load_config, redis_url_problem
 
 DEFAULT_CONFIG = "regions.yaml"
 
@@ -93,6 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     benchproxy.add_bench_instructions_arguments(bench_instructions)
     bench_instructions.set_defaults(run=benchproxy.run_bench_instructions)
 
+    from router.benchproxy import slow_readers
+
+    bench_slow = commands.add_parser(
+        "bench-slow-readers",
+        help="2,000 paced streams through one router, with and without 5%% slow readers")
+    slow_readers.add_arguments(bench_slow)
+    bench_slow.set_defaults(run=slow_readers.run_command)
+
     from router.compiled import add_parser as add_compile_parser
 
     add_compile_parser(commands)
@@ -138,13 +147,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _load_or_report(path: str) -> GlobalConfig | None:
+def _load_or_report(path: str, *, policy_override: str | None = None) -> GlobalConfig | None:
+    """The config a router would run (schema and `runtime_problems`), or None after
+    printing every problem, one line each."""
+    from router.config_checks import runtime_problems
+
     try:
-        return load_config(path)
+        config = load_config(path)
     except ConfigError as exc:
         for problem in exc.problems:
             print(problem, file=sys.stderr)
         return None
+    problems = runtime_problems(config, policy_override=policy_override)
+    for problem in problems:
+        print(f"{path}: {problem}", file=sys.stderr)
+    return None if problems else config
 
 
 def _run_check_config(args: argparse.Namespace) -> int:
@@ -168,13 +185,18 @@ def resolve_redis_url(flag: str | None, config: GlobalConfig) -> str | None:
 def _run_router(args: argparse.Namespace) -> int:
     from router.app import RouterSettings, run
 
-    config = _load_or_report(args.config)
+    config = _load_or_report(args.config, policy_override=args.policy)
     if config is None:
         return 1
     redis_url = resolve_redis_url(args.redis_url, config)
     if redis_url is None:
         print("no Redis URL: pass --redis-url or set REDIS_URL "
               "(`globalpool up` starts an embedded one)", file=sys.stderr)
+        return 2
+    problem = redis_url_problem(redis_url)
+    if problem is not None:
+        source = "--redis-url" if args.redis_url else "REDIS_URL"
+        print(f"{source}: {problem}", file=sys.stderr)
         return 2
     region = args.region or config.router.region
     if region is not None and region not in config.regions:

@@ -42,6 +42,33 @@ class RedisConfig(_Strict):
     )
     key_prefix: str = Field(default="globalpool", pattern=r"^[A-Za-z0-9:_.-]+$")
 
+    @field_validator("url")
+    @classmethod
+    def _usable_url(cls, url: str) -> str:
+        problem = redis_url_problem(url)
+        if problem is not None:
+            raise ValueError(problem)
+        return url
+
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why the router and agents cannot use `url` (None: they can). The same check for
+    regions.yaml, --redis-url and REDIS_URL, made before anything listens."""
+    if url == "embedded":
+        return None
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        return f"{url[:80]!r} is not a URL: use redis://host:port, rediss:// (TLS) or unix://"
+    if scheme not in REDIS_SCHEMES:
+        return (f"the scheme {scheme[:30]!r} is not supported: use redis://, rediss:// (TLS) "
+                "or unix://")
+    if scheme != "unix" and not rest.rpartition("@")[2].split("/", 1)[0]:
+        return f"{scheme}:// needs a host (redis://host:6379/0)"
+    return None
+
 
 class Timeouts(_Strict):
     """Split upstream timeouts. Each covers one phase of one upstream attempt."""

@@ -27,8 +27,9 @@ from router.admin.routes import ADMIN, add_admin_routes
 from router.admin.status import AdminContext
 from router.admission.stats import SecurityStats
 from router.config import GlobalConfig
+from router.config_checks import runtime_problems
 from router.config_reload import ConfigHolder, ConfigWatcher, ReloadError, initial_holder
-from router.policy import Policy, create_policy
+from router.policy import create_policy
 from router.policy.inflight import InFlight
 from router.proxy.exchange import InferenceHandler
 from router.proxy.handlers import Proxy
@@ -174,10 +175,7 @@ class Operations:
         log.info("routing policy now %s (near_equal_ms %g)", name, new.router.near_equal_ms)
 
     def _policy_known(self, config: GlobalConfig) -> list[str]:
-        if self.policy_override is not None or config.router.policy in Policy.registry:
-            return []
-        known = ", ".join(sorted(Policy.registry))
-        return [f"router.policy: unknown policy {config.router.policy!r} (known: {known})"]
+        return runtime_problems(config, policy_override=self.policy_override)
 
     def _refused(self, error: ReloadError) -> None:
         self.events.record("config_refused", str(self.configs.path or "regions.yaml"),

@@ -1,0 +1,300 @@
+"""Running `globalpool bench-slow-readers` (see router.benchproxy.slow_readers).
+
+Processes, all with known PIDs and stopped by PID: one embedded Valkey, one fake backend
+process per worker (router.benchproxy.backend, its signed `ready` heartbeats written by
+router.benchproxy.fleet as a worker agent would), and per run a fresh globalpool router
+and a load generator process (router.benchproxy.slow_clients). The router runs alone on
+the first core, everything else on the others (with one core nothing is pinned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.benchproxy import procs
+from router.benchproxy.cpu import tree_cpu_s
+from router.benchproxy.routers import Running, Unavailable, setup_globalpool, wait_ready
+from router.benchproxy.slow_readers import BENCH_SETTINGS, DUTY, Options
+from router.benchproxy.workloads import PACED_MODEL
+from router.drill.run import with_overrides
+
+HOST = "127.0.0.1"
+READY_TIMEOUT_S = 30.0
+LOADGEN_SLACK_S = 60.0  # beyond the run's own bounds, before the load generator is killed
+
+
+class BenchError(RuntimeError):
+    """The bench could not run (a process did not start, a bound was overrun)."""
+
+
+@dataclass
+class Stack:
+    """What lives for the whole command: cores, Valkey and the workers' backends."""
+
+    router_cores: set[int] | None
+    load_cores: set[int] | None
+    pinning: str
+    redis_url: str
+    backend_urls: list[str]
+    backend_pids: list[int]
+
+    def backends_cpu_s(self) -> float:
+        return sum(tree_cpu_s(pid) or 0.0 for pid in self.backend_pids)
+
+
+def split_cores() -> tuple[set[int] | None, set[int] | None, str]:
+    """(the router's core, everything else's, a note), or no pinning on one core."""
+    usable = procs.usable_cores()
+    if len(usable) < 2:
+        return None, None, f"not pinned ({len(usable)} core usable)"
+    first, *others = usable
+    return {first}, set(others), (f"router on core {first}; backends, load generator, "
+                                  f"Valkey and heartbeats on {','.join(map(str, others))}")
+
+
+async def start_backends(options: Options, cores: set[int] | None,
+                         log_dir: Path) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
+    """One backend process per worker, each on its own port, all `ready`."""
+    ports = [procs.free_port() for _ in range(options.workers)]
+    started = []
+    for index, port in enumerate(ports):
+        started.append(procs.start(
+            [sys.executable, "-m", "router.benchproxy.backend", "--port", str(port),
+             "--delay-ms", f"{PACED_MODEL}={options.gap_ms:g}",
+             "--token-chars", f"{PACED_MODEL}={options.token_chars}"],
+            cores=cores, log_path=log_dir / f"backend-{index}.log", stdout_pipe=True))
+    for index, process in enumerate(started):
+        assert process.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 30)
+        if line.strip() != b"ready":
+            for each in started:
+                procs.stop(each)
+            raise BenchError(f"backend {index} did not start: "
+                             f"{procs.log_tail(log_dir / f'backend-{index}.log')}")
+    return started, ports
+
+
+async def _until_all_workers(port: int, workers: int) -> None:
+    """Until the router's view holds every worker (GET /health), or BenchError."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    seen = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while time.monotonic() < deadline:
+            async with session.get(f"http://{HOST}:{port}/health") as answer:
+                seen = int((await answer.json()).get("workers", 0))
+            if seen >= workers:
+                return
+            await asyncio.sleep(0.2)
+    raise BenchError(f"the router saw {seen} of {workers} workers in {READY_TIMEOUT_S:g} s")
+
+
+def counted(text: str) -> dict[str, float]:
+    """The /metrics counters this bench reads: `ejections`, `failure:KIND` (attempt
+    failures), `status:CODE` (client requests), `queue_exits:HOW` (requests that waited
+    for a worker with room), and any sample named for clients."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "globalpool_ejections_total":
+                key = "ejections"
+            elif sample.name == "globalpool_attempt_failures_total":
+                key = f"failure:{sample.labels.get('failure')}"
+            elif sample.name == "globalpool_requests_total":
+                key = f"status:{sample.labels.get('status')}"
+            elif sample.name == "globalpool_queue_exits_total":
+                key = f"queue_exits:{','.join(sorted(sample.labels.values()))}"
+            elif "client" in sample.name and not sample.name.endswith("_created"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                key = f"{sample.name}{{{labels}}}"
+            else:
+                continue
+            found[key] = found.get(key, 0.0) + sample.value
+    return found
+
+
+async def _observe(port: int, token: str) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The counters (`counted`) and the ejections among /admin/status's recent events."""
+    base = f"http://{HOST}:{port}"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        async with session.get(f"{base}/metrics") as answer:
+            counters = counted(await answer.text())
+        async with session.get(f"{base}/admin/status", params={"workers": "0"},
+                               headers={"Authorization": f"Bearer {token}"}) as answer:
+            status = await answer.json() if answer.status == 200 else {}
+    events = [e for e in status.get("events", []) if "eject" in str(e.get("kind"))]
+    return counters, events
+
+
+def _memory_kib(pid: int) -> dict[str, int]:
+    """VmRSS (resident now) and VmHWM (the most it has been resident) of `pid`, KiB."""
+    found = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                found[name] = int(value.split()[0])
+    except OSError:
+        pass
+    return found
+
+
+def plan_of(options: Options, slow_readers: bool, port: int) -> dict[str, Any]:
+    """The load generator's spec (router.benchproxy.slow_clients.Plan) for one run: enough
+    clients, each streaming DUTY of the time, that `options.streams` are open at once."""
+    streaming_s = max(1, options.tokens - 1) * options.gap_ms / 1000  # first to last token
+    period_s = options.tokens * options.gap_ms / 1000 / DUTY
+    body = (f'{{"model":"{PACED_MODEL}","messages":[{{"role":"user","content":'
+            f'"Tell the slow-reader bench a story."}}],"max_tokens":{options.tokens},'
+            f'"stream":true}}')
+    return {"host": HOST, "port": port, "body": body,
+            "clients": math.ceil(options.streams * period_s / streaming_s),
+            "slow_share": options.slow_share, "slow_readers": slow_readers,
+            "events": options.tokens + 2, "window_s": options.window_s,
+            "warmup_s": period_s if options.warmup_s is None else options.warmup_s,
+            "period_s": period_s, "drain_s": period_s + 10.0, "stream_timeout_s": 60.0,
+            "slow_bytes_per_s": options.slow_bytes_per_s,
+            "slow_rcvbuf_bytes": options.slow_rcvbuf_bytes}
+
+
+async def _load(plan: dict[str, Any], cores: set[int] | None, log_path: Path) -> Any:
+    import json
+
+    process = procs.start([sys.executable, "-m", "router.benchproxy.slow_clients",
+                           json.dumps(plan)], cores=cores, log_path=log_path,
+                          stdout_pipe=True)
+    bound_s = plan["window_s"] + plan["drain_s"] + LOADGEN_SLACK_S
+    try:
+        out, _ = await asyncio.wait_for(asyncio.to_thread(process.communicate), bound_s)
+    except TimeoutError:
+        procs.stop(process)
+        raise BenchError(f"the load generator overran its bound ({bound_s:g} s)") from None
+    if process.returncode != 0:
+        raise BenchError(f"load generator exited {process.returncode}: "
+                         f"{procs.log_tail(log_path, 600)}")
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items())
+            if v - before.get(k, 0.0)}
+
+
+async def run_once(stack: Stack, options: Options, round_number: int, slow_readers: bool,
+                   say: Callable[[str], None]) -> dict[str, Any]:
+    """One run (A: no slow readers, B: with them) through a fresh router."""
+    variant = "B" if slow_readers else "A"
+    run_dir = options.out / f"round{round_number}-{variant}"
+    port = procs.free_port()
+    setup = await setup_globalpool(stack.redis_url, port, run_dir / "regions.yaml",
+                                   stack.backend_urls)
+    with_overrides(run_dir / "regions.yaml", [*BENCH_SETTINGS, *options.overrides], run_dir)
+    env, tree = setup.env, options.router_tree
+    if tree is not None:
+        env = {**env, "PYTHONPATH": str(tree)}
+    process = procs.start(setup.args, cores=stack.router_cores,
+                          log_path=run_dir / "router.log", env=env, cwd=tree)
+    running = Running("globalpool", [(HOST, port)], process, run_dir / "router.log",
+                      on_stop=[setup.stop_heartbeats])
+    try:
+        await wait_ready(running)
+    except Unavailable as exc:  # (wait_ready stopped it)
+        raise BenchError(f"the router did not start: {exc}") from None
+    try:
+        await _until_all_workers(port, options.workers)
+        # Other work on a shared machine: what a busy process gets of the router's core.
+        share = await asyncio.to_thread(procs.core_share, stack.router_cores)
+        before, _ = await _observe(port, setup.env["GLOBALPOOL_ADMIN_TOKEN"])
+        memory_before, cpu_before = _memory_kib(process.pid), tree_cpu_s(process.pid)
+        backends_before = stack.backends_cpu_s()
+        say(f"[round {round_number}] run {variant}: {options.streams} streams"
+            + (f", {options.slow_share:.0%} slow readers" if slow_readers else ""))
+        plan = plan_of(options, slow_readers, port)
+        result = await _load(plan, stack.load_cores, run_dir / "loadgen.log")
+        cpu_after, memory_after = tree_cpu_s(process.pid), _memory_kib(process.pid)
+        backends_s = stack.backends_cpu_s() - backends_before
+        after, events = await _observe(port, setup.env["GLOBALPOOL_ADMIN_TOKEN"])
+    finally:
+        await running.stop()
+    cpu_s = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+    counts = _delta(before, after)
+    wall_s = result["wall_s"]
+    return {"round": round_number, "variant": variant, "slow_readers": slow_readers,
+            "clients": plan["clients"], **result, "ejections": int(counts.pop("ejections", 0)),
+            "failures": {k[8:]: v for k, v in counts.items() if k.startswith("failure:")},
+            "counters": {k: v for k, v in counts.items() if not k.startswith("failure:")},
+            "ejection_events": events,
+            "backends_core_pct": backends_s / wall_s * 100,
+            "loadgen_core_pct": result.pop("loadgen_cpu_s") / wall_s * 100,
+            "router": {"cpu_s": cpu_s, "core_share_before": share,
+                       "core_pct": None if cpu_s is None else cpu_s / wall_s * 100,
+                       "rss_before_mib": memory_before.get("VmRSS", 0) / 1024,
+                       "rss_after_mib": memory_after.get("VmRSS", 0) / 1024,
+                       "rss_peak_mib": memory_after.get("VmHWM", 0) / 1024}}
+
+
+def start_valkey(cores: set[int] | None, log_dir: Path) -> Any:
+    from router.devstack.valkey import EmbeddedValkey
+
+    server = EmbeddedValkey.start(die_with_parent=True, log_path=log_dir / "valkey.log")
+    if cores:
+        os.sched_setaffinity(server.pid, cores)
+    return server
+
+
+async def bench_slow_readers(options: Options) -> dict[str, Any]:
+    """Every round's A and B runs; returns the results document (also written to
+    options.out with its table and chart)."""
+    import platform
+
+    from router.benchproxy.slow_report import run_line, write_outputs
+
+    say = options.say
+    log_dir = options.out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    router_cores, load_cores, pinning = split_cores()
+    if load_cores:
+        os.sched_setaffinity(0, load_cores)
+    started = time.monotonic()
+    valkey = start_valkey(load_cores, log_dir)
+    runs: list[dict[str, Any]] = []
+    try:
+        backends, ports = await start_backends(options, load_cores, log_dir)
+        try:
+            stack = Stack(router_cores, load_cores, pinning, str(valkey.url),
+                          [f"http://{HOST}:{port}" for port in ports],
+                          [backend.pid for backend in backends])
+            say(f"bench-slow-readers: {options.rounds} round(s) of A/B, {options.streams} "
+                f"streams, {options.workers} workers; {pinning}")
+            for round_number in range(1, options.rounds + 1):
+                for slow_readers in (False, True):
+                    runs.append(await run_once(stack, options, round_number, slow_readers,
+                                               say))
+                    say(run_line(runs[-1]))
+        finally:
+            for backend in backends:
+                procs.stop(backend)
+    finally:
+        valkey.stop()
+    document = {
+        "meta": {"command": " ".join(["globalpool", *sys.argv[1:]]),
+                 "options": {k: (str(v) if isinstance(v, Path) else v)
+                             for k, v in vars(options).items() if k != "say"},
+                 "bench_settings": list(BENCH_SETTINGS), "pinning": pinning,
+                 "python": sys.version.split()[0], "machine": platform.platform(),
+                 "cores": os.cpu_count(), "duration_s": round(time.monotonic() - started, 1)},
+        "runs": runs,
+    }
+    write_outputs(document, options.out, say)
+    return document

@@ -54,6 +54,10 @@ HEAD_GRACE_S = 0.05
 TASK_NAME = "front-connection"
 # Bytes of later requests read ahead while one is served; reading pauses beyond.
 READ_AHEAD_BYTES = 256 * 1024
+# After refusing a request whose body is still coming: how long, and how many of its
+# bytes, the router reads and drops before it closes (see FrontProtocol._linger).
+LINGER_S = 5.0
+LINGER_MAX_BYTES = 64 * 1024 * 1024
 
 # The request lines the front serves, and the path each asks for.
 _REQUEST_LINES = {f"POST {path} HTTP/1.1": path for path in INFERENCE_PATHS}
@@ -199,6 +203,7 @@ class FrontProtocol(asyncio.Protocol):
         self.writing_paused = False
         self.relaying: UpstreamConnection | None = None
         self.closing = False  # answer this request, then close
+        self._lingering_left = 0  # after a refusal: bytes still to drop (see _linger)
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -219,6 +224,9 @@ class FrontProtocol(asyncio.Protocol):
             waiter.set_exception(ConnectionResetError("the client went away"))
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering_left:
+            self._discard(len(data))
+            return
         self._buffer += data
         if self._exchange is None:
             self._next_request()
@@ -365,17 +373,22 @@ class FrontProtocol(asyncio.Protocol):
             reply = error_reply(500, "internal error in the router")
         finally:
             self._exchange = None
+        unread = 0
         if self._body_left:  # not read (refused first): drop it, or the connection
             if len(self._buffer) >= self._body_left:
                 del self._buffer[: self._body_left]
                 self._body_left = 0
             else:
                 self.closing = True
+                unread = self._body_left - len(self._buffer)
         transport = self.transport
         if not reply.streamed:
             body = reply.body
             transport.write(_head(reply.status, reply.headers,
                                   f"Content-Length: {len(body)}\r\n", self.closing) + body)
+        if unread and not transport.is_closing():
+            self._linger(unread)
+            return
         if self.closing or transport.is_closing():
             transport.close()
             return
@@ -415,6 +428,25 @@ class FrontProtocol(asyncio.Protocol):
             self.transport.abort()
         else:
             self.transport.close()
+
+    def _linger(self, unread: int) -> None:
+        """Close after a refusal (a 413, a 401) whose body the client is still sending:
+        half-close (our answer, then FIN) and read and drop what it still sends, for at
+        most LINGER_S and its body's bytes. Closing at once would make the kernel answer
+        the unread bytes with a reset, which can destroy our answer before the client
+        reads it: it would see "connection reset", not the 413 (nginx's lingering close)."""
+        self._cancel_timer()
+        self._buffer.clear()
+        self._lingering_left = min(unread, LINGER_MAX_BYTES) + 1
+        self._resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._timer = self._loop.call_later(LINGER_S, self.transport.close)
+
+    def _discard(self, size: int) -> None:
+        self._lingering_left -= size
+        if self._lingering_left <= 0:
+            self.transport.close()  # more than the body it announced: enough
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:

@@ -8,6 +8,7 @@ the router's send buffer and makes it pause the worker (flow control).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -215,3 +216,34 @@ async def test_a_worker_error_that_is_not_json_reaches_the_client_as_openai_json
     error = json.loads(body)["error"]
     assert error["code"] == "upstream_error"
     assert error["message"] == "the worker answered 404 Not Found"
+
+
+async def _send_body(writer: asyncio.StreamWriter, size: int) -> None:
+    piece = b"x" * 65536
+    with contextlib.suppress(ConnectionError):
+        for _ in range(size // len(piece)):
+            writer.write(piece)
+            await writer.drain()
+
+
+async def test_a_body_too_large_gets_its_413_even_while_the_client_still_sends(
+        fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east"})
+    host, port = fleet.router_url.removeprefix("http://").split(":")
+    size = 10 * 1024 * 1024  # over router.max_body_bytes (4 MiB)
+    for _ in range(3):  # a reset instead of the answer came often, not always
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {size}\r\n\r\n".encode())
+        sending = asyncio.create_task(_send_body(writer, size))
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 413 "), head
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            error = json.loads(await asyncio.wait_for(reader.readexactly(length), 10))
+            assert error["error"]["message"].startswith("request body is too large")
+        finally:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+            writer.close()

@@ -57,7 +57,16 @@ async def _status(request: web.Request) -> web.Response:
 
 
 def _max_workers(request: web.Request) -> int | None:
-    """`?workers=N`: list at most N workers (problems first); every worker without it."""
+    """`?workers=N`: list at most N workers (problems first); every worker without it.
+    Any other query parameter, or `workers` twice, is refused (400): a typo such as
+    `?worker=5` must not quietly return every worker."""
+    unknown = sorted({name for name in request.query if name != "workers"})
+    if unknown:
+        names = ", ".join(repr(name[:40]) for name in unknown[:5])
+        raise ApiError(400, f"unknown query parameter(s) {names}: /admin/status takes "
+                            "only 'workers'", param=unknown[0][:40])
+    if len(request.query.getall("workers", ())) > 1:
+        raise ApiError(400, "'workers' given more than once", param="workers")
     given = request.query.get("workers")
     if given is None:
         return None

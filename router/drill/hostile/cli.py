@@ -92,7 +92,7 @@ def main(argv: Sequence[str]) -> int:
     loop = new_event_loop()
     try:
         report = loop.run_until_complete(run_hostile(options, say))
-    except (StackError, ValueError) as exc:
+    except (StackError, ValueError, OSError) as exc:
         print(f"globalpool drill hostile failed: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:

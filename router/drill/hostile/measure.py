@@ -48,6 +48,9 @@ DEFINITIONS = {
                   "another 5xx whose OpenAI error `code` is not one that reports a worker's "
                   "failure or no capacity (upstream_failed, upstream_error, no_capacity, "
                   "queue_full, region_unavailable): 5xx the router itself caused",
+    "slowest_served_s": "the longest a request that got its whole answer took (slow_reader "
+                        "requests take their slow phase, 4 s, at least): a request retried "
+                        "after a timeout on the bad worker is served, but late",
     "rss_mb": "the router process's VmRSS (/proc/PID/status) after it started and before "
               "the cell (before), after the cell's clients had all gone (after), and its "
               "VmHWM (peak); a fresh router per cell",
@@ -159,11 +162,20 @@ def summarize(run: CellRun) -> dict[str, Any]:
         "rss_mb_before": run.rss_mb_before, "rss_mb_after": run.rss_mb_after,
         "rss_mb_peak": run.rss_mb_peak,
         "served_by_bad": sum(o.got_expected and o.worker == run.bad_worker for o in outcomes),
+        "slowest_served_s": max((round(o.ended_unix_s - o.started_unix_s, 2) for o in outcomes
+                                 if o.got_expected and o.expects == "answer"), default=None),
         "lost_examples": _examples(lost),
         "router_5xx_examples": _examples(router_5xx),
         "refusal_examples": _examples(refusals),
         "healthy_ejections": [f"{e.get('subject')}: {e.get('detail')}" for e in healthy[:3]],
         "arrivals_total": run.arrivals_total,
+        # What detect_s was computed from: arrivals at the bad worker and its events in the
+        # router, in seconds since the fault.
+        "bad_arrivals_s": [round(a - run.fault_unix_s, 3) for a in run.arrivals_unix_s][:100],
+        "bad_events": [f"{float(e['at_unix_s']) - run.fault_unix_s:.3f} s {e.get('kind')}: "
+                       f"{e.get('detail')}" for e in sorted(
+                           run.router_events, key=lambda e: float(e["at_unix_s"]))
+                       if _worker_of(e) == run.bad_worker][:20],
         "wall_s": run.wall_s,
         **run.facts,
     }

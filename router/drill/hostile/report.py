@@ -83,14 +83,15 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", "## Cells", "",
               "| worker fault | client | requests | lost | healthy ejected | detect s | "
               "router 5xx | RSS MB before / after / peak | first send s | sent to bad | "
-              "goals missed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "slowest served s | goals missed |", "|---" * 12 + "|"]
     for cell in report["cells"]:
         lines.append(
             f"| {cell['worker_fault']} | {cell['client_behaviour']} | {cell['requests']} | "
             f"{cell['lost']} | {cell['healthy_ejected']} | {_value(cell['detect_s'])} | "
             f"{cell['router_5xx']} | {cell['rss_mb_before']:.0f} / {cell['rss_mb_after']:.0f}"
             f" / {cell['rss_mb_peak']:.0f} | {_value(cell['first_send_s'])} | "
-            f"{cell['sent_to_bad']} | {', '.join(cell['goals_missed']) or '-'} |")
+            f"{cell['sent_to_bad']} | {_value(cell['slowest_served_s'])} | "
+            f"{', '.join(cell['goals_missed']) or '-'} |")
     lines += _why(report["cells"])
     lines += ["", "## Settings", "", "```json", json.dumps(report["settings"], indent=2), "```",
               "", "## Definitions", ""]

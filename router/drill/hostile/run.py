@@ -81,8 +81,13 @@ async def run_hostile(options: HostileOptions, say: Callable[[str], None]) -> di
         say(f"lanes up in {time.monotonic() - started:.1f} s; logs in {out}/lane-N/logs")
         todo = list(enumerate(planned))
         with (out / "requests.jsonl").open("w") as records:
-            await asyncio.gather(*(_work(lane, todo, cells, options, records, say, len(planned))
-                                   for lane in lanes))
+            try:
+                async with asyncio.TaskGroup() as lanes_at_work:  # one failing stops the others
+                    for lane in lanes:
+                        lanes_at_work.create_task(
+                            _work(lane, todo, cells, options, records, say, len(planned)))
+            except ExceptionGroup as failed:
+                raise failed.exceptions[0] from None  # what stopped the first lane
     finally:
         say("stopping the lanes ...")
         await asyncio.gather(*(lane.stop() for lane in lanes), return_exceptions=True)

@@ -93,7 +93,10 @@ def main(argv: Sequence[str]) -> int:
     try:
         report = loop.run_until_complete(run_hostile(options, say))
     except (StackError, ValueError, OSError) as exc:
-        print(f"globalpool drill hostile failed: {exc}", file=sys.stderr, flush=True)
+        kept = args.out / "report.md"
+        print(f"globalpool drill hostile failed: {exc}"
+              + (f"\nthe cells that ran: {kept}" if kept.exists() else ""),
+              file=sys.stderr, flush=True)
         return 1
     finally:
         loop.close()

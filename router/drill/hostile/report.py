@@ -13,7 +13,9 @@ from router.drill.hostile.measure import DEFINITIONS, GOALS, goals_missed
 
 def build_report(cells: Sequence[dict[str, Any]], *, faults: Sequence[str],
                  clients: Sequence[str], settings: dict[str, Any], wall_s: float,
-                 host: dict[str, Any], command: str) -> dict[str, Any]:
+                 host: dict[str, Any], command: str, incomplete: str | None = None
+                 ) -> dict[str, Any]:
+    """`incomplete`: why the run stopped before its last cell (its goals are then missed)."""
     for cell in cells:
         cell["goals_missed"] = goals_missed(cell)
     goals = []
@@ -28,7 +30,8 @@ def build_report(cells: Sequence[dict[str, Any]], *, faults: Sequence[str],
         "client_behaviours": list(clients),
         "cells": list(cells),
         "goals": goals,
-        "goals_met": all(goal["met"] for goal in goals),
+        "goals_met": incomplete is None and all(goal["met"] for goal in goals),
+        "incomplete": incomplete,
         "cells_met": sum(not cell["goals_missed"] for cell in cells),
         "settings": settings,
         "definitions": DEFINITIONS,
@@ -70,6 +73,7 @@ def render(report: dict[str, Any]) -> str:
              f"{len(report['cells'])} cells, {report['cells_met']} meeting every goal; "
              f"{report['wall_s']:g} s in all. Goals per cell: "
              + "; ".join(f"`{g['goal']}`" for g in report["goals"]) + ".", "",
+             *([f"**Incomplete: {report['incomplete']}**", ""] if report["incomplete"] else []),
              "| worker fault \\ client | " + " | ".join(clients) + " |",
              "|---|" + "---|" * len(clients)]
     for fault in faults:

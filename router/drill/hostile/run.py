@@ -76,6 +76,7 @@ async def run_hostile(options: HostileOptions, say: Callable[[str], None]) -> di
                   options.overrides, secrets.token_urlsafe(16), say)
              for i in range(min(options.lanes, len(planned)))]
     cells: dict[int, dict[str, Any]] = {}
+    stopped_by: Exception | None = None  # what ended the run before its last cell
     try:
         await asyncio.gather(*(lane.start() for lane in lanes))
         say(f"lanes up in {time.monotonic() - started:.1f} s; logs in {out}/lane-N/logs")
@@ -87,7 +88,7 @@ async def run_hostile(options: HostileOptions, say: Callable[[str], None]) -> di
                         lanes_at_work.create_task(
                             _work(lane, todo, cells, options, records, say, len(planned)))
             except ExceptionGroup as failed:
-                raise failed.exceptions[0] from None  # what stopped the first lane
+                stopped_by = failed.exceptions[0]  # what stopped the first lane
     finally:
         say("stopping the lanes ...")
         await asyncio.gather(*(lane.stop() for lane in lanes), return_exceptions=True)
@@ -97,8 +98,12 @@ async def run_hostile(options: HostileOptions, say: Callable[[str], None]) -> di
         settings=_settings(options), wall_s=time.monotonic() - started,
         host={"cpus": os.cpu_count(), "load_average_1m_at_start": load_at_start,
               "load_average_1m_at_end": os.getloadavg()[0]},
-        command=options.command)
-    write_outputs(out, report)
+        command=options.command,
+        incomplete=None if stopped_by is None else f"{len(cells)} of {len(planned)} cells "
+        f"ran; then {type(stopped_by).__name__}: {stopped_by}")
+    write_outputs(out, report)  # what was measured is kept, also when a lane failed
+    if stopped_by is not None:
+        raise stopped_by
     return report
 
 

@@ -15,9 +15,10 @@ router's buffers towards it fill and the router has to stop reading that stream 
 worker. Without `slow_readers` the same clients read at full speed (and are reported
 apart, as `designated`), so that the other clients are the same population in both runs.
 
-Bounded in time: no stream starts after `window_s`; streams still open `drain_s` later are
-abandoned (an error for a normal client; a slow reader stops at that bound by itself and
-says so). Prints one JSON document (see `run`).
+Bounded in time: no stream starts after `window_s`; a normal client's stream still open
+`drain_s` later is abandoned (an error); a slow reader stops reading one period after the
+window (when the last normal streams are due to end) and says so. Prints one JSON document
+(see `run`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import sys
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from router.benchproxy.httpclient import (
@@ -82,7 +84,8 @@ class Window:
     def __init__(self, plan: Plan) -> None:
         self.start_s = time.perf_counter()
         self.end_s = self.start_s + plan.window_s
-        self.slow_end_s = self.end_s + plan.drain_s - 1.0  # slow readers stop reading
+        # Slow readers stop reading when the normal clients' last streams are due to end.
+        self.slow_end_s = self.end_s + min(plan.period_s, plan.drain_s - 1.0)
         self.warmup_end_s = self.start_s + plan.warmup_s
         self.open_streams = 0
 
@@ -241,13 +244,23 @@ async def _sample(window: Window, lags_s: list[float], open_streams: list[float]
             open_streams.append(window.open_streams)
 
 
+def waited_s(pid: int | str = "self") -> float:
+    """Seconds `pid` has spent runnable but waiting for a CPU (/proc/PID/schedstat's
+    second field): how much other work on the machine held it up."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 async def run(plan: Plan) -> dict[str, Any]:
     """The run's figures: `others` (the clients never slow), `designated` (the slow share
     reading at full speed, without slow readers), `slow` (with them), `open_streams`
-    (sampled between the warm-up and the window's end), `wall_s`, `loadgen_cpu_s` (this
-    process's CPU time) and `loadgen_lag_ms`."""
+    (sampled between the warm-up and the window's end), `wall_s`, `loadgen_cpu_s` and
+    `loadgen_waited_s` (this process's CPU time, and its time waiting for a CPU) and
+    `loadgen_lag_ms`."""
     payload = encode_post(plan.host, plan.port, PATH, plan.body.encode())
-    cpu_s = time.process_time()
+    cpu_s, waited_before_s = time.process_time(), waited_s()
     window = Window(plan)
     others, designated, slow = Tally(), Tally(), SlowTally()
     tallies: dict[asyncio.Task[None], Tally | SlowTally] = {}
@@ -279,6 +292,7 @@ async def run(plan: Plan) -> dict[str, Any]:
             "open_streams": summarize(open_streams),
             "wall_s": time.perf_counter() - window.start_s,
             "loadgen_cpu_s": time.process_time() - cpu_s,
+            "loadgen_waited_s": waited_s() - waited_before_s,
             "loadgen_lag_ms": in_ms(summarize(lags_s))}
 
 

@@ -49,8 +49,8 @@ class Options:
     out: Path
     streams: int = 2000
     slow_share: float = 0.05
-    rounds: int = 2
-    window_s: float = 30.0  # streams start within this much of a run's start
+    rounds: int = 3
+    window_s: float = 20.0  # streams start within this much of a run's start
     warmup_s: float | None = None  # not in TTFT figures (default: one stream's length)
     workers: int = 10
     # 64 tokens 100 ms apart (10 per second, a large model under load): 20,000 events/s
@@ -65,6 +65,7 @@ class Options:
     slow_rcvbuf_bytes: int = 4096
     overrides: list[str] = field(default_factory=list)  # PATH=VALUE for regions.yaml
     router_tree: Path | None = None  # a checkout whose router to run (default: this one)
+    pin: bool = True  # the router alone on the first core, the rest on the others
     say: Callable[[str], None] = print
 
 
@@ -94,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="PATH=VALUE",
                         help="a router setting for the runs, e.g. router.timeouts.idle_s=60 "
                         f"(repeatable; the bench sets {', '.join(BENCH_SETTINGS)})")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave every process to the scheduler instead of the router "
+                        "alone on the first core (on a machine others are loading too)")
     parser.add_argument("--router-tree", type=Path, default=None,
                         help="run the router of this checkout (e.g. an older commit, "
                         "`git archive REV | tar -x -C DIR`) instead of this one's")
@@ -108,7 +112,7 @@ def run_command(args: argparse.Namespace) -> int:
         print("--streams and --rounds must be >= 1, --slow-share within [0, 1)")
         return 2
     options = Options(out=args.out, overrides=args.overrides, router_tree=args.router_tree,
-                      **{name: getattr(args, name) for name in FLAGS})
+                      pin=args.pin, **{name: getattr(args, name) for name in FLAGS})
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         try:
             document = runner.run(bench_slow_readers(options))

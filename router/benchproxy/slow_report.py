@@ -61,9 +61,12 @@ def _outcomes(run: dict[str, Any]) -> str:
 
 
 HEADERS = ("round", "run", "open streams", "others' streams", "errors", "TTFT p50",
-           "TTFT p90", "TTFT p99",
-           "p99 B/A", "ejections", "attempt failures", "slow readers' streams",
-           "router core", "router RSS peak", "backends / loadgen core")
+           "TTFT p90", "TTFT p99", "p99 B/A", "ejections", "attempt failures",
+           "slow readers' streams")
+# Where the time went, and what else the machine was doing.
+MACHINE_HEADERS = ("round", "run", "router's TTFT p99", "worker TTFB p99",
+                   "GET /health p99 (max)", "router core", "CPU wait: router / backends",
+                   "router RSS peak", "backends / loadgen core")
 
 
 def _cells(run: dict[str, Any], ratios: dict[int, dict[str, Any]]) -> list[str]:
@@ -73,14 +76,28 @@ def _cells(run: dict[str, Any], ratios: dict[int, dict[str, Any]]) -> list[str]:
     ratio = ratios.get(run["round"], {}).get("p99") if run["variant"] == "B" else None
     failures = ", ".join(f"{int(n)} {kind}" for kind, n in run["failures"].items()) or "0"
     open_streams = run["open_streams"]
-    return [str(run["round"]), run["variant"] + (" (slow readers)" if run["slow_readers"]
-                                                 else ""),
+    return [*_run_name(run),
             f"{_f(open_streams['mean'], '.0f')} (max {_f(open_streams['max'], '.0f')})",
             str(others["completed"]), str(errors), _f(ttft["p50"]), _f(ttft["p90"]),
             _f(ttft["p99"]), _f(ratio, ".3f"), str(run["ejections"]), failures,
-            _outcomes(run), _f(run["router"]["core_pct"], ".0f") + "% of "
-            + _f((run["router"]["core_share_before"] or math.nan) * 100, ".0f") + "%",
-            _f(run["router"]["rss_peak_mib"], ".0f") + " MiB",
+            _outcomes(run)]
+
+
+def _run_name(run: dict[str, Any]) -> list[str]:
+    return [str(run["round"]), run["variant"] + (" (slow readers)" if run["slow_readers"]
+                                                 else "")]
+
+
+def _machine_cells(run: dict[str, Any]) -> list[str]:
+    view, router = run["router_view_ms"], run["router"]
+    probe, wait = router["health_probe_ms"], run["cpu_wait_per_s"]
+    return [*_run_name(run), f"<= {_f(view['ttft_p99'], '.0f')}",
+            f"<= {_f(view['upstream_ttfb_p99'], '.0f')}",
+            f"{_f(probe['p99'], '.1f')} ({_f(probe['max'], '.0f')})",
+            f"{_f(router['core_pct'], '.0f')}% of "
+            f"{_f((router['core_share_before'] or math.nan) * 100, '.0f')}%",
+            f"{wait['router']:.2f} / {wait['backends']:.2f}",
+            f"{_f(router['rss_peak_mib'], '.0f')} MiB",
             f"{run['backends_core_pct']:.0f}% / {run['loadgen_core_pct']:.0f}%"]
 
 
@@ -93,15 +110,21 @@ def run_line(run: dict[str, Any]) -> str:
             f"{dict(run['failures']) or 0}, slow readers: {_outcomes(run)}")
 
 
-def table(document: dict[str, Any], markdown: bool) -> str:
-    ratios = {r["round"]: r for r in document["summary"]["ratios"]}
-    rows = [_cells(run, ratios) for run in document["runs"]]
+def _render(headers: tuple[str, ...], rows: list[list[str]], markdown: bool) -> str:
     if markdown:
-        lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+        lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True))
-                     for row in [list(HEADERS), *rows]) + "\n"
+                     for row in [list(headers), *rows]) + "\n"
+
+
+def table(document: dict[str, Any], markdown: bool) -> str:
+    """The goals' table (times in ms), then where the time went."""
+    ratios = {r["round"]: r for r in document["summary"]["ratios"]}
+    runs = document["runs"]
+    return (_render(HEADERS, [_cells(run, ratios) for run in runs], markdown) + "\n"
+            + _render(MACHINE_HEADERS, [_machine_cells(run) for run in runs], markdown))
 
 
 def _notes(document: dict[str, Any]) -> str:
@@ -119,11 +142,16 @@ def _notes(document: dict[str, Any]) -> str:
         f"{options['slow_share']:.0%} of the clients read {options['slow_bytes_per_s']:g} "
         f"B/s with SO_RCVBUF {options['slow_rcvbuf_bytes']} B; router settings: "
         f"{', '.join(meta['bench_settings'] + options['overrides'])}",
-        "- TTFT: the other clients' (never slow in either run), streams started after the "
-        "first stream's length; `p99 B/A` within the round; `attempt failures` and "
-        "`ejections` from the router's /metrics over the run; `router core`: its CPU time "
-        "/ wall time, of the share of its core a busy process got just before the run "
-        "(other work on a shared machine takes the rest)",
+        "- TTFT: the other clients' (never slow in either run), of streams started after "
+        "the first period; `p99 B/A` within the round; `attempt failures` and `ejections`: "
+        "the router's /metrics over the run",
+        "- router's TTFT / worker TTFB p99: the bucket bounds of the router's own "
+        "histograms (every stream, the slow readers' too: arrival at the router to first "
+        "byte; request sent to the worker to its first byte); GET /health: every 0.1 s "
+        "during the run (a router whose loop stalls answers it late too); router core: its "
+        "CPU time / wall time, of the share of its core a busy process got just before the "
+        "run; CPU wait: seconds the router (the backends, summed) spent runnable but "
+        "waiting for a CPU, per second (/proc/PID/schedstat): other work on the machine",
         f"- TTFT p99 B/A, median over rounds: {_f(summary['ttft_p99_ratio'], '.3f')} "
         f"(p50 {_f(summary['ttft_p50_ratio'], '.3f')}); {goals}",
         f"- pinning: {meta['pinning']}; python {meta['python']}, {meta['machine']}, "

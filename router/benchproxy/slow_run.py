@@ -21,16 +21,25 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.benchproxy import procs
 from router.benchproxy.cpu import tree_cpu_s
 from router.benchproxy.routers import Running, Unavailable, setup_globalpool, wait_ready
+from router.benchproxy.slow_clients import waited_s
+from router.benchproxy.slow_observe import (
+    HISTOGRAMS,
+    HOST,
+    bucket_quantile,
+    delta,
+    memory_kib,
+    observe,
+    probe_health,
+    probe_summary,
+)
 from router.benchproxy.slow_readers import BENCH_SETTINGS, DUTY, Options
 from router.benchproxy.workloads import PACED_MODEL
 from router.drill.run import with_overrides
 
-HOST = "127.0.0.1"
 READY_TIMEOUT_S = 30.0
 LOADGEN_SLACK_S = 60.0  # beyond the run's own bounds, before the load generator is killed
 
@@ -53,10 +62,16 @@ class Stack:
     def backends_cpu_s(self) -> float:
         return sum(tree_cpu_s(pid) or 0.0 for pid in self.backend_pids)
 
+    def backends_waited_s(self) -> float:
+        return sum(waited_s(pid) for pid in self.backend_pids)
 
-def split_cores() -> tuple[set[int] | None, set[int] | None, str]:
-    """(the router's core, everything else's, a note), or no pinning on one core."""
+
+def split_cores(pin: bool) -> tuple[set[int] | None, set[int] | None, str]:
+    """(the router's core, everything else's, a note), or no pinning (asked, or one
+    core)."""
     usable = procs.usable_cores()
+    if not pin:
+        return None, None, "not pinned (--no-pin)"
     if len(usable) < 2:
         return None, None, f"not pinned ({len(usable)} core usable)"
     first, *others = usable
@@ -100,56 +115,6 @@ async def _until_all_workers(port: int, workers: int) -> None:
     raise BenchError(f"the router saw {seen} of {workers} workers in {READY_TIMEOUT_S:g} s")
 
 
-def counted(text: str) -> dict[str, float]:
-    """The /metrics counters this bench reads: `ejections`, `failure:KIND` (attempt
-    failures), `status:CODE` (client requests), `queue_exits:HOW` (requests that waited
-    for a worker with room), and any sample named for clients."""
-    found: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "globalpool_ejections_total":
-                key = "ejections"
-            elif sample.name == "globalpool_attempt_failures_total":
-                key = f"failure:{sample.labels.get('failure')}"
-            elif sample.name == "globalpool_requests_total":
-                key = f"status:{sample.labels.get('status')}"
-            elif sample.name == "globalpool_queue_exits_total":
-                key = f"queue_exits:{','.join(sorted(sample.labels.values()))}"
-            elif "client" in sample.name and not sample.name.endswith("_created"):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                key = f"{sample.name}{{{labels}}}"
-            else:
-                continue
-            found[key] = found.get(key, 0.0) + sample.value
-    return found
-
-
-async def _observe(port: int, token: str) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """The counters (`counted`) and the ejections among /admin/status's recent events."""
-    base = f"http://{HOST}:{port}"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        async with session.get(f"{base}/metrics") as answer:
-            counters = counted(await answer.text())
-        async with session.get(f"{base}/admin/status", params={"workers": "0"},
-                               headers={"Authorization": f"Bearer {token}"}) as answer:
-            status = await answer.json() if answer.status == 200 else {}
-    events = [e for e in status.get("events", []) if "eject" in str(e.get("kind"))]
-    return counters, events
-
-
-def _memory_kib(pid: int) -> dict[str, int]:
-    """VmRSS (resident now) and VmHWM (the most it has been resident) of `pid`, KiB."""
-    found = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name in ("VmRSS", "VmHWM"):
-                found[name] = int(value.split()[0])
-    except OSError:
-        pass
-    return found
-
-
 def plan_of(options: Options, slow_readers: bool, port: int) -> dict[str, Any]:
     """The load generator's spec (router.benchproxy.slow_clients.Plan) for one run: enough
     clients, each streaming DUTY of the time, that `options.streams` are open at once."""
@@ -186,11 +151,6 @@ async def _load(plan: dict[str, Any], cores: set[int] | None, log_path: Path) ->
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
-def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items())
-            if v - before.get(k, 0.0)}
-
-
 async def run_once(stack: Stack, options: Options, round_number: int, slow_readers: bool,
                    say: Callable[[str], None]) -> dict[str, Any]:
     """One run (A: no slow readers, B: with them) through a fresh router."""
@@ -215,29 +175,47 @@ async def run_once(stack: Stack, options: Options, round_number: int, slow_reade
         await _until_all_workers(port, options.workers)
         # Other work on a shared machine: what a busy process gets of the router's core.
         share = await asyncio.to_thread(procs.core_share, stack.router_cores)
-        before, _ = await _observe(port, setup.env["GLOBALPOOL_ADMIN_TOKEN"])
-        memory_before, cpu_before = _memory_kib(process.pid), tree_cpu_s(process.pid)
+        before, _ = await observe(port, setup.env["GLOBALPOOL_ADMIN_TOKEN"])
+        memory_before, cpu_before = memory_kib(process.pid), tree_cpu_s(process.pid)
         backends_before = stack.backends_cpu_s()
+        waits_before = waited_s(process.pid), stack.backends_waited_s()
         say(f"[round {round_number}] run {variant}: {options.streams} streams"
             + (f", {options.slow_share:.0%} slow readers" if slow_readers else ""))
         plan = plan_of(options, slow_readers, port)
-        result = await _load(plan, stack.load_cores, run_dir / "loadgen.log")
-        cpu_after, memory_after = tree_cpu_s(process.pid), _memory_kib(process.pid)
+        probes_s: list[float] = []
+        probe = asyncio.create_task(probe_health(port, probes_s))
+        try:
+            result = await _load(plan, stack.load_cores, run_dir / "loadgen.log")
+        finally:
+            probe.cancel()
+        cpu_after, memory_after = tree_cpu_s(process.pid), memory_kib(process.pid)
         backends_s = stack.backends_cpu_s() - backends_before
-        after, events = await _observe(port, setup.env["GLOBALPOOL_ADMIN_TOKEN"])
+        router_waited_s = waited_s(process.pid) - waits_before[0]
+        backends_waited_s = stack.backends_waited_s() - waits_before[1]
+        after, events = await observe(port, setup.env["GLOBALPOOL_ADMIN_TOKEN"])
     finally:
         await running.stop()
     cpu_s = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
-    counts = _delta(before, after)
+    counts = delta(before, after)
     wall_s = result["wall_s"]
     return {"round": round_number, "variant": variant, "slow_readers": slow_readers,
             "clients": plan["clients"], **result, "ejections": int(counts.pop("ejections", 0)),
             "failures": {k[8:]: v for k, v in counts.items() if k.startswith("failure:")},
-            "counters": {k: v for k, v in counts.items() if not k.startswith("failure:")},
+            "counters": {k: v for k, v in counts.items()
+                         if not k.startswith(("failure:", "bucket:"))},
+            # As the router saw every stream (slow readers' too), to its histogram buckets.
+            "router_view_ms": {f"{name}_{label}": bucket_quantile(counts, name, q)
+                               for name in HISTOGRAMS.values()
+                               for label, q in (("p50", 0.5), ("p99", 0.99))},
             "ejection_events": events,
             "backends_core_pct": backends_s / wall_s * 100,
+            # Waiting for a CPU while runnable, per second of the run (1.0: all the time).
+            "cpu_wait_per_s": {"router": router_waited_s / wall_s,
+                               "backends": backends_waited_s / wall_s,
+                               "loadgen": result.pop("loadgen_waited_s") / wall_s},
             "loadgen_core_pct": result.pop("loadgen_cpu_s") / wall_s * 100,
             "router": {"cpu_s": cpu_s, "core_share_before": share,
+                       "health_probe_ms": probe_summary(probes_s),
                        "core_pct": None if cpu_s is None else cpu_s / wall_s * 100,
                        "rss_before_mib": memory_before.get("VmRSS", 0) / 1024,
                        "rss_after_mib": memory_after.get("VmRSS", 0) / 1024,
@@ -263,7 +241,7 @@ async def bench_slow_readers(options: Options) -> dict[str, Any]:
     say = options.say
     log_dir = options.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    router_cores, load_cores, pinning = split_cores()
+    router_cores, load_cores, pinning = split_cores(options.pin)
     if load_cores:
         os.sched_setaffinity(0, load_cores)
     started = time.monotonic()

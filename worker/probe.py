@@ -3,7 +3,8 @@
 Parsing is pure (text or JSON in, values out) so that it is tested against real vLLM
 captures; `EngineProber` only adds HTTP. vLLM renames metrics between versions, so every
 value records which metric it came from, and a value the engine does not expose is None,
-never a silent 0.
+never a silent 0. Every number read is kept within the heartbeat's limits (worker.schema,
+MAX_*): a NaN or an infinity is legal Prometheus text, and a heartbeat never carries one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ from typing import Any, TypeVar
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.schema import Performance
+from worker.schema import (
+    MAX_BLOCK_SIZE_TOKENS,
+    MAX_KV_BLOCKS,
+    MAX_LATENCY_MS,
+    MAX_NAME_CHARS,
+    MAX_NAMES,
+    MAX_SEQS,
+    MAX_TOKENS_PER_S,
+    Performance,
+)
 
 # KV cache usage (a fraction 0..1 despite the name); vLLM 0.10 renamed the gauge.
 KV_USAGE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -78,8 +88,8 @@ def parse_metrics(text: str) -> MetricsSample:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 name, value = sample.name, float(sample.value)
-                if not name.startswith("vllm:") or math.isnan(value):
-                    continue
+                if not name.startswith("vllm:") or not math.isfinite(value):
+                    continue  # NaN, +Inf, -Inf: no number to report (as if not exposed)
                 if name == CACHE_CONFIG:
                     cache_labels.append(sample.labels)
                 elif name in KV_USAGE_METRICS:
@@ -95,12 +105,12 @@ def parse_metrics(text: str) -> MetricsSample:
     if kv_metric is not None:
         # A fraction per engine: several engines average, they do not add up.
         values = kv_values[kv_metric]
-        kv_usage = min(1.0, max(0.0, sum(values) / len(values)))
+        kv_usage = _within(sum(values) / len(values), 1.0)
     blocks, block_size = _cache_config(cache_labels)
     present = set(totals) | set(kv_values) | ({CACHE_CONFIG} if cache_labels else set())
     return MetricsSample(
-        running=max(0, round(totals[RUNNING])),
-        waiting=max(0, round(totals[WAITING])),
+        running=_seqs(totals[RUNNING]),
+        waiting=_seqs(totals[WAITING]),
         kv_cache_usage=kv_usage,
         kv_usage_metric=kv_metric,
         kv_blocks_total=blocks,
@@ -110,20 +120,36 @@ def parse_metrics(text: str) -> MetricsSample:
     )
 
 
+def _seqs(total: float) -> int:
+    """A count of sequences from a sum of samples, within the schema's limit (a sum of
+    huge samples can overflow to inf, which `round` refuses)."""
+    return MAX_SEQS if not total < MAX_SEQS else max(0, round(total))
+
+
+def _within(value: float | None, high: float) -> float | None:
+    """`value` clamped to 0..`high`; None (unknown) when it is NaN or infinite (a sum that
+    overflowed, a mean over a vanishing count): no figure rather than a made-up one."""
+    if value is None or not math.isfinite(value):
+        return None
+    return min(high, max(0.0, value))
+
+
 def _cache_config(labels: list[Mapping[str, str]]) -> tuple[int | None, int | None]:
-    """Total GPU KV blocks over engines, and the block size (vLLM writes 'None' if unknown)."""
+    """Total GPU KV blocks over engines, and the block size (vLLM writes 'None' if unknown);
+    None for values outside the heartbeat's limits."""
     blocks = [_int_label(one, "num_gpu_blocks") for one in labels]
     sizes = [_int_label(one, "block_size") for one in labels]
-    known_blocks = [b for b in blocks if b is not None]
-    known_sizes = [s for s in sizes if s is not None and s >= 1]
+    known_blocks = [b for b in blocks if b is not None and b >= 0]
+    known_sizes = [s for s in sizes if s is not None and 1 <= s <= MAX_BLOCK_SIZE_TOKENS]
     total = sum(known_blocks) if known_blocks else None
-    return total, (min(known_sizes) if known_sizes else None)
+    return (total if total is not None and total <= MAX_KV_BLOCKS else None,
+            min(known_sizes) if known_sizes else None)
 
 
 def _int_label(labels: Mapping[str, str], key: str) -> int | None:
     try:
         return int(float(labels[key]))
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, OverflowError):  # "None", "nan"; "inf"
         return None
 
 
@@ -159,14 +185,16 @@ def performance_between(before: MetricsSample, after: MetricsSample) -> Performa
     else:
         decode_tokens = delta.of(GENERATION_TOKENS_COUNTER)
     decode_tokens_per_s = _rate(decode_tokens, delta.of(f"{DECODE_TIME}_sum"))
+    # Sums of finite samples can still overflow (inf - inf is NaN): each figure is kept
+    # within the schema's limits, or None.
     return Performance(
-        ttft_ms=delta.mean_ms(TTFT),
-        itl_ms=delta.mean_ms(ITL),
-        e2e_ms=delta.mean_ms(E2E),
-        prefill_tokens_per_s=_rate(prompt_tokens, prefill_busy_s(
+        ttft_ms=_within(delta.mean_ms(TTFT), MAX_LATENCY_MS),
+        itl_ms=_within(delta.mean_ms(ITL), MAX_LATENCY_MS),
+        e2e_ms=_within(delta.mean_ms(E2E), MAX_LATENCY_MS),
+        prefill_tokens_per_s=_within(_rate(prompt_tokens, prefill_busy_s(
             delta.of(f"{PREFILL_TIME}_sum"), delta.of(f"{PREFILL_TIME}_count"),
-            decode_tokens_per_s)),
-        decode_tokens_per_s=decode_tokens_per_s,
+            decode_tokens_per_s)), MAX_TOKENS_PER_S),
+        decode_tokens_per_s=_within(decode_tokens_per_s, MAX_TOKENS_PER_S),
     )
 
 
@@ -274,7 +302,13 @@ def parse_models(payload: Any) -> ServedModels:
     for entry in data:
         if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
             raise ValueError("every entry needs a string 'id'")
+        if not 1 <= len(entry["id"]) <= MAX_NAME_CHARS:
+            raise ValueError(f"a model id of {len(entry['id'])} characters (a heartbeat "
+                             f"carries 1 to {MAX_NAME_CHARS})")
         (adapters if entry.get("parent") else models).append(entry["id"])
+    if max(len(models), len(adapters)) > MAX_NAMES:
+        raise ValueError(f"{len(models)} models and {len(adapters)} adapters (a heartbeat "
+                         f"carries at most {MAX_NAMES} of each)")
     return ServedModels(tuple(models), tuple(adapters))
 
 
@@ -289,8 +323,9 @@ class EngineVersion:
 
 def parse_version(payload: Any) -> EngineVersion:
     version = payload.get("version") if isinstance(payload, dict) else None
-    if not isinstance(version, str) or not version:
-        raise ValueError("expected {'version': '<string>'}")
+    if not isinstance(version, str) or not 1 <= len(version) <= MAX_NAME_CHARS:
+        raise ValueError(f"expected {{'version': '<string of 1 to {MAX_NAME_CHARS} "
+                         "characters>'}")
     return EngineVersion(version, simulator=payload.get("simulator") is True)
 
 

@@ -82,12 +82,15 @@ BATCH_SLOT_RESERVE = 0.25
 def _one_of_the_best(scored: list[tuple[float, WorkerView]], limit_ms: float,
                      rng: random.Random) -> tuple[float, WorkerView]:
     """Of the candidates scored at most `limit_ms` (the best and those near-equal to it),
-    the lower of two drawn at random (power of two choices), or the only one."""
+    the lower of two drawn at random (power of two choices), or the only one. Never
+    raises for scores that compare with nothing (NaN: the snapshot's terms are finite, but
+    a policy must not fail every request of a model over one odd score): with none
+    within the limit, the first of the lowest."""
     near = [item for item in scored if item[0] <= limit_ms]
     if len(near) >= 2:
         first, second = two_of(near, rng)
         return first if first[0] <= second[0] else second
-    return near[0]
+    return near[0] if near else min(scored, key=_first)
 
 
 def _plain(request: RouteRequest) -> bool:

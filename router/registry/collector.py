@@ -50,7 +50,6 @@ import time
 from collections.abc import Callable, Generator
 from typing import Protocol
 
-from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -58,7 +57,16 @@ from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
 from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView, finish
 from router.registry.subscriber import Subscription
 from worker.redis_client import raise_if_cancelling
-from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState, LoadRecord, record_items
+from worker.schema import (
+    SCHEMA_REFUSALS,
+    Heartbeat,
+    HeartbeatKeys,
+    LifecycleState,
+    LoadRecord,
+    Refused,
+    parse_heartbeat,
+    record_items,
+)
 
 log = logging.getLogger("globalpool.registry")
 
@@ -119,6 +127,16 @@ FULL_READ_WORKERS_PER_S = 1000.0
 ORPHAN_RECORD_AGE_S = 300.0
 
 GONE_PREFIX = HeartbeatKeys.GONE_PREFIX.encode()
+# Why a heartbeat or load record is refused (counted by reason, `counts`): the schema's
+# reasons (worker.schema.SCHEMA_REFUSALS: malformed_json, oversize, unknown_field,
+# invalid:<field path>), and what the collector finds once it is parsed. A bounded set,
+# never text from the input: each is a label value of globalpool_heartbeats_refused_total.
+WORKER_ID_MISMATCH = "worker_id_mismatch"  # not the worker its bytes or hash field name
+ORDER_MISMATCH = "order_mismatch"  # sent_at_s and seq read otherwise than they parse
+WRONG_REGION = "wrong_region"  # a load record in another region than its worker's
+REFUSAL_REASONS = SCHEMA_REFUSALS | {WORKER_ID_MISMATCH, ORDER_MISMATCH, WRONG_REGION}
+# counts() names each reason's count so (router.telemetry.metrics labels them).
+REFUSED_COUNT_PREFIX = "heartbeats_refused:"
 # How a heartbeat's JSON (pydantic's model_dump_json) names its worker: read without parsing.
 WORKER_ID_FIELD = b'"worker_id":"'
 
@@ -217,7 +235,8 @@ class HeartbeatCollector:
         self._load_regions: set[str] = set()  # regions with load records, as last scanned
         self._connected = False
         self._last_ok_at_s: float | None = None
-        self.rejected_heartbeats = 0
+        self.rejected_heartbeats = 0  # refused, for any reason (the sum of `refusals`)
+        self.refusals: dict[str, int] = {}  # by reason (REFUSAL_REASONS)
         self.ignored_gone_messages = 0
         self.received_heartbeats = 0  # messages on the channel (gone: ones included)
         self.parsed_heartbeats = 0  # of those and of full reads: parsed and checked
@@ -234,14 +253,17 @@ class HeartbeatCollector:
         self._faults_left = 0
 
     def counts(self) -> dict[str, int]:
-        """What it has taken in so far (exported as globalpool_* counters)."""
+        """What it has taken in so far (exported as globalpool_* counters), and what it
+        refused by reason, as REFUSED_COUNT_PREFIX + reason."""
         return {"heartbeat_messages": self.received_heartbeats,
                 "heartbeats_parsed": self.parsed_heartbeats,
                 "heartbeats_malformed": self.rejected_heartbeats,
                 "load_records_read": self.read_records,
                 "load_records_applied": self.applied_records,
                 "heartbeat_key_reads": self.worker_reads,
-                "load_record_reads": self.load_reads}
+                "load_record_reads": self.load_reads,
+                **{REFUSED_COUNT_PREFIX + reason: count
+                   for reason, count in self.refusals.items()}}
 
     def upkeep(self) -> dict[str, float]:
         """What keeping the fleet view costs (exported as globalpool_fleet_view_*): CPU
@@ -482,13 +504,14 @@ class HeartbeatCollector:
         self.read_records += 1
         try:
             record = record_items(payload)
-        except ValueError as exc:
-            self._reject(f"load record {worker[:60]!r} in region {region!r}: {exc}")
+        except Refused as exc:
+            self._refuse(exc.reason, f"load record {worker[:60]!r} in region "
+                                     f"{region[:60]!r}: {exc}")
             return False
         worker_id, seq, sent_at_s = record[1], record[2], record[3]
         if worker_id.encode() != worker:
-            self._reject(f"load record {worker[:60]!r} in region {region!r} names worker "
-                         f"{worker_id[:60]!r}")
+            self._refuse(WORKER_ID_MISMATCH, f"load record {worker[:60]!r} in region "
+                                             f"{region[:60]!r} names worker {worker_id[:60]!r}")
             return False
         view = self._views.get(worker_id)
         if view is None:
@@ -496,8 +519,8 @@ class HeartbeatCollector:
             to_read.append(worker_id)
             return False
         if view.region != region:
-            self._reject(f"load record of {worker_id!r} in region {region!r}, but it "
-                         f"heartbeats in {view.region!r}")
+            self._refuse(WRONG_REGION, f"load record of {worker_id!r} in region "
+                                       f"{region[:60]!r}, but it heartbeats in {view.region!r}")
             return False
         if record[4] != view.static_digest:
             to_read.append(worker_id)  # more than its load changed, and no message came
@@ -606,12 +629,12 @@ class HeartbeatCollector:
             return False
         heartbeat = view.heartbeat
         if worker is not None and heartbeat.worker_id.encode() != worker:
-            self._reject(f"worker id {heartbeat.worker_id!r} does not match the payload's "
-                         f"first worker_id field ({worker[:60]!r})")
+            self._refuse(WORKER_ID_MISMATCH, f"worker id {heartbeat.worker_id!r} does not "
+                         f"match the payload's first worker_id field ({worker[:60]!r})")
             return False
         if order is not None and (heartbeat.sent_at_s, heartbeat.seq) != order:
-            self._reject(f"sent_at_s and seq of {heartbeat.worker_id!r} do not match the "
-                         "payload's last such fields")
+            self._refuse(ORDER_MISMATCH, f"sent_at_s and seq of {heartbeat.worker_id!r} do "
+                         "not match the payload's last such fields")
             return False
         self._last_ok_at_s = max(self._last_ok_at_s or received_s, received_s)
         return self._store(view, force=False)
@@ -621,9 +644,9 @@ class HeartbeatCollector:
     ) -> WorkerView | None:
         self.parsed_heartbeats += 1
         try:
-            heartbeat = Heartbeat.from_json(payload)
-        except ValidationError as exc:
-            self._reject(exc.errors()[0].get("msg", str(exc)))
+            heartbeat = parse_heartbeat(payload)
+        except Refused as exc:
+            self._refuse(exc.reason, str(exc))
             return None
         if self._gate is not None and self._gate.check(
                 heartbeat, via_pubsub=via_pubsub,
@@ -636,11 +659,14 @@ class HeartbeatCollector:
             next_read_s=self._next_read_s(),  # its records come at the reads
         )
 
-    def _reject(self, why: str) -> None:
+    def _refuse(self, reason: str, why: str) -> None:
+        """Count a refused heartbeat or load record by `reason` (REFUSAL_REASONS)."""
         self.rejected_heartbeats += 1
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
         count = self.rejected_heartbeats
         if count & (count - 1) == 0:  # 1st, 2nd, 4th, 8th...: garbage cannot flood logs
-            log.warning("dropped malformed heartbeat (%d so far): %s", count, why)
+            log.warning("refused a heartbeat or load record (%s; %d so far): %s",
+                        reason, count, why)
 
     def _store(self, view: WorkerView, *, force: bool) -> bool:
         current = self._views.get(view.worker_id)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TypeVar
 
-from worker.schema import Heartbeat, LifecycleState, RecordItems, static_digest
+from worker.schema import MAX_LATENCY_MS, Heartbeat, LifecycleState, RecordItems, static_digest
 
 # A model no worker serves any more is remembered this long after its last worker left
 # (a request for it then gets 503 and Retry-After, not 404: a crashed engine is restarted
@@ -21,6 +21,10 @@ DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
 DEFAULT_SERVICE_MS = 2000.0
 # Above this KV usage new sequences start to wait for blocks even with free batch slots.
 KV_PRESSURE_START = 0.9
+# A prefill rate below this (tokens/s) is read as this: 1,000 s a token. The schema lets
+# any rate in 0..MAX_TOKENS_PER_S through, and 1000 / 5e-324 is inf (then 0 tokens x inf
+# is NaN, and a NaN score is never among the best: the pick found no candidate).
+MIN_PREFILL_TOKENS_PER_S = 1e-3
 
 
 def fresh_for_s(ttl_s: float, next_read_s: float) -> float:
@@ -128,19 +132,28 @@ class WorkerView:
         self._derive(next_read_s)
 
     def _derive(self, next_read_s: float) -> None:
+        """The scoring terms. Finite whatever the figures (the schema's limits keep them
+        so; the comparisons here keep them so even for a view of a heartbeat that skipped
+        validation): a NaN or infinite term would make every score NaN or inf."""
         slots = self.slots
-        service_ms = self.e2e_ms or DEFAULT_SERVICE_MS
+        service_ms = self.e2e_ms
+        if service_ms is None or not 0.0 < service_ms <= MAX_LATENCY_MS:  # NaN too
+            service_ms = DEFAULT_SERVICE_MS
         kv_usage = self.kv_cache_usage
         pressure = 0.0
         if kv_usage is not None and kv_usage > KV_PRESSURE_START:
-            pressure = (kv_usage - KV_PRESSURE_START) / (1.0 - KV_PRESSURE_START)
+            pressure = min(1.0, (kv_usage - KV_PRESSURE_START) / (1.0 - KV_PRESSURE_START))
+        rate = self.prefill_tokens_per_s
+        if rate is None or not rate > 0.0:  # not measured yet (or NaN)
+            rate = DEFAULT_PREFILL_TOKENS_PER_S
+        elif rate < MIN_PREFILL_TOKENS_PER_S:
+            rate = MIN_PREFILL_TOKENS_PER_S
         self.expires_at_s = self.received_at_s + fresh_for_s(self.ttl_s, next_read_s)
         self.reported_load = load = self.running + self.waiting
         self.utilisation = load / slots
         self.queue_ms_per_request = service_ms / slots
         self.kv_pressure_ms = pressure * service_ms
-        self.prefill_ms_per_token = 1000.0 / (self.prefill_tokens_per_s
-                                              or DEFAULT_PREFILL_TOKENS_PER_S)
+        self.prefill_ms_per_token = 1000.0 / rate
 
     def _same_worker(self, received_at_s: float, inflight_at_receipt: int) -> WorkerView:
         """A new view of this worker with what its heartbeat says of it (identity, models,

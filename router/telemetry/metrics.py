@@ -29,6 +29,7 @@ from router.admission.queue import Backlog
 from router.config_reload import ConfigHolder
 from router.policy.inflight import InFlight
 from router.proxy.outcome import Attempt, RequestRecord
+from router.registry.collector import REFUSED_COUNT_PREFIX
 from router.registry.snapshot import SnapshotHolder
 from router.telemetry.series import LabelledCounter, LabelledHistogram
 from router.telemetry.window import NO_REGION
@@ -220,10 +221,19 @@ class FleetCollector:
                          "Kept-alive connections to workers waiting for a request.",
                          float(stats["idle"]))
         if self.heartbeat_counts is not None:
+            refused = CounterMetricFamily(
+                "globalpool_heartbeats_refused", "Heartbeats and load records refused, by "
+                "reason (malformed_json, oversize, unknown_field, invalid:<field path>, "
+                "worker_id_mismatch, order_mismatch, wrong_region); they sum to "
+                "globalpool_heartbeats_malformed_total.", labels=["reason"])
             for name, value in self.heartbeat_counts().items():
+                if name.startswith(REFUSED_COUNT_PREFIX):
+                    refused.add_metric([name[len(REFUSED_COUNT_PREFIX):]], float(value))
+                    continue
                 documentation = _HEARTBEAT_COUNTS.get(name)
                 if documentation is not None:
                     yield _counter(f"globalpool_{name}", documentation, float(value))
+            yield refused
         if self.heartbeat_upkeep is not None:
             upkeep = self.heartbeat_upkeep()
             yield _counter("globalpool_fleet_view_cpu_seconds",

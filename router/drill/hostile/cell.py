@@ -50,6 +50,7 @@ class CellRun:
     rss_mb_before: float
     rss_mb_after: float
     rss_mb_peak: float
+    max_loop_lag_s: float  # how late the clients' event loop ran: the machine's stalls
     wall_s: float
     facts: dict[str, Any] = field(default_factory=dict)
 
@@ -67,7 +68,8 @@ async def run_cell(lane: Lane, fault: str, client: str, settings: CellSettings,
         await lane.set_fault(fault, slow_token_interval_s=settings.slow_token_interval_s)
         arrivals_since = (await lane.arrivals())["since_unix_s"]
         load_end_unix_s = time.time() + settings.load_s
-        outcomes = await _load(lane, behaviour, witness, settings)
+        with LoopLag() as lag:
+            outcomes = await _load(lane, behaviour, witness, settings)
     finally:
         await behaviour.close()
     await asyncio.sleep(settings.settle_s)
@@ -81,7 +83,35 @@ async def run_cell(lane: Lane, fault: str, client: str, settings: CellSettings,
         arrivals_unix_s=arrivals["arrivals_unix_s"],
         arrivals_total=arrivals["completion_requests"], router_events=events,
         rss_mb_before=rss_before, rss_mb_after=rss_after, rss_mb_peak=rss_peak,
+        max_loop_lag_s=round(lag.max_s, 3),
         wall_s=round(time.monotonic() - started, 2), facts=behaviour.cell_facts())
+
+
+class LoopLag:
+    """The longest this event loop ran a timer late while the block ran: on a machine
+    shared with other work, a stall of the whole host (the clients, the router and the
+    workers alike) shows here, and timeouts measured then measure the host."""
+
+    TICK_S = 0.1
+
+    def __init__(self) -> None:
+        self.max_s = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.TICK_S
+            await asyncio.sleep(self.TICK_S)
+            self.max_s = max(self.max_s, loop.time() - due)
+
+    def __enter__(self) -> LoopLag:
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 async def _load(lane: Lane, behaviour: ClientBehaviour, witness: ClientBehaviour,

@@ -40,11 +40,12 @@ class ClientSettings:
 
     model: str = "tiny-llama"
     tokens: int = 16  # an ordinary answer
-    # Slow readers' and stallers' streams (~210 bytes an event: 1500 are ~320 KB, 3 s of
-    # the lanes' simulators): what the simulator makes in a cell's time. Not longer than
-    # the send buffer Linux grows for the router's socket (~0.75 MB measured), which then
-    # holds all of it: the router's own pause of the worker is not reached.
-    long_stream_tokens: int = 1500
+    # Slow readers' and stallers' streams (~210 bytes an event: 500 are ~105 KB, 1-2 s of
+    # the lanes' simulators, well within the drill's total_s on a busy machine): far more
+    # than a slow client reads, but not more than the send buffer Linux grows for the
+    # router's socket (~0.75 MB measured), which then holds all of it, so the router's own
+    # pause of the worker is not reached (no answer the simulator can give is that long).
+    long_stream_tokens: int = 500
     slow_read_bytes_per_s: float = 1024.0
     slow_read_s: float = 4.0  # then the slow reader takes the rest at once
     stall_s: float = 4.0

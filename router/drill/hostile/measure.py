@@ -20,6 +20,7 @@ UPSTREAM_CODES = frozenset({"upstream_failed", "upstream_error", "no_capacity", 
 QUIET_S = 1.0  # sending must have stopped this long before the load ended to count
 PROBE_SLACK_S = 0.05  # a request sent just before an ejection may arrive just after it
 DETECT_GOAL_S = 5.0
+STALL_S = 0.5  # a loop lag above this: the machine stalled during the cell
 RSS_GROWTH_GOAL_MB = 64.0
 
 DEFINITIONS = {
@@ -51,6 +52,9 @@ DEFINITIONS = {
     "slowest_served_s": "the longest a request that got its whole answer took (slow_reader "
                         "requests take their slow phase, 4 s, at least): a request retried "
                         "after a timeout on the bad worker is served, but late",
+    "max_loop_lag_s": "the longest the drill's own event loop (the clients) ran a 0.1 s "
+                      "timer late during the cell's load: above STALL_S the host stalled, "
+                      "and that cell's timeouts and detection measure the host too",
     "rss_mb": "the router process's VmRSS (/proc/PID/status) after it started and before "
               "the cell (before), after the cell's clients had all gone (after), and its "
               "VmHWM (peak); a fresh router per cell",
@@ -169,6 +173,7 @@ def summarize(run: CellRun) -> dict[str, Any]:
         "refusal_examples": _examples(refusals),
         "healthy_ejections": [f"{e.get('subject')}: {e.get('detail')}" for e in healthy[:3]],
         "arrivals_total": run.arrivals_total,
+        "max_loop_lag_s": run.max_loop_lag_s,
         # What detect_s was computed from: arrivals at the bad worker and its events in the
         # router, in seconds since the fault.
         "bad_arrivals_s": [round(a - run.fault_unix_s, 3) for a in run.arrivals_unix_s][:100],

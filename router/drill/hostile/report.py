@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from router.drill.hostile.measure import DEFINITIONS, GOALS, goals_missed
+from router.drill.hostile.measure import DEFINITIONS, GOALS, STALL_S, goals_missed
 
 
 def build_report(cells: Sequence[dict[str, Any]], *, faults: Sequence[str],
@@ -100,6 +100,13 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", "## Settings", "", "```json", json.dumps(report["settings"], indent=2), "```",
               "", "## Definitions", ""]
     lines += [f"- `{name}`: {text}" for name, text in report["definitions"].items()]
+    stalled = [f"{c['worker_fault']} x {c['client_behaviour']} ({c['max_loop_lag_s']:.1f} s)"
+               for c in report["cells"] if c["max_loop_lag_s"] > STALL_S]
+    if stalled:
+        lines += ["", f"**The machine stalled (the clients' event loop ran more than "
+                  f"{STALL_S:g} s late) in {len(stalled)} cells: {', '.join(stalled)}. Their "
+                  "timeouts and detection measure the machine too; run them again on a "
+                  "quiet one (--faults, --clients).**"]
     host = report["host"]
     lines += ["", f"Machine: {host['cpus']} CPUs, load average (1 min) "
               f"{host['load_average_1m_at_start']:.1f} at the start, "

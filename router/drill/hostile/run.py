@@ -22,7 +22,7 @@ from router.devstack.valkey import EmbeddedValkey, free_port
 from router.drill.hostile.cell import CellSettings, run_cell
 from router.drill.hostile.clients import ClientSettings, ensure_open_files
 from router.drill.hostile.lane import Lane, lane_document
-from router.drill.hostile.measure import goals_missed, summarize
+from router.drill.hostile.measure import STALL_S, goals_missed, summarize
 from router.drill.hostile.report import build_report, write_outputs
 
 # The faults and behaviours of the issue, in its order (the simulator can play
@@ -131,7 +131,9 @@ def _progress(index: int, total: int, cell: dict[str, Any]) -> str:
             f"{cell['healthy_ejected']}, detect {'-' if detect is None else f'{detect:.2f} s'}, "
             f"router 5xx {cell['router_5xx']}, RSS {cell['rss_mb_before']:.0f}->"
             f"{cell['rss_mb_after']:.0f} MB, {cell['wall_s']:.1f} s  "
-            + ("ok" if not missed else "MISSED " + ", ".join(missed)))
+            + ("ok" if not missed else "MISSED " + ", ".join(missed))
+            + (f" (the machine stalled {cell['max_loop_lag_s']:.1f} s)"
+               if cell["max_loop_lag_s"] > STALL_S else ""))
 
 
 def _settings(options: HostileOptions) -> dict[str, Any]:

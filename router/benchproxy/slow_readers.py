@@ -13,9 +13,11 @@ of `--workers` fake backend processes that heartbeat as ready workers, twice per
 Each run reports the other clients' TTFT and errors, what became of the slow readers'
 streams (they may be cut by the router's client stall bound: their problem, not an error
 of the others), the workers the router ejected and the attempt failures it counted
-(/metrics, /admin/status), and the router's CPU and memory. The goals: no errors, no
-ejections, the other clients' TTFT p99 in B within 10 % of A's (B/A ratio taken within a
-round, then the median over rounds). Outputs results.json, report.md and ttft.png.
+(/metrics, /admin/status), the router's CPU and memory, and what else the machine did
+(how long the router waited for a CPU). The goals: no errors, no ejections, the other
+clients' TTFT p99 in B within 10 % of A's (B/A taken within a round, then the median over
+the rounds in which the router hardly waited for a CPU). Outputs results.json, report.md
+and ttft.png.
 
 Light to import: the bench's machinery loads only when it runs.
 """
@@ -34,6 +36,9 @@ from pathlib import Path
 # 1 KB/s: the router resumes when its buffer to the client has drained to a quarter).
 BENCH_SETTINGS = ("router.timeouts.idle_s=5",)
 RATIO_GOAL = 1.10
+# A round counts for the TTFT goal when the router waited for a CPU at most this long per
+# second in both runs: on a machine others load, its queueing for a CPU is the TTFT tail.
+QUIET_WAIT_PER_S = 0.05
 # Each client streams this share of the time: it keeps its own timetable (one stream every
 # stream length / DUTY), as independent users do, instead of starting its next stream the
 # moment its last one ended (then a stall that ends many streams at once makes them start
@@ -119,4 +124,5 @@ def run_command(args: argparse.Namespace) -> int:
         except BenchError as exc:
             print(f"bench-slow-readers: {exc}")
             return 1
-    return 0 if all(document["summary"]["goals"].values()) else EXIT_GOALS_NOT_MET
+    met = all(ok is True for ok in document["summary"]["goals"].values())
+    return 0 if met else EXIT_GOALS_NOT_MET

@@ -255,23 +255,30 @@ class Health:
         longest legitimate queue and generation). Returns the workers found stalled now.
         """
         now_s = self._clock()
+        # Only attempts sent `stall_after_s` ago or earlier can show a stall (every rule
+        # needs that long a wait): the usual check, with every request young, stops here.
+        sent_before_s = now_s - self._stall_after_s
         waiting: dict[str, list[Attempt]] = {}
         for key, attempt in list(self._awaiting.items()):
             if attempt.first_byte_s is not None:
                 del self._awaiting[key]
                 self._saw_first_byte(attempt)
-            else:
+            elif attempt.started_s <= sent_before_s:
                 waiting.setdefault(attempt.worker_id, []).append(attempt)
-        for key in [key for key in self._silence if key not in self._awaiting]:
-            del self._silence[key]
+        if self._silence:
+            for key in [key for key in self._silence if key not in self._awaiting]:
+                del self._silence[key]
+        if not waiting:
+            return []
         views = self._views()
         stalled: list[str] = []
-        for worker_id, attempts in waiting.items():
-            found = self._stall_evidence(worker_id, attempts, views, now_s)
+        for worker_id, old in waiting.items():
+            found = self._stall_evidence(worker_id, old, views, now_s)
             if found is None:
                 continue
             evidence, oldest = found
             stalled.append(worker_id)
+            attempts = [a for a in self._awaiting.values() if a.worker_id == worker_id]
             waited_s = self._waited_s(oldest, now_s)
             detail = (f"stalled: no answer for {waited_s:.1f} s ({len(attempts)} "
                       f"waiting) {evidence}")

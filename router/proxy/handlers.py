@@ -98,7 +98,7 @@ class Proxy:
         router_config = config.router
         admission = self.admission
         request_id = request_id_of(exchange.headers)
-        rate_headers: Mapping[str, str] | None = {REQUEST_ID_HEADER: request_id}
+        rate_headers: Mapping[str, str] | None = None
         try:
             # 401 before the body is read: an unknown client costs no body read.
             principal = (admission.authenticate(exchange.headers, config.auth)
@@ -112,13 +112,11 @@ class Proxy:
             kind = _KIND_BY_PATH[exchange.path]
             parsed = parse_body(body, kind, router_config.max_json_depth)
             if admission is not None and principal is not None:  # else nothing to check
-                limits = await admission.admit(principal, parsed, config.auth)  # 403, 429
-                if limits:
-                    rate_headers = {**limits, REQUEST_ID_HEADER: request_id}
+                rate_headers = await admission.admit(principal, parsed, config.auth)  # 403, 429
             origin = self._origin_region(exchange.headers)
             hints = _routing_hints(exchange.headers)
         except ApiError as exc:
-            return _with_headers(api_error_reply(exc), rate_headers)
+            return _with_headers(api_error_reply(exc), rate_headers, request_id)
         except Exception as exc:
             log.exception("request %s (%s): internal error in the router before routing",
                           request_id, exchange.path)
@@ -145,7 +143,7 @@ class Proxy:
             return _internal_error(request_id, rate_headers)
         else:
             record.status = reply.status
-            return _with_headers(reply, rate_headers)
+            return _with_headers(reply, rate_headers, request_id)
         finally:
             record.finished_s = time.monotonic()
             if admission is not None and principal is not None:
@@ -229,6 +227,7 @@ class Proxy:
                 REGION_HEADER: worker.region,
                 WORKER_HEADER: worker.worker_id,
                 ROUTE_HEADER: attempt.reason,
+                REQUEST_ID_HEADER: record.request_id,
                 "server-timing": _server_timing(record, attempt),
             }
             if rate_headers:
@@ -401,12 +400,16 @@ def _server_timing(record: RequestRecord, attempt: Attempt) -> str:
 def _internal_error(request_id: str, headers: Mapping[str, str] | None) -> Reply:
     return _with_headers(
         error_reply(500, f"internal error in the router (request {request_id}; the router's "
-                    "log has the details)", code="internal_error"), headers)
+                    "log has the details)", code="internal_error"), headers, request_id)
 
 
-def _with_headers(reply: Reply, headers: Mapping[str, str] | None) -> Reply:
+def _with_headers(reply: Reply, headers: Mapping[str, str] | None, request_id: str) -> Reply:
+    """`reply` with the caller's rate-limit `headers` and the request id (every answer
+    carries it; a forwarded one has it already, set with the others)."""
     if headers:
         reply.headers = {**headers, **reply.headers}
+    if REQUEST_ID_HEADER not in reply.headers:
+        reply.headers[REQUEST_ID_HEADER] = request_id
     return reply
 
 

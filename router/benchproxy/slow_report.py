@@ -194,14 +194,16 @@ def chart(document: dict[str, Any], path: Path) -> bool:
         others = run["others"]
         label = f"round {run['round']} {run['variant']}" + (
             f" ({share:.0%} slow readers)" if run["slow_readers"] else "")
-        style = "--" if run["slow_readers"] else "-"
+        # A round's two runs in one colour: A solid, B dashed.
+        style = {"linestyle": "--" if run["slow_readers"] else "-",
+                 "color": f"C{(run['round'] - 1) % 10}", "label": label}
         quantiles = others["ttft_quantiles_ms"]
         if quantiles:
             cdf.plot(quantiles, [i / (len(quantiles) - 1) for i in range(len(quantiles))],
-                     linestyle=style, label=label)
+                     **style)
         seconds = others["timeline"]
         timeline.plot([s["second"] for s in seconds], [s["p99_ms"] for s in seconds],
-                      linestyle=style, marker=".", label=label)
+                      marker=".", **style)
     cdf.set_xscale("log")
     cdf.set_xlabel("TTFT of the other clients (ms, log scale)")
     cdf.set_ylabel("fraction of streams")

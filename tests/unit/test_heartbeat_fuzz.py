@@ -130,7 +130,8 @@ class Obj:
     fields: dict[str, tuple[Spec, bool]]
 
 
-Spec = Num | Text | Names | OneOf | Obj
+Leaf = Num | Text | Names | OneOf
+Spec = Leaf | Obj
 
 SEQS = 10_000_000
 LATENCY = Num(float, 0, 86_400_000, nullable=True)
@@ -162,7 +163,7 @@ HEARTBEAT = Obj({
     "key_id": (Text(1, 64, r"[A-Za-z0-9._-]+", nullable=True), False),
     "signature": (Text(1, 128, r"[0-9a-f]+", nullable=True), False),
 })
-RECORD_ITEMS: tuple[tuple[str, Spec], ...] = (
+RECORD_ITEMS: tuple[tuple[str, Leaf], ...] = (
     ("version", OneOf((1,))), ("worker_id", WORKER_ID), ("seq", Num(int, 0, 2**63 - 1)),
     ("sent_at_s", Num(float, 0, 1e11)), ("static_digest", Num(int, 0, 2**32 - 1)),
     ("running", Num(int, 0, SEQS)), ("waiting", Num(int, 0, SEQS)),
@@ -348,7 +349,8 @@ def in_range(spec: Num) -> st.SearchStrategy[bytes]:
                                                      int(spec.high))
     else:
         values = st.floats(spec.low, spec.high, exclude_min=spec.above_low)
-    limits = [spec.high] if spec.above_low else [spec.low, spec.high]
+    limits = [spec.kind(limit) for limit in ((spec.high,) if spec.above_low
+                                             else (spec.low, spec.high))]
     return st.one_of(values, st.sampled_from(limits)).map(lambda n: json.dumps(n).encode())
 
 
@@ -374,7 +376,8 @@ def structure(draw: st.DrawFn, doc: Doc) -> tuple[str, bytes]:
         where = draw(st.sampled_from(OBJECTS))
         spec = PATHS[where] if where else HEARTBEAT
         assert isinstance(spec, Obj)
-        name = draw(st.text(max_size=12).filter(lambda n: n not in spec.fields and "." not in n))
+        name = draw(st.text(min_size=1, max_size=12).filter(
+            lambda n: n not in spec.fields and "." not in n))
         path = f"{where}.{name}" if where else name
         return kind, render(with_pair(doc, path, draw(NUMBERS), first=draw(st.booleans())))
     path = draw(st.sampled_from(sorted(PATHS)))
@@ -539,11 +542,13 @@ def test_hostile_load_records_are_refused_by_reason_or_routed_over(
 # --- defence in depth: views of heartbeats that skipped validation -----------------------
 
 
-def unvalidated(worker_id: str, **performance: float) -> WorkerView:
+def unvalidated(worker_id: str, e2e_ms: float | None = None,
+                prefill_tokens_per_s: float | None = None) -> WorkerView:
     """A view of a heartbeat whose figures never met the schema (`model_construct`), as
     the issue's `inf` reached the snapshot before the schema refused it."""
-    heartbeat = view(worker_id).heartbeat.model_copy(
-        update={"performance": Performance.model_construct(**performance)})
+    performance = Performance.model_construct(e2e_ms=e2e_ms,
+                                              prefill_tokens_per_s=prefill_tokens_per_s)
+    heartbeat = view(worker_id).heartbeat.model_copy(update={"performance": performance})
     return WorkerView(heartbeat, received_at_s=100.0)
 
 

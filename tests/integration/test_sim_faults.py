@@ -459,3 +459,21 @@ async def test_arrivals_count_completion_requests_since_the_last_change(
     await set_faults(http, sim, misbehave="none")
     async with http.get(sim.url + "/sim/arrivals") as response:
         assert (await response.json())["completion_requests"] == 0
+
+
+async def test_the_engine_serves_misbehaving_requests_as_usual(
+    misbehaving: Callable[..., Awaitable[SimServer]], http: aiohttp.ClientSession
+) -> None:
+    """Its metrics (and so the agent's heartbeats) look healthy: only the answer is wrong."""
+    sim = await misbehaving("no_answer")
+
+    async def generated_tokens() -> float:
+        async with http.get(sim.url + "/metrics") as response:
+            text = await response.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:generation_tokens_total"))
+
+    before = await generated_tokens()
+    reply = await raw_post(sim, MISBEHAVE_CHAT, wait_s=0.3)
+    assert reply.data == b""
+    assert await generated_tokens() - before == MISBEHAVE_CHAT["max_tokens"]

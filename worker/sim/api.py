@@ -135,7 +135,7 @@ class SimHandlers:
         if knobs.hang:
             await self._park()
         if knobs.misbehave != "none":
-            return await WrongAnswer(request, generation, knobs, self._park).play(knobs.misbehave)
+            return await self._misbehave(request, generation, knobs, id_prefix)
         if self._faults.draw_error():
             return ApiError(
                 HTTPStatus.INTERNAL_SERVER_ERROR,
@@ -160,6 +160,23 @@ class SimHandlers:
             # A no-op for finished sequences; otherwise the client went away (the handler
             # was cancelled) and its slot and KV blocks go back to the pool.
             self._engine.abort(seq)
+
+    async def _misbehave(self, request: web.Request, generation: GenerationRequest,
+                         knobs: FaultKnobs, id_prefix: str) -> web.StreamResponse:
+        """The engine serves the request as usual, so that its metrics (and the agent's
+        heartbeats) look healthy, while the answer goes wrong: a fault between a working
+        engine and the router, which only the router's own observations can find."""
+        try:
+            seq: Sequence | None = self._engine.submit(
+                id_prefix + uuid.uuid4().hex, generation.prompt, generation.max_tokens,
+                generation.ignore_eos)
+        except QueueFullError:
+            seq = None  # a full engine: the answer goes wrong all the same
+        try:
+            return await WrongAnswer(request, generation, knobs, self._park).play(knobs.misbehave)
+        finally:
+            if seq is not None:
+                self._engine.abort(seq)
 
     async def _stream_refusal(self, request: web.Request, refusal: ApiError) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": _SSE_CONTENT_TYPE})

@@ -57,7 +57,9 @@ class FaultKnobs(BaseModel):
     misbehave: Misbehaviour = Field(
         default="none",
         description="how completion requests (chat and completions, streaming or not) are "
-        "answered wrongly, once their body was read. no_answer: never (as `hang`); "
+        "answered wrongly, once their body was read, while the engine serves them as usual "
+        "(its metrics look healthy: unlike `hang`, only the router's own observations show "
+        "the fault). no_answer: never; "
         "headers_then_hang: 200 and the headers, then nothing; half_body_close: half of the "
         "body (of the JSON answer, or of the first token's SSE event), then FIN; "
         "wrong_content_length: the whole body under a Content-Length 100 bytes larger, then "

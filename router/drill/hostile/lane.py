@@ -41,9 +41,14 @@ def lane_document(index: int, healthy_workers: int, port: int) -> dict[str, Any]
     """The lane's regions.yaml: one region, `healthy_workers` + 1 simulated workers.
 
     Timeouts are short so that a cell of seconds sees a fault found (production's
-    first_byte_s is 120 s; regions.yaml)."""
+    first_byte_s is 120 s; regions.yaml). Requests go round robin, through the same health
+    filter as every policy, so that the bad worker gets its share of every cell until
+    the router's health checks stop it: with `predicted_ttft`, among near-equal workers the
+    better of two random ones always wins, and the one whose measured prefill rate
+    happens to be the worst of four gets no request at all (a cell that never meets its
+    fault). `--set router.policy=predicted_ttft` drills the production policy."""
     router: dict[str, Any] = {
-        "region": REGION, "host": "127.0.0.1", "port": port,
+        "region": REGION, "host": "127.0.0.1", "port": port, "policy": "round_robin",
         "timeouts": {"connect_s": 1, "first_byte_s": 2, "idle_s": 2, "total_s": 8},
     }
     return {

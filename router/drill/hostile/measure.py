@@ -45,6 +45,8 @@ DEFINITIONS = {
                 "`readmitted`), which are the breaker's half-open probes. null when the "
                 "router was still sending there within 1 s of the end of the load; 0 when it "
                 "sent nothing there after the fault",
+    "exercised": "whether any request reached the bad worker after the fault: a cell in "
+                 "which the router sent it nothing met its goals without meeting the fault",
     "router_5xx": "answers (a status, or an SSE error event after 200) of 500, or of "
                   "another 5xx whose OpenAI error `code` is not one that reports a worker's "
                   "failure or no capacity (upstream_failed, upstream_error, no_capacity, "
@@ -152,14 +154,16 @@ def summarize(run: CellRun) -> dict[str, Any]:
     healthy = [e for e in run.router_events
                if e.get("kind") == "ejected" and _worker_of(e) not in (None, run.bad_worker)]
     windows = ejection_windows(run.router_events, run.bad_worker)
+    found = detection(run.arrivals_unix_s, run.fault_unix_s, run.load_end_unix_s, windows)
     cell: dict[str, Any] = {
         "worker_fault": run.fault, "client_behaviour": run.client, "lane": run.lane,
+        "exercised": found["sent_to_bad"] > 0,
         "requests": len(outcomes),
         "behaviour_requests": sum(o.plan.role == "behaviour" for o in outcomes),
         "lost": len(lost), "lost_witness": sum(o.plan.role == "witness" for o in lost),
         "refusals_missed": len(refusals),
         "healthy_ejected": len(healthy),
-        **detection(run.arrivals_unix_s, run.fault_unix_s, run.load_end_unix_s, windows),
+        **found,
         "bad_ejections": sum(1 for e in run.router_events if e.get("kind") == "ejected"
                              and _worker_of(e) == run.bad_worker),
         "router_5xx": len(router_5xx),

@@ -26,6 +26,8 @@ def _grade(cell: dict[str, Any]) -> int:
 def _label(cell: dict[str, Any]) -> str:
     detect = cell["detect_s"]
     lines = [f"lost {cell['lost']}", "detect -" if detect is None else f"detect {detect:.1f}s"]
+    if not cell["exercised"]:
+        lines.append("not exercised")
     if cell.get("refusals_missed"):
         lines.append(f"no 413: {cell['refusals_missed']}")
     if cell["router_5xx"]:

@@ -33,6 +33,7 @@ def build_report(cells: Sequence[dict[str, Any]], *, faults: Sequence[str],
         "goals_met": incomplete is None and all(goal["met"] for goal in goals),
         "incomplete": incomplete,
         "cells_met": sum(not cell["goals_missed"] for cell in cells),
+        "cells_not_exercised": sum(not cell["exercised"] for cell in cells),
         "settings": settings,
         "definitions": DEFINITIONS,
         "wall_s": round(wall_s, 1),
@@ -52,7 +53,7 @@ def _short(cell: dict[str, Any]) -> str:
     """A matrix entry: `ok`, or what was missed."""
     missed = cell["goals_missed"]
     if not missed:
-        return "ok"
+        return "ok" if cell["exercised"] else "ok (not exercised)"
     parts = []
     for name in missed:
         if name == "lost":
@@ -70,7 +71,9 @@ def render(report: dict[str, Any]) -> str:
     faults, clients = report["worker_faults"], report["client_behaviours"]
     by_key = {(c["worker_fault"], c["client_behaviour"]): c for c in report["cells"]}
     lines = ["# Hostile drill: worker faults x client behaviours", "",
-             f"{len(report['cells'])} cells, {report['cells_met']} meeting every goal; "
+             f"{len(report['cells'])} cells, {report['cells_met']} meeting every goal "
+             f"({report['cells_not_exercised']} not exercised: no request reached the bad "
+             "worker); "
              f"{report['wall_s']:g} s in all. Goals per cell: "
              + "; ".join(f"`{g['goal']}`" for g in report["goals"]) + ".", "",
              *([f"**Incomplete: {report['incomplete']}**", ""] if report["incomplete"] else []),

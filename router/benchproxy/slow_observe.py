@@ -1,19 +1,23 @@
 """What bench-slow-readers reads of the router under test, from outside: its /metrics
 counters and histograms, the ejections among /admin/status's events, its memory
-(/proc/PID/status), and how fast it answers GET /health while the load runs (a router
-whose event loop stalls answers late: the stall is then in every stream's TTFT too).
+(/proc/PID/status), how fast it answers GET /health while the load runs (a router
+whose event loop stalls answers late: the stall is then in every stream's TTFT too), and
+the CPU time of it and the backends and their waits for a CPU (schedstat).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.benchproxy.cpu import tree_cpu_s
+from router.benchproxy.slow_clients import waited_s
 from router.benchproxy.stats import summarize
 
 HOST = "127.0.0.1"
@@ -114,3 +118,60 @@ async def probe_health(port: int, latencies_s: list[float]) -> None:
 def probe_summary(latencies_s: list[float]) -> dict[str, float]:
     """`probe_health`'s latencies summed up, in ms."""
     return {k: v * 1000 if k != "count" else v for k, v in summarize(latencies_s).items()}
+
+
+@dataclass
+class Readings:
+    """What is read of the processes before and after a run's load (CPU and wait in s,
+    memory in KiB), for the differences."""
+
+    router_cpu_s: float | None
+    router_waited_s: float
+    router_memory_kib: dict[str, int]
+    backends_cpu_s: float
+    backends_waited_s: float
+
+    @classmethod
+    def now(cls, router_pid: int, backend_pids: list[int]) -> Readings:
+        return cls(tree_cpu_s(router_pid), waited_s(router_pid), memory_kib(router_pid),
+                   sum(tree_cpu_s(pid) or 0.0 for pid in backend_pids),
+                   sum(waited_s(pid) for pid in backend_pids))
+
+
+def from_counters(counts: dict[str, float]) -> dict[str, Any]:
+    """A run's ejections, attempt failures by kind, other counters, and the router's own
+    TTFT and worker TTFB quantiles (to its histogram buckets: every stream, the slow
+    readers' too)."""
+    return {
+        "ejections": int(counts.get("ejections", 0)),
+        "failures": {k[8:]: v for k, v in counts.items() if k.startswith("failure:")},
+        "counters": {k: v for k, v in counts.items()
+                     if k != "ejections" and not k.startswith(("failure:", "bucket:"))},
+        "router_view_ms": {f"{name}_{label}": bucket_quantile(counts, name, q)
+                           for name in HISTOGRAMS.values()
+                           for label, q in (("p50", 0.5), ("p99", 0.99))},
+    }
+
+
+def from_readings(before: Readings, after: Readings, result: dict[str, Any],
+                   share: float | None, probes_s: list[float]) -> dict[str, Any]:
+    """CPU use and CPU waits (per second of the run), the router's memory and its
+    GET /health latencies."""
+    wall_s = result["wall_s"]
+    cpu_s = (None if before.router_cpu_s is None or after.router_cpu_s is None
+             else after.router_cpu_s - before.router_cpu_s)
+    return {
+        "backends_core_pct": (after.backends_cpu_s - before.backends_cpu_s) / wall_s * 100,
+        "loadgen_core_pct": result.pop("loadgen_cpu_s") / wall_s * 100,
+        # Waiting for a CPU while runnable, per second of the run (1.0: all the time).
+        "cpu_wait_per_s": {
+            "router": (after.router_waited_s - before.router_waited_s) / wall_s,
+            "backends": (after.backends_waited_s - before.backends_waited_s) / wall_s,
+            "loadgen": result.pop("loadgen_waited_s") / wall_s},
+        "router": {"cpu_s": cpu_s, "core_share_before": share,
+                   "core_pct": None if cpu_s is None else cpu_s / wall_s * 100,
+                   "health_probe_ms": probe_summary(probes_s),
+                   "rss_before_mib": before.router_memory_kib.get("VmRSS", 0) / 1024,
+                   "rss_after_mib": after.router_memory_kib.get("VmRSS", 0) / 1024,
+                   "rss_peak_mib": after.router_memory_kib.get("VmHWM", 0) / 1024},
+    }

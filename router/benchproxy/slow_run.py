@@ -10,6 +10,7 @@ the first core, everything else on the others (with one core nothing is pinned).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import subprocess
@@ -23,18 +24,15 @@ from typing import Any
 import aiohttp
 
 from router.benchproxy import procs
-from router.benchproxy.cpu import tree_cpu_s
 from router.benchproxy.routers import Running, Unavailable, setup_globalpool, wait_ready
-from router.benchproxy.slow_clients import waited_s
 from router.benchproxy.slow_observe import (
-    HISTOGRAMS,
     HOST,
-    bucket_quantile,
+    Readings,
     delta,
-    memory_kib,
+    from_counters,
+    from_readings,
     observe,
     probe_health,
-    probe_summary,
 )
 from router.benchproxy.slow_readers import BENCH_SETTINGS, DUTY, Options
 from router.benchproxy.workloads import PACED_MODEL
@@ -58,12 +56,6 @@ class Stack:
     redis_url: str
     backend_urls: list[str]
     backend_pids: list[int]
-
-    def backends_cpu_s(self) -> float:
-        return sum(tree_cpu_s(pid) or 0.0 for pid in self.backend_pids)
-
-    def backends_waited_s(self) -> float:
-        return sum(waited_s(pid) for pid in self.backend_pids)
 
 
 def split_cores(pin: bool) -> tuple[set[int] | None, set[int] | None, str]:
@@ -92,11 +84,14 @@ async def start_backends(options: Options, cores: set[int] | None,
             cores=cores, log_path=log_dir / f"backend-{index}.log", stdout_pipe=True))
     for index, process in enumerate(started):
         assert process.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 30)
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 30)
+        except TimeoutError:
+            line = b"(nothing in 30 s)"
         if line.strip() != b"ready":
             for each in started:
                 procs.stop(each)
-            raise BenchError(f"backend {index} did not start: "
+            raise BenchError(f"backend {index} did not start: {line.strip()!r} "
                              f"{procs.log_tail(log_dir / f'backend-{index}.log')}")
     return started, ports
 
@@ -107,8 +102,11 @@ async def _until_all_workers(port: int, workers: int) -> None:
     seen = 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         while time.monotonic() < deadline:
-            async with session.get(f"http://{HOST}:{port}/health") as answer:
-                seen = int((await answer.json()).get("workers", 0))
+            try:
+                async with session.get(f"http://{HOST}:{port}/health") as answer:
+                    seen = int((await answer.json()).get("workers", 0))
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass  # asked again
             if seen >= workers:
                 return
             await asyncio.sleep(0.2)
@@ -134,8 +132,6 @@ def plan_of(options: Options, slow_readers: bool, port: int) -> dict[str, Any]:
 
 
 async def _load(plan: dict[str, Any], cores: set[int] | None, log_path: Path) -> Any:
-    import json
-
     process = procs.start([sys.executable, "-m", "router.benchproxy.slow_clients",
                            json.dumps(plan)], cores=cores, log_path=log_path,
                           stdout_pipe=True)
@@ -151,12 +147,10 @@ async def _load(plan: dict[str, Any], cores: set[int] | None, log_path: Path) ->
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
-async def run_once(stack: Stack, options: Options, round_number: int, slow_readers: bool,
-                   say: Callable[[str], None]) -> dict[str, Any]:
-    """One run (A: no slow readers, B: with them) through a fresh router."""
-    variant = "B" if slow_readers else "A"
-    run_dir = options.out / f"round{round_number}-{variant}"
-    port = procs.free_port()
+async def _start_router(stack: Stack, options: Options, run_dir: Path,
+                        port: int) -> tuple[Running, str]:
+    """A fresh router on `port` with the bench's settings, ready and seeing every
+    worker; returns it and its admin token."""
     setup = await setup_globalpool(stack.redis_url, port, run_dir / "regions.yaml",
                                    stack.backend_urls)
     with_overrides(run_dir / "regions.yaml", [*BENCH_SETTINGS, *options.overrides], run_dir)
@@ -173,12 +167,26 @@ async def run_once(stack: Stack, options: Options, round_number: int, slow_reade
         raise BenchError(f"the router did not start: {exc}") from None
     try:
         await _until_all_workers(port, options.workers)
+    except BaseException:
+        await running.stop()
+        raise
+    return running, setup.env["GLOBALPOOL_ADMIN_TOKEN"]
+
+
+async def run_once(stack: Stack, options: Options, round_number: int, slow_readers: bool,
+                   say: Callable[[str], None]) -> dict[str, Any]:
+    """One run (A: no slow readers, B: with them) through a fresh router."""
+    variant = "B" if slow_readers else "A"
+    run_dir = options.out / f"round{round_number}-{variant}"
+    port = procs.free_port()
+    running, token = await _start_router(stack, options, run_dir, port)
+    assert running.process is not None
+    pid = running.process.pid
+    try:
         # Other work on a shared machine: what a busy process gets of the router's core.
         share = await asyncio.to_thread(procs.core_share, stack.router_cores)
-        before, _ = await observe(port, setup.env["GLOBALPOOL_ADMIN_TOKEN"])
-        memory_before, cpu_before = memory_kib(process.pid), tree_cpu_s(process.pid)
-        backends_before = stack.backends_cpu_s()
-        waits_before = waited_s(process.pid), stack.backends_waited_s()
+        counters_before, _ = await observe(port, token)
+        before = Readings.now(pid, stack.backend_pids)
         say(f"[round {round_number}] run {variant}: {options.streams} streams"
             + (f", {options.slow_share:.0%} slow readers" if slow_readers else ""))
         plan = plan_of(options, slow_readers, port)
@@ -188,38 +196,15 @@ async def run_once(stack: Stack, options: Options, round_number: int, slow_reade
             result = await _load(plan, stack.load_cores, run_dir / "loadgen.log")
         finally:
             probe.cancel()
-        cpu_after, memory_after = tree_cpu_s(process.pid), memory_kib(process.pid)
-        backends_s = stack.backends_cpu_s() - backends_before
-        router_waited_s = waited_s(process.pid) - waits_before[0]
-        backends_waited_s = stack.backends_waited_s() - waits_before[1]
-        after, events = await observe(port, setup.env["GLOBALPOOL_ADMIN_TOKEN"])
+        after = Readings.now(pid, stack.backend_pids)
+        counters_after, events = await observe(port, token)
     finally:
         await running.stop()
-    cpu_s = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
-    counts = delta(before, after)
-    wall_s = result["wall_s"]
-    return {"round": round_number, "variant": variant, "slow_readers": slow_readers,
-            "clients": plan["clients"], **result, "ejections": int(counts.pop("ejections", 0)),
-            "failures": {k[8:]: v for k, v in counts.items() if k.startswith("failure:")},
-            "counters": {k: v for k, v in counts.items()
-                         if not k.startswith(("failure:", "bucket:"))},
-            # As the router saw every stream (slow readers' too), to its histogram buckets.
-            "router_view_ms": {f"{name}_{label}": bucket_quantile(counts, name, q)
-                               for name in HISTOGRAMS.values()
-                               for label, q in (("p50", 0.5), ("p99", 0.99))},
-            "ejection_events": events,
-            "backends_core_pct": backends_s / wall_s * 100,
-            # Waiting for a CPU while runnable, per second of the run (1.0: all the time).
-            "cpu_wait_per_s": {"router": router_waited_s / wall_s,
-                               "backends": backends_waited_s / wall_s,
-                               "loadgen": result.pop("loadgen_waited_s") / wall_s},
-            "loadgen_core_pct": result.pop("loadgen_cpu_s") / wall_s * 100,
-            "router": {"cpu_s": cpu_s, "core_share_before": share,
-                       "health_probe_ms": probe_summary(probes_s),
-                       "core_pct": None if cpu_s is None else cpu_s / wall_s * 100,
-                       "rss_before_mib": memory_before.get("VmRSS", 0) / 1024,
-                       "rss_after_mib": memory_after.get("VmRSS", 0) / 1024,
-                       "rss_peak_mib": memory_after.get("VmHWM", 0) / 1024}}
+    row = {"round": round_number, "variant": variant, "slow_readers": slow_readers,
+           "clients": plan["clients"], **result, "ejection_events": events}
+    row.update(from_counters(delta(counters_before, counters_after)))
+    row.update(from_readings(before, after, result, share, probes_s))
+    return row
 
 
 def start_valkey(cores: set[int] | None, log_dir: Path) -> Any:

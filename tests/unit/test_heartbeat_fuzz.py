@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pydantic_core
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,6 +39,8 @@ from worker.probe import (
     PerformanceTracker,
     ServedModels,
     parse_metrics,
+    parse_models,
+    parse_version,
 )
 from worker.schema import (
     Capacity,
@@ -652,6 +655,19 @@ def test_odd_engine_metrics_never_make_an_unpublishable_heartbeat(
     TALLY["metrics texts"] += 2
     if heartbeat is not None:
         publishable(heartbeat)
+
+
+@pytest.mark.parametrize(("parse", "answer", "why"), [
+    (parse_models, {"data": [{"id": "m" * 257}]}, "257 characters"),
+    (parse_models, {"data": [{"id": ""}]}, "0 characters"),
+    (parse_models, {"data": [{"id": f"a{i}", "parent": "m"} for i in range(4097)]},
+     "4097 adapters"),
+    (parse_version, {"version": "0." * 200}, "1 to 256 characters"),
+])
+def test_engine_names_a_heartbeat_cannot_carry_are_a_probe_error(
+        parse: Callable[[Any], object], answer: object, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        parse(answer)
 
 
 def test_print_the_fuzzing_counts() -> None:

@@ -60,7 +60,9 @@ class ReadsThenStalls(ClientBehaviour):
         if outcome.plan.stream:
             await read_body(reader, head, first, outcome,
                             enough_events=self.settings.stall_after_events)
-        await asyncio.sleep(self.settings.stall_s)
+
+    def hold_s(self) -> float:
+        return self.settings.stall_s
 
 
 class DisconnectsBeforeHeaders(ClientBehaviour):

@@ -14,6 +14,7 @@ most load_s + deadline_s + a few seconds.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +70,7 @@ async def run_cell(lane: Lane, fault: str, client: str, settings: CellSettings,
         arrivals_since = (await lane.arrivals())["since_unix_s"]
         load_end_unix_s = time.time() + settings.load_s
         with LoopLag() as lag:
-            outcomes = await _load(lane, behaviour, witness, settings)
+            outcomes = await _load(lane, behaviour, witness, settings, f"{fault}/{client}")
     finally:
         await behaviour.close()
     await asyncio.sleep(settings.settle_s)
@@ -115,12 +116,15 @@ class LoopLag:
 
 
 async def _load(lane: Lane, behaviour: ClientBehaviour, witness: ClientBehaviour,
-                settings: CellSettings) -> list[Outcome]:
-    """Start every request on its schedule; return when all have ended."""
+                settings: CellSettings, seed: str) -> list[Outcome]:
+    """Start every request on its schedule; return when all have ended. `seed`: the same
+    mix of requests for the same cell on every run."""
+    rng = random.Random(seed)
     schedule = sorted(
-        [(i / settings.behaviour_rate_per_s, behaviour, RequestPlan.mixed(i, "behaviour"))
+        [(i / settings.behaviour_rate_per_s, behaviour, RequestPlan.mixed(i, "behaviour", rng))
          for i in range(int(settings.load_s * settings.behaviour_rate_per_s))]
-        + [((i + 0.5) / settings.witness_rate_per_s, witness, RequestPlan.mixed(i, "witness"))
+        + [((i + 0.5) / settings.witness_rate_per_s, witness,
+            RequestPlan.mixed(i, "witness", rng))
            for i in range(int(settings.load_s * settings.witness_rate_per_s))],
         key=lambda item: item[0])
     loop = asyncio.get_running_loop()

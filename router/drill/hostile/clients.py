@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import resource
 import time
 from dataclasses import dataclass, field
@@ -66,10 +67,13 @@ class RequestPlan:
     role: Literal["behaviour", "witness"] = "behaviour"
 
     @classmethod
-    def mixed(cls, index: int, role: Literal["behaviour", "witness"]) -> RequestPlan:
-        """Streams and whole answers, chat and completions, in turn."""
-        path = "/v1/chat/completions" if index // 2 % 2 == 0 else "/v1/completions"
-        return cls(index, index % 2 == 0, path, role)
+    def mixed(cls, index: int, role: Literal["behaviour", "witness"],
+              rng: random.Random) -> RequestPlan:
+        """A stream or a whole answer, chat or completions, drawn at random (`rng` seeded
+        per cell): taken in turn, with the router's turns round robin, the bad worker
+        could get only streams or only whole answers."""
+        path = "/v1/chat/completions" if rng.random() < 0.5 else "/v1/completions"
+        return cls(index, rng.random() < 0.5, path, role)
 
 
 @dataclass(slots=True)
@@ -148,6 +152,11 @@ class ClientBehaviour:
     def tokens(self, plan: RequestPlan) -> int:
         return self.settings.tokens
 
+    def hold_s(self) -> float:
+        """How long to keep the connection open, reading nothing, once the exchange is
+        over (outside the deadline: holding on is the client's own choice)."""
+        return 0.0
+
     def body(self, plan: RequestPlan) -> bytes:
         document: dict[str, Any] = {"model": self.settings.model,
                                     "max_tokens": self.tokens(plan), "stream": plan.stream}
@@ -161,19 +170,21 @@ class ClientBehaviour:
         """One request on a fresh connection, bounded by `deadline_s`; never raises."""
         outcome = Outcome(self.name, self.expects, plan, time.time())
         deadline_s = self.settings.deadline_s
+        writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(deadline_s):
                 reader, writer = await connect(endpoint)
-                try:
-                    await self.exchange(endpoint, plan, reader, writer, outcome)
-                finally:
-                    writer.close()
+                await self.exchange(endpoint, plan, reader, writer, outcome)
+            await asyncio.sleep(self.hold_s())
         except TimeoutError:
             outcome.failure = f"no end within the client's {deadline_s:g} s"
         except (EOFError, MalformedAnswer) as exc:
             outcome.failure = str(exc)
         except OSError as exc:  # refused, reset, broken pipe
             outcome.failure = type(exc).__name__
+        finally:
+            if writer is not None:
+                writer.close()
         outcome.ended_unix_s = time.time()
         outcome.got_expected = outcome.failure is None and self.judge(outcome)
         return outcome

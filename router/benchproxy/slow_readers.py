@@ -113,8 +113,14 @@ def run_command(args: argparse.Namespace) -> int:
     from router.benchproxy.procs import new_event_loop
     from router.benchproxy.slow_run import BenchError, bench_slow_readers
 
-    if not 0 <= args.slow_share < 1 or args.streams < 1 or args.rounds < 1:
-        print("--streams and --rounds must be >= 1, --slow-share within [0, 1)")
+    positive = ("streams", "rounds", "workers", "tokens", "gap_ms", "window_s",
+                "slow_bytes_per_s", "slow_rcvbuf_bytes")
+    problems = [f"--{name.replace('_', '-')} must be > 0" for name in positive
+                if getattr(args, name) <= 0]
+    if not 0 <= args.slow_share < 1:
+        problems.append("--slow-share must be within [0, 1)")
+    if problems:
+        print("; ".join(problems))
         return 2
     options = Options(out=args.out, overrides=args.overrides, router_tree=args.router_tree,
                       pin=args.pin, **{name: getattr(args, name) for name in FLAGS})

@@ -78,6 +78,8 @@ UPSTREAM_KEEPALIVE_S = 4.0
 ADMISSION = web.AppKey("admission", Admission)
 # Auth, rate-limit, residency and heartbeat-verification counters (for /metrics).
 SECURITY_STATS = web.AppKey("security_stats", SecurityStats)
+# Whether this router has heartbeat signing keys (the status page says how it verifies).
+HEARTBEAT_KEYS = web.AppKey("heartbeat_keys", bool)
 # The supervised background tasks, by name (router.supervisor): crashes are restarted.
 BACKGROUND: web.AppKey[dict[str, Supervised]] = web.AppKey("background")
 
@@ -153,6 +155,7 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
     pubsub_redis = redis_client.connect_pubsub(settings.redis_url)
     keys = (keys_from_environ(os.environ) if settings.heartbeat_keys is None
             else settings.heartbeat_keys)
+    app[HEARTBEAT_KEYS] = bool(keys)
     collector = HeartbeatCollector(
         redis=redis,
         pubsub_redis=pubsub_redis,
@@ -251,7 +254,8 @@ async def _operations(app: web.Application) -> AsyncIterator[None]:
                            security=app[SECURITY_STATS], heartbeat_counts=app[COLLECTOR].counts,
                            heartbeat_upkeep=app[COLLECTOR].upkeep,
                            background=lambda: _task_states(fleet_tasks,
-                                                           operations.supervised))
+                                                           operations.supervised),
+                           heartbeat_keys=app[HEARTBEAT_KEYS])
     yield
     await operations.stop()
 

@@ -195,6 +195,12 @@ class HeartbeatConfig(_Strict):
         description="signed heartbeats sent further in the future, or older than their "
         "ttl_s by more than this, are dropped (replays)",
     )
+    insecure: bool = Field(
+        default=False,
+        description="believe unsigned heartbeats when the router has no signing keys: "
+        "anyone who can write to Redis can then steer traffic (a warned opt-out, shown on "
+        "the status page); without it, a router with no keys refuses every heartbeat",
+    )
 
     @model_validator(mode="after")
     def _ttl_covers_intervals(self) -> HeartbeatConfig:
@@ -230,7 +236,8 @@ class RegionConfig(_Strict):
     allowed_endpoints: list[str] | None = Field(
         default=None, min_length=1,
         description="hosts, IPs, CIDRs or *.suffix names the region's workers may advertise; "
-        "heartbeats with other endpoints are dropped (omitted: any)",
+        "heartbeats with other endpoints are dropped (omitted: private and loopback IP "
+        "addresses only; 0.0.0.0/0 and ::/0 allow any)",
     )
     upstream_api_key_env: str | None = Field(
         default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
@@ -257,6 +264,15 @@ class AdminConfig(_Strict):
     config_check_s: float = Field(
         default=0.5, ge=0, le=3600,
         description="how often the router checks this file for changes (hot reload); 0 = never",
+    )
+    metrics_auth: Literal["none", "admin_token", "scrape_token"] = Field(
+        default="none",
+        description="what /metrics asks for: nothing, the admin token, or the scrape token "
+        "(from scrape_token_env), as `Authorization: Bearer <token>`",
+    )
+    scrape_token_env: str = Field(
+        default="GLOBALPOOL_SCRAPE_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="environment variable holding the scrape token (metrics_auth: scrape_token)",
     )
 
 

@@ -94,15 +94,24 @@ class Operations:
     def add_routes(self, app: web.Application) -> None:
         auth = AdminAuth(lambda: self.configs.current.admin.token_env)
         add_admin_routes(app, auth)
-        app.router.add_get("/metrics", metrics_handler(self.registry, self._worker_exposition))
+        scrape = AdminAuth(lambda: self._metrics_token_env() or "")
+        serve_metrics = metrics_handler(self.registry, self._worker_exposition)
+
+        async def metrics(request: web.Request) -> web.Response:
+            """/metrics, behind the token `admin.metrics_auth` asks for (none by default)."""
+            if self._metrics_token_env() is not None:
+                scrape.check(request)
+            return await serve_metrics(request)
+
+        app.router.add_get("/metrics", metrics)
 
     async def start(self, app: web.Application, *, redis_url: str, proxy: Proxy,
                     snapshots: SnapshotHolder, inflight: InFlight,
                     security: SecurityStats | None = None,
                     heartbeat_counts: Callable[[], Mapping[str, int]] | None = None,
                     heartbeat_upkeep: Callable[[], Mapping[str, float]] | None = None,
-                    background: Callable[[], Mapping[str, tuple[bool, int]]] | None = None
-                    ) -> None:
+                    background: Callable[[], Mapping[str, tuple[bool, int]]] | None = None,
+                    heartbeat_keys: bool | None = None) -> None:
         """Begin following drain flags and the config file; expose the admin context."""
         config = self.configs.current
         self.drains.set_configured(_configured_drains(config))
@@ -134,7 +143,8 @@ class Operations:
             drain_holder=self.drains, inflight=inflight, window=self.window,
             events=self.events, drains=store, health=proxy.health,
             reload=watcher.reload if watcher is not None else None,
-            queue=proxy.queue.backlog if proxy.queue is not None else None)
+            queue=proxy.queue.backlog if proxy.queue is not None else None,
+            heartbeat_keys=heartbeat_keys)
 
     async def _worker_exposition(self) -> bytes:
         """The fleet's gauges by worker, once the fleet is followed (`start`)."""
@@ -173,6 +183,15 @@ class Operations:
                       proxy.policy.name)
             return
         log.info("routing policy now %s (near_equal_ms %g)", name, new.router.near_equal_ms)
+
+    def _metrics_token_env(self) -> str | None:
+        """The variable holding the token /metrics asks for; None: it asks for none."""
+        admin = self.configs.current.admin
+        if admin.metrics_auth == "admin_token":
+            return admin.token_env
+        if admin.metrics_auth == "scrape_token":
+            return admin.scrape_token_env
+        return None
 
     def _policy_known(self, config: GlobalConfig) -> list[str]:
         return runtime_problems(config, policy_override=self.policy_override)

@@ -73,8 +73,20 @@ class AdminContext:
     health: HealthStatusView | None = None
     reload: Callable[[], bool] | None = None
     queue: Sized | None = None  # requests waiting at this router (router.admission.queue)
+    # Whether this router has heartbeat signing keys (None: not known here).
+    heartbeat_keys: bool | None = None
     started_unix_s: float = field(default_factory=time.time)
     clock: Callable[[], float] = time.monotonic
+
+
+def _signing(context: AdminContext) -> str | None:
+    """"required" (signing keys), "insecure" (no keys, heartbeat.insecure: unsigned ones
+    believed) or "no_keys" (every heartbeat refused)."""
+    if context.heartbeat_keys is None:
+        return None
+    if context.heartbeat_keys:
+        return "required"
+    return "insecure" if context.configs.current.heartbeat.insecure else "no_keys"
 
 
 def _breaker(context: AdminContext, worker_id: str) -> str:
@@ -275,6 +287,7 @@ async def fleet_status(context: AdminContext, max_workers: int | None = None
             for name in sorted(context.drain_holder.configured)
         ],
         "events": _events(context, now_s, now_unix_s),
+        "security": {"heartbeat_signing": _signing(context)},
     }
 
 

@@ -10,7 +10,7 @@ from router.admission.gate import Admission
 from router.admission.limiter import RateLimiter
 from router.admission.redis_limiter import RateLimitKeys, RedisLimiter
 from router.admission.stats import SecurityStats
-from router.auth.endpoints import EndpointAllowList
+from router.auth.endpoints import DEFAULT_ALLOWED_ENDPOINTS, EndpointAllowList
 from router.auth.heartbeats import HeartbeatGate, HeartbeatRules
 from router.config import GlobalConfig
 from worker import redis_client
@@ -45,14 +45,17 @@ def build_admission(config: GlobalConfig, redis_url: str, stats: SecurityStats) 
 
 
 def heartbeat_rules(config: GlobalConfig) -> HeartbeatRules:
+    default = EndpointAllowList.parse(DEFAULT_ALLOWED_ENDPOINTS)
     return HeartbeatRules(
         allow_lists={
-            name: EndpointAllowList.parse(region.allowed_endpoints)
+            name: (default if region.allowed_endpoints is None
+                   else EndpointAllowList.parse(region.allowed_endpoints))
             for name, region in config.regions.items()
-            if region.allowed_endpoints is not None
         },
         known_regions=frozenset(config.regions),
         max_clock_skew_s=config.heartbeat.max_clock_skew_s,
+        models={name: frozenset(region.models) for name, region in config.regions.items()},
+        insecure=config.heartbeat.insecure,
     )
 
 
@@ -79,7 +82,13 @@ def heartbeat_gate(
     sit in regions.yaml; none: unsigned heartbeats are believed."""
     if keys:
         log.info("heartbeat signatures are required (keys: %s)", ", ".join(keys))
+    elif config().heartbeat.insecure:
+        log.warning("heartbeat signing is OFF (heartbeat.insecure: true, no %s or %s): the "
+                    "router believes any heartbeat written to Redis; anyone who can write "
+                    "there can steer traffic", KEYS_ENV, KEYS_FILE_ENV)
     else:
-        log.warning("heartbeat signing is OFF (no %s or %s): the router believes any "
-                    "heartbeat written to Redis", KEYS_ENV, KEYS_FILE_ENV)
+        log.error("no heartbeat signing keys (%s or %s): every heartbeat is refused, so "
+                  "this router routes nothing; give it the agents' keys, or set "
+                  "heartbeat.insecure: true to believe unsigned heartbeats (unsafe)",
+                  KEYS_ENV, KEYS_FILE_ENV)
     return HeartbeatGate(keys=keys, rules=following(config), stats=stats)

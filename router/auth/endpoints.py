@@ -20,6 +20,13 @@ _HOST = re.compile(r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
+# A region without `allowed_endpoints`: its workers may advertise private and loopback IP
+# addresses only (where a deployment's workers are: RFC 1918, unique-local and link-local
+# ranges, and loopback for one machine), so a forged heartbeat cannot point routers at an
+# address on the internet. Host names and public addresses must be listed.
+DEFAULT_ALLOWED_ENDPOINTS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+                             "169.254.0.0/16", "127.0.0.0/8", "fc00::/7", "fe80::/10", "::1/128")
+
 
 def entry_problem(entry: str) -> str | None:
     """Why `entry` is not a valid allow-list entry, or None."""

@@ -10,14 +10,16 @@ why it must be dropped (a `SecurityStats.heartbeats_dropped` label), or None:
   (by send time, then sequence number) than one already accepted from the same worker
   (a replay of an old one). A restarted worker starts its sequence again at 0 but with a
   later send time, so it is not mistaken for a replay.
-- a region with `allowed_endpoints`: an endpoint host outside the list; and once any
-  region has a list, a heartbeat naming a region regions.yaml does not define.
+- an endpoint host outside its region's `allowed_endpoints` (without one: private and
+  loopback IP addresses, router.auth.endpoints.DEFAULT_ALLOWED_ENDPOINTS); a region
+  regions.yaml does not define; a model the region's `models` do not list.
 - load records (`check_record`): signed, and sent within the same bounds; the collector
   takes one only if it is newer than the worker's view and taken with the same
   heartbeat, whose region and endpoint were checked.
 
-Without signing keys unsigned heartbeats are accepted (the local demo), and so are
-signed ones (their signatures are not checked).
+Without signing keys every heartbeat is refused (`no_keys`), unless regions.yaml says
+`heartbeat.insecure: true`: then unsigned heartbeats are believed, and so are signed ones
+(their signatures are not checked). `globalpool up` makes a key for its agents and router.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ class HeartbeatRules:
     allow_lists: Mapping[str, EndpointAllowList] = field(default_factory=dict)
     known_regions: frozenset[str] = frozenset()
     max_clock_skew_s: float = 5.0
+    # region -> the models regions.yaml lists for it (a worker advertising another is
+    # refused); a region not in it: any model.
+    models: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # Believe unsigned heartbeats when there are no keys (heartbeat.insecure).
+    insecure: bool = True
 
 
 class HeartbeatGate:
@@ -101,7 +108,7 @@ class HeartbeatGate:
         the same bounds as a heartbeat's (by the view's `ttl_s`). The rest of the
         heartbeat (region, endpoint) was checked when `view` was."""
         if not self._keys:
-            return None
+            return None if self._rules().insecure else "no_keys"
         reason = (verify_record(payload, record, self._keys)
                   or self._untimely(record.sent_at_s, view.ttl_s, self._rules()))
         if reason is None:
@@ -139,8 +146,11 @@ class HeartbeatGate:
                 return "unknown_region"
             if allow is not None and not allow.allows(heartbeat.endpoint):
                 return "endpoint_not_allowed"
+        listed = rules.models.get(heartbeat.region)
+        if listed is not None and not listed.issuperset(heartbeat.models):
+            return "model_not_listed"
         if not self._keys:
-            return None
+            return None if rules.insecure else "no_keys"
         verdict = (verify_signature(heartbeat, self._keys) if payload is None
                    else verify_payload(payload, heartbeat, self._keys))
         if verdict is not None:

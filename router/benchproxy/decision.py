@@ -25,6 +25,7 @@ from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 
 REGIONS = [f"region-{i}" for i in range(10)]
 MODEL = "bench"
+OTHER_MODEL = "other-model"  # a third of the fleet serves it too
 MIN_ITERATIONS = 20
 
 
@@ -33,7 +34,7 @@ def ten_regions() -> GlobalConfig:
     once), so the policy reads RTTs through the router's own `GlobalConfig.rtt_ms`."""
     return GlobalConfig.model_validate({
         "apiVersion": "globalpool/v1",
-        "regions": {a: {"models": [MODEL], "rtt_ms": {
+        "regions": {a: {"models": [MODEL, OTHER_MODEL], "rtt_ms": {
             b: 1.0 if i == j else 10.0 * abs(i - j) + 20.0
             for j, b in enumerate(REGIONS) if j >= i}} for i, a in enumerate(REGIONS)},
     })
@@ -47,7 +48,7 @@ def fleet(workers: int, rng: random.Random, now_s: float) -> list[WorkerView]:
         heartbeat = Heartbeat(
             worker_id=f"w-{i:05d}", region=REGIONS[i % len(REGIONS)],
             endpoint=f"http://10.{i // 65536}.{i // 256 % 256}.{i % 256}:8000",
-            models=(MODEL, "other-model") if i % 3 == 0 else (MODEL,),
+            models=(MODEL, OTHER_MODEL) if i % 3 == 0 else (MODEL,),
             state=LifecycleState.READY if i % 50 else LifecycleState.DRAINING,
             capacity=Capacity(max_num_seqs=slots, kv_blocks_total=8192, block_size_tokens=16),
             load=Load(running=running, waiting=rng.randint(0, 4) if running == slots else 0,

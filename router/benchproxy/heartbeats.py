@@ -53,14 +53,16 @@ AGE_BIN_MS = 100  # the plot's bars
 
 
 def router_config(redis_url: str, prefix: str, port: int,
-                  cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE) -> dict[str, Any]:
+                  cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE,
+                  signed: bool = True) -> dict[str, Any]:
     regions = ten_regions().model_dump(include={"regions"})["regions"]
     return {
         "apiVersion": "globalpool/v1",
         "redis": {"url": redis_url, "key_prefix": prefix},
         "router": {"region": REGIONS[0], "host": "127.0.0.1", "port": port,
                    "fleet_view_cpu_share": cpu_share},
-        "heartbeat": {"interval_s": 0.25, "ttl_s": 1.0},
+        # An unsigned run believes unsigned heartbeats: the explicit opt-out.
+        "heartbeat": {"interval_s": 0.25, "ttl_s": 1.0, "insecure": not signed},
         "regions": {name: {"models": r["models"], "rtt_ms": r["rtt_ms"]}
                     for name, r in regions.items()},
     }
@@ -324,7 +326,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
     prefix = f"hbbench-{secrets.token_hex(4)}"
     port = procs.free_port()
     config = work / "hb-regions.yaml"
-    config.write_text(yaml.safe_dump(router_config(valkey.url, prefix, port, cpu_share)))
+    config.write_text(yaml.safe_dump(router_config(valkey.url, prefix, port, cpu_share,
+                                                   signed)))
     key = f"bench:{secrets.token_hex(16)}"
     env = {**os.environ, "GLOBALPOOL_LOG_LEVEL": "WARNING"}
     env.pop("REDIS_URL", None)

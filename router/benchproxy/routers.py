@@ -220,7 +220,14 @@ def globalpool_config(redis_url: str, prefix: str, port: int) -> dict[str, objec
         "router": {"region": "bench", "host": "127.0.0.1", "port": port,
                    "policy": "predicted_ttft"},
         "heartbeat": {"interval_s": 0.5, "ttl_s": 2.0},
-        "regions": {"bench": {"rtt_ms": {"bench": 1}, "models": [MODEL, PACED_MODEL]}},
+        "regions": {"bench": {"rtt_ms": {"bench": 1, **{name: 100 for name in FLEET_REGIONS}},
+                              "models": [MODEL, PACED_MODEL]},
+                    # where globalpool-fleet's workers are (router.benchproxy.hbpublish):
+                    # listed, or the router would refuse their heartbeats
+                    **{name: {"models": [FLEET_MODEL],
+                              "rtt_ms": {other: 1 if other == name else 50
+                                         for other in FLEET_REGIONS[index:]}}
+                       for index, name in enumerate(FLEET_REGIONS)}},
     }
 
 
@@ -351,6 +358,7 @@ def _this_build() -> str:
 
 # What the fleet of `globalpool-fleet` serves: never a bench model.
 FLEET_MODEL = "fleet-other"
+FLEET_REGIONS = [f"region-{i}" for i in range(10)]  # hbpublish's (--regions 10)
 
 
 def _fleet_publishers(ctx: Context, name: str, redis_url: str, prefix: str,

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -36,6 +37,7 @@ import aiohttp
 from router.config import GlobalConfig
 from router.devstack.children import Child, StackError, close, spawn, terminate
 from router.devstack.valkey import EmbeddedValkey, free_port
+from worker.signing import KEYS_ENV, KEYS_FILE_ENV
 
 __all__ = ["Child", "LocalStack", "StackError", "region_address"]
 
@@ -78,6 +80,11 @@ class LocalStack:
         self.router_regions: list[str | None] = list(
             router_regions if router_regions else [config.router.region])
         self.admin_token = admin_token
+        # Heartbeats are signed: the agents and routers this stack starts share a key it
+        # makes (unless the environment names keys already, which they then inherit).
+        self.signing_env: dict[str, str] = (
+            {} if os.environ.get(KEYS_ENV) or os.environ.get(KEYS_FILE_ENV)
+            else {KEYS_ENV: f"up-{secrets.token_hex(3)}:{secrets.token_urlsafe(32)}"})
         self._redis_url = redis_url
         self._progress = progress
         self._timeout_s = start_timeout_s
@@ -231,7 +238,7 @@ class LocalStack:
             "--max-num-seqs", str(spec.max_num_seqs),
         ]
         worker = await self._spawn(f"worker-{worker_id}", "worker", sim.region, args, "worker ",
-                                   starts=starts)
+                                   starts=starts, env={**os.environ, **self.signing_env})
         worker.url = sim.url  # the engine it watches
         worker.advertise_url = sim.advertise_url
         return worker
@@ -247,9 +254,9 @@ class LocalStack:
                 "--host", host, "--port", str(port)]
         if region is not None:
             args += ["--region", region]
-        env: dict[str, str] | None = None
+        env = {**os.environ, **self.signing_env}
         if self.admin_token is not None:
-            env = {**os.environ, self.config.admin.token_env: self.admin_token}
+            env[self.config.admin.token_env] = self.admin_token
         name = "router" if number == 0 else f"router-{region}"
         router = await self._spawn(name, "router", region, args, "router listening", env=env)
         router.url = f"http://{host}:{port}"

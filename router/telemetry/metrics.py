@@ -38,6 +38,10 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 
                      1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0)
 ROUTE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 OTHER_MODEL = "(other)"  # unrouted requests for models nobody serves: bounded label values
+# Distinct model label values a router gives routed requests (the models of regions.yaml
+# and LoRA adapters that verified workers serve); past it, new names count as OTHER_MODEL:
+# what heartbeats advertise must not decide the metrics' cardinality.
+MAX_MODEL_LABELS = 256
 DEFAULT_CLASS = "interactive"
 
 
@@ -52,6 +56,7 @@ class RequestMetrics:
     def __init__(self, registry: CollectorRegistry, known_models: Callable[[], list[str]]
                  ) -> None:
         self._known_models = known_models
+        self._model_labels: set[str] = set()  # routed requests' model labels so far
         self.requests = LabelledCounter(
             "globalpool_requests", "Client requests by serving region, model, class, status.",
             ["region", "model", "class", "kind", "status"], registry)
@@ -102,6 +107,12 @@ class RequestMetrics:
         if record.attempts:
             region = (served or record.attempts[-1]).region
             model = record.model
+            labels = self._model_labels
+            if model not in labels:
+                if len(labels) >= MAX_MODEL_LABELS:
+                    model = OTHER_MODEL
+                else:
+                    labels.add(model)
         else:
             region = NO_REGION
             model = record.model if record.model in self._known_models() else OTHER_MODEL

@@ -101,6 +101,7 @@ class LiveRouter:
                                     "total_s": 20}},
             "regions": {"us-east": {"rtt_ms": {"eu-west": 80}, "models": ["m"]},
                         "eu-west": {"models": ["m"]}},
+            "heartbeat": {"insecure": True},  # unsigned heartbeats, as the test writes them
             "auth": self._auth,
             **self._extra,
         })
@@ -358,4 +359,5 @@ async def test_slow_headers_are_cut_off_and_auth_off_is_announced(
         writer.close()
     text = log.read_text()
     assert "client authentication is OFF" in text
-    assert "heartbeat signing is OFF" in text
+    # No keys and no heartbeat.insecure: it says it believes no heartbeat at all.
+    assert "no heartbeat signing keys" in text and "every heartbeat is refused" in text

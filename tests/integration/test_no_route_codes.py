@@ -63,10 +63,10 @@ async def test_each_cause_has_its_own_code(secure_fleet: harness.FleetFactory) -
     status, code, _ = await refused(fleet, "acme", model="nonesuch")
     assert (status, code) == (404, "model_not_found")
 
-    # A model (not in regions.yaml) whose only worker dies and leaves the pool: still
-    # known, so 503 and Retry-After, not 404.
+    # A LoRA adapter (regions.yaml lists base models only) whose only worker dies and
+    # leaves the pool: still known, so 503 and Retry-After, not 404.
     only = harness.heartbeat_for("x1", "us-east", fleet.sims["us1"].url, harness.next_seq())
-    await fleet.publish_heartbeat(only.model_copy(update={"models": ("x",)}))
+    await fleet.publish_heartbeat(only.model_copy(update={"lora_adapters": ("x",)}))
     await wait_for(lambda: "x1" in fleet.known_workers(), "x1 to join")
     await leave(fleet, "x1")
     status, code, message = await refused(fleet, "acme", model="x")

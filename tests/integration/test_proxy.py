@@ -66,6 +66,7 @@ def _config(timeouts: dict[str, float],
         "apiVersion": "globalpool/v1",
         "router": {"region": "us-east", "near_equal_ms": 0.5, "timeouts": timeouts,
                    "client_timeouts": client_timeouts or {}, "policy": policy},
+        "heartbeat": {"insecure": True},  # the test publishes unsigned heartbeats
         "regions": {
             "us-east": {"rtt_ms": {"eu-west": 80}, "models": ["m"]},
             "eu-west": {"models": ["m"]},

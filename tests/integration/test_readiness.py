@@ -47,7 +47,8 @@ async def start_router(key_prefix: str, start_sim: StartSim) -> AsyncIterator[St
     runners: list[web.AppRunner] = []
     publishers: list[HeartbeatPublisher] = []
 
-    async def start(redis_url: str, *, workers: int = 1, **router: Any) -> Router:
+    async def start(redis_url: str, *, workers: int = 1, insecure: bool = True,
+                    **router: Any) -> Router:
         for index in range(workers):
             sim = await start_sim(served_model_names=("m",), seed=index)
             publisher = HeartbeatPublisher(connect(redis_url), HeartbeatKeys(key_prefix))
@@ -61,6 +62,7 @@ async def start_router(key_prefix: str, start_sim: StartSim) -> AsyncIterator[St
             "apiVersion": "globalpool/v1",
             "redis": {"url": redis_url, "key_prefix": key_prefix},
             "router": {"region": "us-east", **router},
+            "heartbeat": {"insecure": insecure},  # the test publishes unsigned heartbeats
             "regions": {"us-east": {"models": ["m"]}},
         })
         app = build_app(RouterSettings(config=config, redis_url=redis_url, region="us-east"))
@@ -142,3 +144,18 @@ async def _ready(router: Router) -> bool:
 
 async def _not_ready(router: Router) -> bool:
     return (await router.get("/ready"))[0] == 503
+
+
+async def test_a_router_without_keys_refuses_unsigned_heartbeats_unless_told_otherwise(
+        redis_url: str, start_router: StartRouter, caplog: pytest.LogCaptureFixture) -> None:
+    router = await start_router(redis_url, insecure=False)  # no keys, no opt-out
+    assert "no heartbeat signing keys" in caplog.text
+    await asyncio.sleep(0.5)
+    status, ready = await router.get("/ready")
+    assert status == 503 and ready["reason"] == "no worker is ready for any model", ready
+    samples = await scrape(router.url)
+    assert value(samples, "globalpool_heartbeats_dropped_total", reason="no_keys") >= 1
+    caplog.clear()
+    opted_out = await start_router(redis_url, insecure=True)  # heartbeat.insecure: true
+    await _until(lambda: _ready(opted_out), 5, "the opt-out believes unsigned heartbeats")
+    assert "heartbeat.insecure: true" in caplog.text  # warned at start

@@ -180,6 +180,8 @@ async def secure_fleet(
                        **(router or {})},
             "regions": region_config,
             "auth": auth_section() if auth is None else auth,
+            # Without router keys the fleet's heartbeats are unsigned: the explicit opt-out.
+            "heartbeat": {"insecure": not router_keys},
         })
         apps: list[web.Application] = []
         urls: list[str] = []

@@ -250,15 +250,21 @@ def test_signed_heartbeats_with_odd_values_verify_or_drop_cleanly(
 
 
 def test_the_gate_follows_a_reloaded_config() -> None:
-    def config(**us_east: object) -> GlobalConfig:
-        return parse_config({"apiVersion": "globalpool/v1", "regions": {
-            "us-east": {"models": ["m"], **us_east}}})
+    def config(insecure: bool = True, **us_east: object) -> GlobalConfig:
+        return parse_config({"apiVersion": "globalpool/v1",
+                             "heartbeat": {"insecure": insecure}, "regions": {
+                                 "us-east": {"models": ["m"], **us_east}}})
 
     current = [config()]
     gate_ = heartbeat_gate(lambda: current[0], {}, SecurityStats())
-    assert gate_.check(heartbeat(), via_pubsub=True) is None
+    assert gate_.check(heartbeat(), via_pubsub=True) is None  # a private address: allowed
+    assert gate_.check(heartbeat(endpoint="http://203.0.113.7:8000"),
+                       via_pubsub=True) == "endpoint_not_allowed"  # public: not by default
+    assert gate_.check(heartbeat(models=("m", "other")), via_pubsub=True) == "model_not_listed"
     current[0] = config(allowed_endpoints=["192.0.2.0/24"])  # a hot reload adds a list
     assert gate_.check(heartbeat(), via_pubsub=True) == "endpoint_not_allowed"
     assert gate_.check(heartbeat(region="eu-west"), via_pubsub=True) == "unknown_region"
     current[0] = config(allowed_endpoints=["10.0.0.0/8"])
     assert gate_.check(heartbeat(), via_pubsub=True) is None
+    current[0] = config(insecure=False)  # no keys and no opt-out: nothing is believed
+    assert gate_.check(heartbeat(), via_pubsub=True) == "no_keys"

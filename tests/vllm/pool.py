@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import yaml
 
 from router.devstack.valkey import free_port
 from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
+from worker.signing import KEYS_ENV
 from worker.supervisor import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,6 +178,8 @@ class RealPool:
         self.router_url = ""
         self.config_path = work / "regions.yaml"
         self.measurements: dict[str, Any] = {}
+        # Signed heartbeats, as a deployment has them: one key for the agents and routers.
+        self.signing_env = {KEYS_ENV: f"vllm-tier:{secrets.token_urlsafe(32)}"}
         self._redis = redis.Redis.from_url(redis_url)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -215,7 +219,8 @@ class RealPool:
             # die_with_parent: a test run that is killed still drains and stops the agents.
             process = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
                                        stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
-                                       env=vllm_environment(self.work, index))
+                                       env={**vllm_environment(self.work, index),
+                                            **self.signing_env})
         agent = Agent(region, host, port, process, log_path, engine_log, time.monotonic())
         self.agents[region] = agent
         return agent
@@ -236,7 +241,8 @@ class RealPool:
                  str(config_path), "--redis-url", self.redis_url, "--host", "127.0.0.1",
                  "--port", str(port), "--seed", "7", *extra],
                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=die_with_parent,
+                env={**os.environ, "PYTHONPATH": str(ROOT), **self.signing_env},
+                preexec_fn=die_with_parent,
             )
         url = f"http://127.0.0.1:{port}"
         self.wait_router_sees(url, 1, process=process)

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from worker.agent import AgentSettings, serve
 from worker.heartbeat import HeartbeatTiming, WorkerIdentity
+from worker.schema import MAX_SEQS
 from worker.signing import KEY_ID_ENV, KEYS_ENV, HeartbeatSigner, SigningKeyError
 from worker.supervisor import EngineCommand, RestartPolicy
 
@@ -268,8 +269,9 @@ def _max_num_seqs(args: argparse.Namespace, launch: EngineCommand | None) -> int
                 raise WorkerConfigError(f"{source} {text!r}: expected a number") from None
     if value is None:
         return DEFAULT_MAX_NUM_SEQS
-    if value < 1:
-        raise WorkerConfigError(f"{source}: must be >= 1")
+    if not 1 <= value <= MAX_SEQS:
+        raise WorkerConfigError(f"{source}: must be 1..{MAX_SEQS:,} (a heartbeat carries no "
+                                "more)")
     return value
 
 

@@ -62,6 +62,12 @@ class Breaker:
         if self.state is BreakerState.HALF_OPEN:
             self.probe_in_flight = True
 
+    def probe_abandoned(self) -> None:
+        """The request in flight ended with no verdict (its client left): in half-open,
+        the next request is the probe."""
+        if self.state is BreakerState.HALF_OPEN:
+            self.probe_in_flight = False
+
     def succeeded(self, now_s: float) -> bool:
         """Returns True if this success readmitted an ejected worker."""
         readmitted = self.state is not BreakerState.CLOSED

@@ -184,8 +184,14 @@ class Health:
             self._saw_first_byte(attempt)
         failure = attempt.failure
         if failure is None:
-            if attempt.client_gone and attempt.first_byte_s is None:
-                return  # says nothing about the worker
+            if attempt.first_byte_s is None:
+                # No answer and no failure: its client left first (for a non-streaming
+                # request, that cancels the wait). Says nothing about the worker, and is no
+                # success: a half-open probe of a hung worker must not readmit it.
+                breaker = self._breakers.get(attempt.worker_id)
+                if breaker is not None:
+                    breaker.probe_abandoned()
+                return
             breaker = self._breakers.get(attempt.worker_id)
             if breaker is not None:
                 if breaker.succeeded(now_s):
@@ -335,10 +341,11 @@ class Health:
             return self._waited_s(attempt, now_s)
         key = id(attempt)
         reads = answering.reads
-        seen = self._silence.get(key)
+        seen = self._silence.get(key) or attempt.answer_head  # (silent since its head?)
         if seen is None or seen[0] != reads:
             self._silence[key] = (reads, now_s)
             return 0.0
+        self._silence[key] = seen
         return now_s - seen[1]
 
     async def watch_stalls(self, interval_s: float = STALL_CHECK_S) -> None:

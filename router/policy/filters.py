@@ -30,15 +30,19 @@ def eligible(snapshot: Snapshot, request: RouteRequest, now_s: float) -> list[Wo
             for view in allowed
             if view.ready and view.fresh(freshness_now) and view.worker_id not in request.exclude
         ]
+        if candidates and request.drained:
+            candidates = not_drained(candidates, request)
     if not candidates:
+        # (After the drains: a ready worker in a drained region must not keep the request
+        # from a degraded one that is not drained.)
         candidates = [
             view
             for view in allowed
             if view.heartbeat.state is LifecycleState.DEGRADED and view.fresh(freshness_now)
             and view.worker_id not in request.exclude
         ]
-    if candidates and request.drained:
-        candidates = not_drained(candidates, request)
+        if candidates and request.drained:
+            candidates = not_drained(candidates, request)
     if not candidates:
         raise no_route(serving, request, freshness_now)
     return candidates

@@ -361,6 +361,7 @@ async def forward_unary(
             upstream.release()
         else:
             attempt.answering = upstream
+            attempt.answer_head = (upstream.reads, time.monotonic())
             answer = await _refuse_if_failed(upstream)
             if answer is None:
                 answer = await _read_all(upstream)
@@ -404,6 +405,9 @@ async def forward_stream(
                          _answer_headers(response_headers, upstream, attempt), refused)
         try:
             first = await upstream.read_some()
+            if (first and b"\n\n" not in first and b"\r\n\r\n" not in first
+                    and upstream.headers.get("content-type", "").startswith(_SSE)):
+                first = await _first_event(upstream, first)
         except BaseException:
             upstream.close()
             raise
@@ -462,6 +466,31 @@ async def forward_stream(
         watchdog.cancel()
         upstream.release()  # closes it unless the answer was read to its end
     return Reply(200, headers, streamed=True)
+
+
+# A stream's first event is awaited whole up to this size before anything is sent on.
+MAX_FIRST_EVENT_BYTES = 1024 * 1024
+_SSE = "text/event-stream"
+
+
+async def _first_event(upstream: UpstreamConnection, first: bytes) -> bytes:
+    """`first` and what follows, until it holds one whole event (a blank line ends an SSE
+    event): nothing reaches the client before, so a worker that breaks off inside its
+    first event is still retried elsewhere (ConnectionBroken), not a client's lost
+    stream. A body that ends inside its first event is broken too."""
+    pieces = [first]
+    size = len(first)
+    while size < MAX_FIRST_EVENT_BYTES:
+        more = await upstream.read_some()
+        if not more:
+            raise ConnectionBroken("the stream ended inside its first event", stale=False,
+                                   received_any=True)
+        pieces.append(more)
+        size += len(more)
+        joined = b"".join(pieces)
+        if b"\n\n" in joined or b"\r\n\r\n" in joined:
+            return joined
+    return b"".join(pieces)
 
 
 def _first_byte_timeout(attempt: Attempt, timeouts: Timeouts) -> UpstreamFailure:

@@ -64,6 +64,7 @@ class Attempt:
     # A non-streaming answer whose head has come: its body is arriving on this connection
     # (passive health tells a worker sending a large body from one that went silent).
     answering: ReadCounter | None = None
+    answer_head: tuple[int, float] | None = None  # its reads and the time its head came
 
     @property
     def ttfb_s(self) -> float | None:

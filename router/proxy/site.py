@@ -15,6 +15,11 @@ from aiohttp import web
 from router.proxy.exchange import InferenceHandler
 from router.proxy.front import FrontProtocol
 
+# Connections the kernel queues for accept (aiohttp's default, 128, filled in seconds when
+# a couple of thousand clients connect while the host stalls the router: they then saw
+# resets and SYN retries). The kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = 4096
+
 
 class FrontSite(web.TCPSite):
     """A TCP site whose connections start on `FrontProtocol` (aiohttp's otherwise).
@@ -25,8 +30,9 @@ class FrontSite(web.TCPSite):
 
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int | None, *,
                  handler: InferenceHandler, header_timeout_s: float,
-                 shutdown_timeout_s: float = 60.0, reuse_address: bool | None = None) -> None:
-        super().__init__(runner, host, port, reuse_address=reuse_address)
+                 shutdown_timeout_s: float = 60.0, reuse_address: bool | None = None,
+                 backlog: int = LISTEN_BACKLOG) -> None:
+        super().__init__(runner, host, port, reuse_address=reuse_address, backlog=backlog)
         self.handler = handler
         self.header_timeout_s = header_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s

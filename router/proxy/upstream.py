@@ -36,6 +36,8 @@ _HEX_DIGITS = b"0123456789abcdefABCDEF"
 _HEX_VALUES = tuple(int(chr(byte), 16) if bytes([byte]) in _HEX_DIGITS else -1
                     for byte in range(256))
 _SWEEP_SLACK_S = 0.005  # the sweeper may close a connection this much early (timer rounding)
+# A connect whose deadline passed is looked at once more this much later (see _connect).
+CONNECT_GRACE_S = 0.05
 
 # Where the parser is in the answer.
 _IDLE = 0  # no request outstanding
@@ -960,18 +962,33 @@ class UpstreamPool:
         host, port = key
         loop = asyncio.get_running_loop()
         factory = functools.partial(UpstreamConnection, self, key)
+        connecting = loop.create_task(loop.create_connection(  # TLS handshake included
+            factory, host, port, ssl=ssl, server_hostname=host if ssl else None,
+            local_addr=self._local_addr))
         try:
-            async with asyncio.timeout(self._connect_timeout_s):  # TLS handshake included
-                _, connection = await loop.create_connection(
-                    factory, host, port, ssl=ssl, server_hostname=host if ssl else None,
-                    local_addr=self._local_addr)
+            done, _ = await asyncio.wait((connecting,), timeout=self._connect_timeout_s)
+            if not done:
+                # After the host stalled this process, the loop runs expired timers before
+                # it reads the sockets: a connect that completed meanwhile is not seen yet,
+                # and would fail as a timeout (a healthy worker ejected). Look once more,
+                # after the loop has polled.
+                done, _ = await asyncio.wait((connecting,), timeout=CONNECT_GRACE_S)
+            if not done:
+                raise TimeoutError
+            _, connection = connecting.result()
         except TimeoutError:
+            connecting.cancel()
             raise ConnectFailed(
                 f"connect to {host}:{port} timed out after {self._connect_timeout_s} s") from None
         except ConnectionRefusedError:
             raise ConnectFailed(f"connect to {host}:{port} refused") from None
         except OSError as exc:
             raise ConnectFailed(f"connect to {host}:{port} failed: {exc}") from exc
+        except BaseException:  # we were cancelled: the connect must not go on alone
+            if connecting.done() and not connecting.cancelled() and not connecting.exception():
+                connecting.result()[0].close()  # made just now: nobody will use it
+            connecting.cancel()
+            raise
         self._opened += 1
         if self._closed:
             connection.close()

@@ -247,3 +247,17 @@ async def test_a_body_too_large_gets_its_413_even_while_the_client_still_sends(
             sending.cancel()
             await asyncio.gather(sending, return_exceptions=True)
             writer.close()
+
+
+async def test_a_stream_that_breaks_inside_its_first_event_is_retried_elsewhere(
+        fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east", "b": "us-east"})
+    await fleet.faults("a", misbehave="half_body_close")  # head, half an event, close
+    async with aiohttp.ClientSession() as session:
+        for _ in range(6):
+            async with session.post(f"{fleet.router_url}/v1/chat/completions",
+                                    json={**CHAT, "stream": True}) as response:
+                body = await response.read()
+                assert response.status == 200
+                assert response.headers["x-globalpool-worker"] == "b", body
+            assert body.endswith(b"data: [DONE]\n\n") and b'"error"' not in body, body

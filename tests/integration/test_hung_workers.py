@@ -38,8 +38,11 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningUp]:
     config.write_text(yaml.safe_dump({
         "apiVersion": "globalpool/v1",
         "redis": {"url": "embedded", "key_prefix": f"gp-{tmp_path.name[-12:]}"},
-        # No timeouts, health or heartbeat settings: the defaults (total_s 900 s).
-        "router": {"region": "us-east", "host": "127.0.0.1", "port": free_port()},
+        # No timeouts, stall or heartbeat settings: the defaults (total_s 900 s). Only the
+        # ejection's backoff is capped, so that the worker each test ejects is back for the
+        # next (doubling from 1 s, the sixth ejection in a row would keep it out 30 s).
+        "router": {"region": "us-east", "host": "127.0.0.1", "port": free_port(),
+                   "health": {"max_backoff_s": 2.0}},
         "admin": {"token_env": "GP_TEST_ADMIN_TOKEN"},
         "regions": {
             "us-east": {"rtt_ms": {"eu-west": 80}, "models": ["tiny-llama"],
@@ -97,10 +100,20 @@ async def _wait_until_served_by(up: RunningUp, worker: str, limit_s: float = 30.
     raise AssertionError(f"{worker} never served again within {limit_s} s")
 
 
+# The engine hangs (requests never reach it), or the engine serves each request while its
+# answer goes wrong on the way (the simulator's misbehave knob): no answer at all, or the
+# head and then nothing.
+FAULTS = {"engine hang": {"hang": True},
+          "no answer": {"misbehave": "no_answer"},
+          "head, then nothing": {"misbehave": "headers_then_hang"}}
+CLEAR = {"hang": False, "misbehave": "none"}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
 async def test_a_hung_worker_is_found_within_5_s_and_its_requests_served_elsewhere(
-        up: RunningUp, stream: bool) -> None:
-    await _faults(up, "sim-us-east-1", hang=True)
+        up: RunningUp, stream: bool, fault: str) -> None:
+    await _faults(up, "sim-us-east-1", **FAULTS[fault])
     try:
         async with aiohttp.ClientSession() as session:
             results = await asyncio.wait_for(asyncio.gather(
@@ -110,7 +123,8 @@ async def test_a_hung_worker_is_found_within_5_s_and_its_requests_served_elsewhe
         assert {worker for _, worker, _, _ in results} <= {"us-east-2", "eu-west-1"}
         slowest_s = max(elapsed for _, _, elapsed, _ in results)
         kind = "streaming" if stream else "non-streaming"
-        print(f"hung worker, {kind}: the slowest of 8 requests was served in {slowest_s:.2f} s")
+        print(f"hung worker ({fault}), {kind}: the slowest of 8 requests was served in "
+              f"{slowest_s:.2f} s")
         # Found within stall_after_s (3 s) of waiting, checked every 0.25 s, plus the
         # retry; the bound is the 5 s, with room for the heartbeat that shows it.
         assert slowest_s < 5.0 + 1.0, sorted(round(e, 2) for _, _, e, _ in results)
@@ -118,7 +132,7 @@ async def test_a_hung_worker_is_found_within_5_s_and_its_requests_served_elsewhe
                    if e["subject"].startswith("worker us-east-1 ") and e["kind"] == "ejected"]
         assert ejected and "stalled" in ejected[0]["detail"], ejected
     finally:
-        await _faults(up, "sim-us-east-1", hang=False)
+        await _faults(up, "sim-us-east-1", **CLEAR)
     await _wait_until_served_by(up, "us-east-1")
 
 

@@ -263,3 +263,20 @@ def test_prune_forgets_departed_workers_and_spent_marks_but_nothing_that_matters
     views.pop("here")  # it leaves too: nothing is left to remember
     health.prune()
     assert health.quiet
+
+
+def test_a_probe_whose_client_left_readmits_nobody_and_frees_the_probe() -> None:
+    clock = FakeClock(0.0)
+    health = Health(POLICY, clock=clock)
+    health.attempt_finished(attempt("a", Failure.CONNECT))  # ejected for 1 s
+    clock.now = 1.5
+    assert health.state_of("a") is BreakerState.HALF_OPEN
+    assert [v.worker_id for v in health.filter([view("a")], 1.5)] == ["a"]  # the probe
+    probe = Attempt(worker_id="a", region="us-east", predicted_ttft_ms=50.0, reason="local",
+                    started_s=1.5)
+    health.dispatched(probe)
+    # Non-streaming, its client left before any answer: the wait was cancelled, with no
+    # failure and no first byte (forward_unary marks nothing else).
+    health.attempt_finished(probe)
+    assert health.state_of("a") is BreakerState.HALF_OPEN  # not readmitted
+    assert [v.worker_id for v in health.filter([view("a"), view("b")], 1.6)] == ["a", "b"]

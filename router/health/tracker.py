@@ -255,7 +255,9 @@ class Health:
           has waiting there (they never reached its engine: a hung API server, a
           partition of the data path), or the worker has left the fleet view (its
           heartbeats stopped; the view drops a worker only while Redis answers, so an
-          outage of Redis is not taken for one).
+          outage of Redis is not taken for one). A non-streaming answer whose head came
+          `stall_after_s` ago and whose body has not ended counts as silent too (an
+          engine writes a whole answer at once: a body that never ends).
         A hung worker so shows within `stall_after_s` whatever the kind of request, not
         after `timeouts.first_byte_s` or `total_s` (which must stay long enough for the
         longest legitimate queue and generation). Returns the workers found stalled now.
@@ -314,7 +316,8 @@ class Health:
                 return "while other workers answer", oldest
         silent = [a for a in attempts if a.started_s > answered_s
                   and self._waited_s(a, now_s) >= self._stall_after_s
-                  and self._silent_s(a, now_s) >= self._stall_after_s]
+                  and (self._silent_s(a, now_s) >= self._stall_after_s
+                       or self._unending(a, now_s))]
         if not silent:
             return None
         oldest = min(silent, key=_started)
@@ -332,6 +335,14 @@ class Health:
     def _waited_s(self, attempt: Attempt, now_s: float) -> float:
         """How long `attempt` has waited, less the time this process was not running."""
         return now_s - attempt.started_s - self._paused_s.get(id(attempt), 0.0)
+
+    def _unending(self, attempt: Attempt, now_s: float) -> bool:
+        """A non-streaming answer whose head came `stall_after_s` ago and whose body has
+        not ended: an engine writes a whole answer at once, when generation is done (a
+        body that never ends, or trickles). With the heartbeat evidence (the engine no
+        longer counts the request) it is a stall, however the body still moves."""
+        head = attempt.answer_head
+        return head is not None and now_s - head[1] >= self._stall_after_s
 
     def _silent_s(self, attempt: Attempt, now_s: float) -> float:
         """How long nothing has arrived for `attempt`: since it was sent, or since its

@@ -154,3 +154,22 @@ async def test_a_long_non_streaming_generation_is_never_cut(up: RunningUp) -> No
     assert elapsed_s > 6.0, elapsed_s  # it did run long
     new_events = [e for e in await _events(up) if e["at_unix_s"] >= started_unix_s]
     assert not [e for e in new_events if e["kind"] == "ejected"], new_events
+
+
+async def test_a_whole_answer_whose_body_never_ends_is_served_elsewhere(up: RunningUp) -> None:
+    # The engine generates the answer; the body on its way never ends (a chunk every
+    # 10 ms, for ever): not silence, but no engine writes a whole answer that way.
+    await _faults(up, "sim-us-east-1", misbehave="endless_body")
+    try:
+        async with aiohttp.ClientSession() as session:
+            results = await asyncio.wait_for(asyncio.gather(
+                *(_send(session, up.url, BODY) for _ in range(8))), 60)
+    finally:
+        await _faults(up, "sim-us-east-1", **CLEAR)
+    assert [status for status, _, _, _ in results] == [200] * 8, results
+    assert {worker for _, worker, _, _ in results} <= {"us-east-2", "eu-west-1"}
+    slowest_s = max(elapsed for _, _, elapsed, _ in results)
+    print(f"endless body, non-streaming: the slowest of 8 requests was served in "
+          f"{slowest_s:.2f} s")
+    assert slowest_s < 5.0 + 1.0
+    await _wait_until_served_by(up, "us-east-1")

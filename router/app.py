@@ -253,11 +253,17 @@ async def _operations(app: web.Application) -> AsyncIterator[None]:
                            snapshots=app[HOLDER], inflight=app[_INFLIGHT],
                            security=app[SECURITY_STATS], heartbeat_counts=app[COLLECTOR].counts,
                            heartbeat_upkeep=app[COLLECTOR].upkeep,
-                           background=lambda: _task_states(fleet_tasks,
-                                                           operations.supervised),
+                           background=lambda: {
+                               **_task_states(fleet_tasks, operations.supervised),
+                               **_queue_pump(app[PROXY].queue)},
                            heartbeat_keys=app[HEARTBEAT_KEYS])
     yield
     await operations.stop()
+
+
+def _queue_pump(queue: RouterQueue | None) -> dict[str, tuple[bool, int]]:
+    """The queue's pump runs only while requests wait; a crash restarts it at once."""
+    return {} if queue is None else {"queue-pump": (True, queue.pump_crashes)}
 
 
 def _task_states(*groups: Mapping[str, Supervised]) -> dict[str, tuple[bool, int]]:

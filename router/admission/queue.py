@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ POLL_S = 0.02
 _CLASS_ORDER = {"interactive": 0}  # every other class after interactive
 
 T = TypeVar("T")
+
+log = logging.getLogger("globalpool.queue")
 
 
 def wait_deadline_s(arrived_s: float, max_wait_s: float, first: Decision,
@@ -197,6 +200,7 @@ class RouterQueue:
         self._clock = clock
         self._inflight = inflight
         self._pump: asyncio.Task[None] | None = None
+        self.pump_crashes = 0  # see _pump_ended
         self._wake = asyncio.Event()
 
     def goes_now(self, model: str, first: Decision) -> bool:
@@ -240,6 +244,18 @@ class RouterQueue:
     def _start_pump(self) -> None:
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._run(), name="queue-pump")
+            self._pump.add_done_callback(self._pump_ended)
+
+    def _pump_ended(self, pump: asyncio.Task[None]) -> None:
+        """Supervision of the pump (it runs only while requests wait): a crash is logged
+        with its traceback, counted, and the pump started again for those still waiting."""
+        if pump.cancelled() or pump.exception() is None:
+            return
+        self.pump_crashes += 1
+        log.error("the router queue's pump crashed (%d so far); starting it again",
+                  self.pump_crashes, exc_info=pump.exception())
+        if len(self.backlog):
+            self._start_pump()
 
     async def _run(self) -> None:
         while len(self.backlog):

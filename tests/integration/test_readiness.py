@@ -111,8 +111,11 @@ async def test_a_collector_crash_is_counted_and_restarted_and_not_ready_meanwhil
     status, ready = await router.get("/ready")
     if status == 503:  # (it may be back already on a fast machine)
         assert "collector is not running" in ready["reason"], ready
-    back_after_s = await _until(lambda: _ready(router), 5, "the collector never came back")
-    assert time.monotonic() - crashed_at < 2.0 + 0.5, back_after_s
+    await _until(lambda: _ready(router), 5, "the collector never came back")
+    back_after_s = time.monotonic() - crashed_at
+    print(f"collector crashed 3 times in a row; ready again {back_after_s:.2f} s after the "
+          "first crash")
+    assert back_after_s < 2.0, back_after_s
     samples = await scrape(router.url)
     assert value(samples, "globalpool_background_task_crashes_total",
                  task="heartbeat-collector") == 3

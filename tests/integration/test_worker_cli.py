@@ -188,7 +188,7 @@ def test_probe_timeout_may_be_raised_for_a_slow_engine() -> None:
     (["--launch"], "give the engine's command after `--`"),
     (["--engine-url", "http://e:1", "--", "vllm", "serve"], "unexpected arguments 'vllm serve'"),
     (["--launch", "--", "vllm", "serve", "m", "--port", "http"], "--port 'http'"),
-    (["--launch", "--", "vllm", "serve", "m", "--max-num-seqs", "0"], "must be >= 1"),
+    (["--launch", "--", "vllm", "serve", "m", "--max-num-seqs", "0"], "must be 1..10,000,000"),
     (["--stop-timeout-s", "0", "--launch", "--", "vllm"], "--stop-timeout-s: must be > 0"),
     (["--max-failed-starts", "-1", "--launch", "--", "vllm"], "--max-failed-starts"),
     (["--probe-timeout-s", "1.5", "--engine-url", "http://e:1"], "at most half the TTL"),

@@ -103,10 +103,10 @@ async def _wait_until_served_by(up: RunningUp, worker: str, limit_s: float = 30.
 # The engine hangs (requests never reach it), or the engine serves each request while its
 # answer goes wrong on the way (the simulator's misbehave knob): no answer at all, or the
 # head and then nothing.
-FAULTS = {"engine hang": {"hang": True},
+FAULTS: dict[str, dict[str, object]] = {"engine hang": {"hang": True},
           "no answer": {"misbehave": "no_answer"},
           "head, then nothing": {"misbehave": "headers_then_hang"}}
-CLEAR = {"hang": False, "misbehave": "none"}
+CLEAR: dict[str, object] = {"hang": False, "misbehave": "none"}
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))

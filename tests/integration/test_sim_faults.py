@@ -171,7 +171,8 @@ async def test_slow_factor_slows_requests(start_sim: StartSim, http: aiohttp.Cli
 
 # --- misbehave: wrong answers at the HTTP and TCP level, read through a raw socket -------
 
-MISBEHAVE_CHAT = {**CHAT, "max_tokens": 4}
+MISBEHAVE_MAX_TOKENS = 4
+MISBEHAVE_CHAT = {**CHAT, "max_tokens": MISBEHAVE_MAX_TOKENS}
 
 
 class RawReply:
@@ -365,7 +366,7 @@ async def test_endless_body_never_ends(
     reply = await raw_post(sim, {**MISBEHAVE_CHAT, "stream": stream}, wait_s=0.5)
     assert reply.ending == "open" and reply.status_line == "HTTP/1.1 200 OK"
     chunks = reply.chunks()
-    assert len(chunks) > 4 * MISBEHAVE_CHAT["max_tokens"]  # far past max_tokens, and on
+    assert len(chunks) > 4 * MISBEHAVE_MAX_TOKENS  # far past max_tokens, and on
     assert b"" not in chunks and b"[DONE]" not in reply.body
 
 

@@ -494,22 +494,20 @@ async def _first_event(upstream: UpstreamConnection, first: bytes) -> bytes:
 
 
 def _first_byte_timeout(attempt: Attempt, timeouts: Timeouts) -> UpstreamFailure:
-    if attempt.abandoned is not None:
-        return _abandoned(attempt.abandoned)
-    return UpstreamFailure(f"no first byte within {timeouts.first_byte_s:g} s",
-                           Failure.TIMEOUT, status=504)
+    return _timed_out(attempt, f"no first byte within {timeouts.first_byte_s:g} s")
 
 
 def _unary_timeout(attempt: Attempt, timeouts: Timeouts) -> UpstreamFailure:
+    return _timed_out(attempt, f"no answer within {timeouts.total_s:g} s")
+
+
+def _timed_out(attempt: Attempt, message: str) -> UpstreamFailure:
+    """The attempt's wait ended: abandoned by passive health (a stalled worker), or
+    `message` (its own deadline)."""
     if attempt.abandoned is not None:
-        return _abandoned(attempt.abandoned)
-    return UpstreamFailure(f"no answer within {timeouts.total_s:g} s", Failure.TIMEOUT,
-                           status=504)
-
-
-def _abandoned(why: str) -> UpstreamFailure:
-    return UpstreamFailure("the worker stopped answering", Failure.TIMEOUT, status=504,
-                           detail=f"abandoned before its first byte: {why}")
+        return UpstreamFailure("the worker stopped answering", Failure.TIMEOUT, status=504,
+                               detail=f"abandoned before its first byte: {attempt.abandoned}")
+    return UpstreamFailure(message, Failure.TIMEOUT, status=504)
 
 
 def _broken_before_answer(exc: ConnectionBroken) -> UpstreamFailure:

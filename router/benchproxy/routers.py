@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import secrets
 import subprocess
@@ -378,23 +379,33 @@ def _fleet_publishers(ctx: Context, name: str, redis_url: str, prefix: str,
         stdout_pipe=True) for n in range(2)]
 
 
-async def _until_seen(running: Running, port: int, workers: int,
-                      timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Until the router's view holds 95% of the fleet (GET /health), or Unavailable."""
+async def workers_seen(host: str, port: int, workers: int, timeout_s: float,
+                       interval_s: float = 0.2) -> int:
+    """Ask the router's GET /health until its view holds `workers` workers or `timeout_s`
+    has passed; returns how many it saw last (`workers` or more: in time)."""
     deadline = time.monotonic() + timeout_s
     seen = 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         while time.monotonic() < deadline:
             try:
-                async with session.get(f"http://127.0.0.1:{port}/health") as answer:
-                    seen = int((await answer.json())["workers"])
-            except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
-                pass
-            if seen >= 0.95 * workers:
-                return
-            await asyncio.sleep(0.5)
-    await running.stop()
-    raise Unavailable(f"saw {seen:,} of {workers:,} fleet workers within {timeout_s:g} s")
+                async with session.get(f"http://{host}:{port}/health") as answer:
+                    seen = int((await answer.json()).get("workers", 0))
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass  # asked again
+            if seen >= workers:
+                break
+            await asyncio.sleep(interval_s)
+    return seen
+
+
+async def _until_seen(running: Running, port: int, workers: int,
+                      timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Until the router's view holds 95% of the fleet (GET /health), or Unavailable."""
+    wanted = math.ceil(0.95 * workers)
+    seen = await workers_seen("127.0.0.1", port, wanted, timeout_s, interval_s=0.5)
+    if seen < wanted:
+        await running.stop()
+        raise Unavailable(f"saw {seen:,} of {workers:,} fleet workers within {timeout_s:g} s")
 
 
 async def start_direct(ctx: Context) -> Running:

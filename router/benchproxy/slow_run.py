@@ -21,10 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from router.benchproxy import procs
-from router.benchproxy.routers import Running, Unavailable, setup_globalpool, wait_ready
+from router.benchproxy.routers import (
+    Running,
+    Unavailable,
+    setup_globalpool,
+    wait_ready,
+    workers_seen,
+)
 from router.benchproxy.slow_observe import (
     HOST,
     Readings,
@@ -98,19 +102,9 @@ async def start_backends(options: Options, cores: set[int] | None,
 
 async def _until_all_workers(port: int, workers: int) -> None:
     """Until the router's view holds every worker (GET /health), or BenchError."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    seen = 0
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(f"http://{HOST}:{port}/health") as answer:
-                    seen = int((await answer.json()).get("workers", 0))
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                pass  # asked again
-            if seen >= workers:
-                return
-            await asyncio.sleep(0.2)
-    raise BenchError(f"the router saw {seen} of {workers} workers in {READY_TIMEOUT_S:g} s")
+    seen = await workers_seen(HOST, port, workers, READY_TIMEOUT_S)
+    if seen < workers:
+        raise BenchError(f"the router saw {seen} of {workers} workers in {READY_TIMEOUT_S:g} s")
 
 
 def plan_of(options: Options, slow_readers: bool, port: int) -> dict[str, Any]:

@@ -108,9 +108,9 @@ async def _valkey_kept(stack: LocalStack, state_file: Path | None) -> bool:
         print(f"globalpool up: valkey could not be restarted: {exc}; stopping",
               file=sys.stderr, flush=True)
         return False
-    _say(f"valkey running again (pid {stack.valkey.pid if stack.valkey else '?'})")
-    if state_file is not None:
+    if state_file is not None:  # before the note: whoever reads the note finds the new pid
         stack.write_state(state_file)
+    _say(f"valkey running again (pid {stack.valkey.pid if stack.valkey else '?'})")
     return True
 
 

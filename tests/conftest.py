@@ -6,6 +6,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -20,6 +21,19 @@ def skip_unless_slow_tests_are_asked_for(config: pytest.Config, why: str) -> Non
     test that runs by name or in the default run would add minutes to it."""
     if "slow" not in (config.getoption("markexpr") or "").replace("not slow", ""):
         pytest.skip(f"{why}: run with `pytest -m slow`")
+
+
+REQUIRE_ALL_TOOLS_ENV = "GLOBALPOOL_REQUIRE_ALL_TOOLS"
+
+
+def skip_for_missing_tool(why: str) -> NoReturn:
+    """Skip a test whose outside tool (chromium, valgrind) is not installed, saying `why`;
+    with GLOBALPOOL_REQUIRE_ALL_TOOLS=1 (set by CI, which installs them) fail instead, so
+    that a tool CI lost cannot turn its tests into silent skips."""
+    if os.environ.get(REQUIRE_ALL_TOOLS_ENV) == "1":
+        pytest.fail(f"{why} ({REQUIRE_ALL_TOOLS_ENV}=1: a missing tool fails the run)",
+                    pytrace=False)
+    pytest.skip(why)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

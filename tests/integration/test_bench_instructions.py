@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, skip_unless_slow_tests_are_asked_for
+from tests.conftest import ROOT, skip_for_missing_tool, skip_unless_slow_tests_are_asked_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -20,7 +20,7 @@ def test_one_tree_measured_twice_counts_the_same_instructions(
         request: pytest.FixtureRequest, tmp_path: Path) -> None:
     skip_unless_slow_tests_are_asked_for(request.config, "runs the router under valgrind (~30 s)")
     if shutil.which("valgrind") is None:
-        pytest.skip("valgrind is not installed (apt-get install valgrind)")
+        skip_for_missing_tool("valgrind is not installed (apt-get install valgrind)")
     out = tmp_path / "instructions"
     done = subprocess.run(
         [sys.executable, "-m", "router.cli", "bench-instructions", "--out", str(out),
@@ -54,7 +54,7 @@ def test_vllm_router_is_measured_beside_the_tree(request: pytest.FixtureRequest,
                                                  tmp_path: Path) -> None:
     skip_unless_slow_tests_are_asked_for(request.config, "runs two routers under valgrind (~40 s)")
     if shutil.which("valgrind") is None:
-        pytest.skip("valgrind is not installed (apt-get install valgrind)")
+        skip_for_missing_tool("valgrind is not installed (apt-get install valgrind)")
     peers = Path.home() / ".cache" / "globalpool" / "bench-peers"
     if not (peers / "bin" / "vllm-router").exists():
         pytest.skip("vllm-router is not installed yet (globalpool bench-proxy installs it)")

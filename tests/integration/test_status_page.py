@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, skip_for_missing_tool
 from tests.integration.stack import RunningUp, small_config, start_up
 
 pytestmark = pytest.mark.integration
@@ -41,7 +41,7 @@ REGIONS = ["us-east", "eu-west", "ap-south"]
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningUp]:
     if CHROMIUM is None:
-        pytest.skip(f"chromium is not installed: {APT_HINT}")
+        skip_for_missing_tool(f"chromium is not installed: {APT_HINT}")
     tmp_path = tmp_path_factory.mktemp("status-up")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("GLOBALPOOL_ADMIN_TOKEN", TOKEN)  # start_up passes the environment on

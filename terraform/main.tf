@@ -5,6 +5,8 @@
 locals {
   regions_yaml_path = coalesce(var.regions_yaml_path, "${path.module}/../regions.yaml")
   regions_yaml      = file(local.regions_yaml_path)
+  # Routers and agents install globalpool's dependencies at these versions (../.ci/lock).
+  requirements_lock = file("${path.module}/../requirements.lock")
   services = [
     "compute.googleapis.com",
     "dns.googleapis.com",
@@ -119,6 +121,7 @@ module "gpu_pool" {
   labels          = var.labels
   settings = merge(module.topology.worker, {
     globalpool_pip_spec     = var.globalpool_pip_spec
+    requirements_lock       = local.requirements_lock
     vllm_pip_spec           = var.vllm_pip_spec
     redis_host              = local.redis_primary_host
     redis_password_secret   = module.secrets.ids["redis-password"]
@@ -149,6 +152,7 @@ module "router" {
   labels          = var.labels
   settings = {
     globalpool_pip_spec     = var.globalpool_pip_spec
+    requirements_lock       = local.requirements_lock
     redis_host              = local.redis_primary_host
     redis_password_secret   = module.secrets.ids["redis-password"]
     heartbeat_keys_secret   = module.secrets.ids["heartbeat-keys"]

@@ -13,7 +13,7 @@ variable "domain" {
 }
 
 variable "globalpool_pip_spec" {
-  description = "What pip installs on routers and workers, e.g. \"globalpool @ git+https://github.com/<org>/globalpool@v0.1.0\" or a wheel URL."
+  description = "What pip installs on routers and workers, e.g. \"globalpool @ git+https://github.com/<org>/globalpool@v0.1.0\" or a wheel URL; its dependencies are installed at the versions of ../requirements.lock."
   type        = string
 }
 

@@ -17,7 +17,7 @@ main() {
 
   # Two environments, so that vLLM's pins and globalpool's never have to agree.
   venv_install /opt/vllm "$(setting vllm_pip_spec)"
-  venv_install /opt/globalpool "$(setting globalpool_pip_spec)"
+  globalpool_install /opt/globalpool
 
   local secrets=$ETC/secrets
   secret "$(setting heartbeat_keys_secret)" | write_private "$secrets/heartbeat-keys"

@@ -70,19 +70,31 @@ apt_install() {
   fi
 }
 
-# venv_install DIR SPEC...: a virtual environment at DIR with the pip SPECs, reinstalled
-# only when the SPECs change.
+# venv_install DIR SPEC [CONSTRAINTS]: a virtual environment at DIR with the pip SPEC and,
+# when a CONSTRAINTS file is named, its dependencies at the versions that file pins;
+# reinstalled only when the SPEC or the constraints change.
 venv_install() {
-  local dir=$1
-  shift
-  local wanted="$*"
+  local dir=$1 spec=$2 constraints=${3:-}
+  local wanted=$spec pip_args=()
+  if [[ -n $constraints ]]; then
+    wanted="$spec, constraints sha256 $(sha256sum <"$constraints" | cut -d' ' -f1)"
+    pip_args=(--constraint "$constraints")
+  fi
   if [[ -f $dir/.globalpool-spec && $(cat "$dir/.globalpool-spec") == "$wanted" ]]; then return 0; fi
   log "installing $wanted into $dir"
   rm -rf "$dir"
   python3 -m venv "$dir"
   "$dir/bin/pip" install --quiet --upgrade pip
-  "$dir/bin/pip" install --quiet "$@"
+  "$dir/bin/pip" install --quiet "${pip_args[@]}" "$spec"
   printf '%s' "$wanted" >"$dir/.globalpool-spec"
+}
+
+# globalpool_install DIR: globalpool_pip_spec into DIR, its dependencies at the versions of
+# the repository's requirements.lock (which Terraform sends), the ones CI tested.
+globalpool_install() {
+  local lock=$ETC/requirements.lock
+  setting requirements_lock | write_private "$lock"
+  venv_install "$1" "$(setting globalpool_pip_spec)" "$lock"
 }
 
 # redis_url: the primary's URL with the password from Secret Manager, URL-quoted.

@@ -6,7 +6,7 @@ main() {
   install_ops_agent
   # The compiled build of the request path (setup.py): a C compiler and Python's headers.
   apt_install python3-venv gcc python3-dev
-  GLOBALPOOL_COMPILE=1 venv_install /opt/globalpool "$(setting globalpool_pip_spec)"
+  GLOBALPOOL_COMPILE=1 globalpool_install /opt/globalpool
 
   meta instance/attributes/globalpool-regions-yaml | write_private "$ETC/regions.yaml"
 

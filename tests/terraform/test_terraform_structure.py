@@ -238,6 +238,7 @@ def test_startup_scripts_are_valid_bash(script: str) -> None:
 _LIB_READS = {
     "redis_url": {"redis_password_secret", "redis_host"},
     "install_ops_agent": {"ops_agent"},
+    "globalpool_install": {"globalpool_pip_spec", "requirements_lock"},
 }
 
 

@@ -38,14 +38,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         from router.drill.hostile.cli import main as run_hostile
 
         return run_hostile(hostile)
+    args = build_parser().parse_args(arguments)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    code: int = args.run(args)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `globalpool` parser with every subcommand (`drill hostile` has a parser of its
+    own, router.drill.hostile.cli.build_parser, which `main` dispatches to first)."""
     parser = argparse.ArgumentParser(
         prog="globalpool", description="A multi-region global request router for LLM inference."
     )
-    parser.add_argument("--log-level", default=os.environ.get("GLOBALPOOL_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=os.environ.get("GLOBALPOOL_LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR (default: GLOBALPOOL_LOG_LEVEL, "
+                        "then INFO)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = commands.add_parser("up", help="run the whole system on this machine (simulated GPUs)")
-    up.add_argument("--config", default=DEFAULT_CONFIG)
+    up.add_argument("--config", default=DEFAULT_CONFIG,
+                    help="the regions, models and simulated workers to run (default %(default)s)")
     up.add_argument("--host", default=None, help="router address (default: from the config)")
     up.add_argument("--port", type=int, default=None, help="router port (default: from config)")
     up.add_argument("--state-file", default=None, help="write the PIDs and URLs as JSON here")
@@ -53,10 +69,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.set_defaults(run=_run_up)
 
     router = commands.add_parser("router", help="run one router replica")
-    router.add_argument("--config", default=DEFAULT_CONFIG)
+    router.add_argument("--config", default=DEFAULT_CONFIG,
+                        help="regions.yaml to route by, reloaded when it changes "
+                        "(default %(default)s)")
     router.add_argument("--region", default=None, help="this replica's region (default: config)")
-    router.add_argument("--host", default=None)
-    router.add_argument("--port", type=int, default=None)
+    router.add_argument("--host", default=None, help="address to listen on (default: config)")
+    router.add_argument("--port", type=int, default=None,
+                        help="port to listen on (default: config)")
     router.add_argument("--redis-url", default=None, help="default: REDIS_URL, then the config")
     router.add_argument("--policy", default=None, help="routing policy (default: the config's)")
     router.add_argument("--seed", type=int, default=None, help="seed routing randomness")
@@ -77,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from router.benchproxy import cli as benchproxy
 
     bench_proxy = commands.add_parser(
-        "bench-proxy", help="router CPU per request vs peer routers (fake backends, issue 8)")
+        "bench-proxy", help="router CPU per request vs peer routers (fake backends)")
     benchproxy.add_bench_proxy_arguments(bench_proxy)
     bench_proxy.set_defaults(run=benchproxy.run_bench_proxy)
     bench_decision = commands.add_parser(
@@ -117,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from router.bench.cli import add_bench_arguments, run_bench_command
 
     bench_routing = commands.add_parser(
-        "bench", help="routing policies side by side on one multi-region trace (issue 4)")
+        "bench", help="routing policies side by side on one multi-region trace")
     add_bench_arguments(bench_routing)
     bench_routing.set_defaults(run=run_bench_command)
 
@@ -128,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     drill.set_defaults(run=run_drill_command)
 
     check = commands.add_parser("check-config", help="validate a regions.yaml")
-    check.add_argument("file", nargs="?", default=DEFAULT_CONFIG)
+    check.add_argument("file", nargs="?", default=DEFAULT_CONFIG,
+                       help="the regions.yaml to check (default %(default)s)")
     check.set_defaults(run=_run_check_config)
 
     status = commands.add_parser("status", help="regions and workers from a router's admin API")
@@ -136,15 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_status_arguments(status)
     status.set_defaults(run=run_status)
-
-    args = parser.parse_args(arguments)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    code: int = args.run(args)
-    return code
+    return parser
 
 
 def _load_or_report(path: str, *, policy_override: str | None = None) -> GlobalConfig | None:

@@ -1,4 +1,4 @@
-"""`globalpool bench`: routing policies side by side on one multi-region trace (issue 4).
+"""`globalpool bench`: routing policies side by side on one multi-region trace.
 
 scenario.py (YAML) -> workload.py + capacity.py (a seeded trace, trace.py) -> testbed.py
 (LocalStack, router replica per region) -> measure.py / replay.py / observe.py /

@@ -1,6 +1,6 @@
 """results.json (every number), report.md (the table a person reads) and the PNGs.
 
-Goals (issue 4, on skewed-3region; a goal whose policies were not run is "not run"):
+Goals (on skewed-3region; a goal whose policies were not run is "not run"):
 - `predicted_ttft`'s interactive P99 TTFT is at most half of the best baseline's;
 - `predicted_ttft` keeps >= 99 % of interactive requests within the TTFT target, while
   `nearest` (siloed pools) stays below 90 %;

@@ -1,4 +1,4 @@
-"""Benchmarks of the router's own cost (issue 8).
+"""Benchmarks of the router's own cost.
 
 - `bench-proxy`: fake OpenAI backends on loopback, then, one at a time, each router under
   test in front of them (globalpool, a plain aiohttp proxy, vllm-router, sglang-router,

@@ -83,7 +83,8 @@ def run_bench_decision(args: argparse.Namespace) -> int:
 
 def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="write heartbeats.json here")
-    parser.add_argument("--workers", type=int, default=10_000)
+    parser.add_argument("--workers", type=int, default=10_000,
+                        help="simulated workers heartbeating (default 10,000)")
     parser.add_argument("--hz", type=float, default=4.0, help="heartbeats per worker per second")
     parser.add_argument("--seconds", type=float, default=20.0, help="measured window")
     parser.add_argument("--publishers", type=int, default=2, help="publisher processes")

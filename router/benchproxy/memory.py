@@ -49,8 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", type=Path, action="append", default=None,
                         help="a source tree whose router to measure; repeat to compare "
                              "(default: this checkout)")
-    parser.add_argument("--requests", type=int, default=100_000)
-    parser.add_argument("--https-endpoints", type=int, default=10_000)
+    parser.add_argument("--requests", type=int, default=100_000,
+                        help="requests with new header lines (headers; default 100,000)")
+    parser.add_argument("--https-endpoints", type=int, default=10_000,
+                        help="https worker Targets to make (https; default 10,000)")
     parser.add_argument("--concurrency", type=int, default=16, help="clients (headers)")
     parser.add_argument("--parts", default="headers,https", help="headers, https or both")
 

@@ -1,4 +1,4 @@
-"""The three workloads of issue 8, in a full and a `--quick` size."""
+"""`bench-proxy`'s three workloads, in a full and a `--quick` size."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""`python .ci/lock_check.py LOCK`: exit 1 unless every distribution installed in this
-Python is the version LOCK pins for it (markers evaluated here), but the project itself and
-the installer's own tools.
+"""`python .ci/lock_check.py LOCK [EXTRA...]`: exit 1 unless every distribution that the
+installed globalpool (with those extras) needs, directly or not, is installed at the version
+LOCK pins for it (LOCK's markers evaluated on this Python).
 
 `pip install -c LOCK` pins only what LOCK names: a dependency that pyproject.toml gained
 and the lock lacks would install unpinned, silently. The fix this prints is `.ci/lock`.
+Other tools installed beside (a profiler in a developer's venv) are not its business.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ from importlib import metadata
 from pathlib import Path
 
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from packaging.utils import NormalizedName, canonicalize_name
 from packaging.version import Version
 
-NOT_LOCKED = {"globalpool", "pip", "setuptools", "wheel"}
+PROJECT = "globalpool"
 
 
-def locked_versions(lock: Path) -> dict[str, Version]:
+def locked_versions(lock: Path) -> dict[NormalizedName, Version]:
     """Name -> pinned version, for the lines whose markers hold on this Python."""
-    pins: dict[str, Version] = {}
+    pins: dict[NormalizedName, Version] = {}
     for line in lock.read_text(encoding="utf-8").splitlines():
         text = line.split("#", 1)[0].strip()
         if not text:
@@ -33,30 +34,59 @@ def locked_versions(lock: Path) -> dict[str, Version]:
     return pins
 
 
-def problems(lock: Path) -> list[str]:
+def _wanted(requirement: Requirement, extras: frozenset[str]) -> bool:
+    marker = requirement.marker
+    return marker is None or any(marker.evaluate({"extra": extra}) for extra in {"", *extras})
+
+
+def needed(project: str, extras: frozenset[str]) -> set[NormalizedName]:
+    """Every distribution `project[extras]` requires on this Python, directly or not."""
+    found: set[NormalizedName] = set()
+    seen: set[tuple[NormalizedName, frozenset[str]]] = set()
+    todo = [(canonicalize_name(project), extras)]
+    while todo:
+        name, wanted_extras = todo.pop()
+        if (name, wanted_extras) in seen:
+            continue
+        seen.add((name, wanted_extras))
+        found.add(name)
+        try:
+            requires = metadata.distribution(name).requires or []
+        except metadata.PackageNotFoundError:
+            continue  # reported by `problems` as not installed
+        for line in requires:
+            requirement = Requirement(line)
+            if _wanted(requirement, wanted_extras):
+                todo.append((canonicalize_name(requirement.name),
+                             frozenset(requirement.extras)))
+    return found
+
+
+def problems(lock: Path, extras: frozenset[str]) -> list[str]:
     pins = locked_versions(lock)
     found: list[str] = []
-    for distribution in metadata.distributions():
-        name = canonicalize_name(distribution.metadata["Name"])
-        version = Version(distribution.version)
-        if name in NOT_LOCKED:
+    for name in sorted(needed(PROJECT, extras) - {canonicalize_name(PROJECT)}):
+        try:
+            version = Version(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} is needed and not installed")
             continue
         if name not in pins:
             found.append(f"{name} {version} is installed and {lock} does not pin it")
         elif version != pins[name]:
             found.append(f"{name} {version} is installed and {lock} pins {pins[name]}")
-    return sorted(found)
+    return found
 
 
 def main() -> int:
-    lock = Path(sys.argv[1])
-    found = problems(lock)
+    lock, extras = Path(sys.argv[1]), frozenset(sys.argv[2:])
+    found = problems(lock, extras)
     for problem in found:
         print(f"lock: {problem}", file=sys.stderr)
     if found:
         print("lock: refresh it with `.ci/lock` (pyproject.toml changed?)", file=sys.stderr)
         return 1
-    print(f"lock: every installed distribution is the version {lock} pins")
+    print(f"lock: what {PROJECT} needs is installed at the versions {lock} pins")
     return 0
 
 

@@ -37,7 +37,9 @@ def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path,
                         help="folder for report.json, report.md, timeline.png, raw records "
                         "and the children's logs")
-    parser.add_argument("--config", default="regions.yaml", type=Path)
+    parser.add_argument("--config", default="regions.yaml", type=Path,
+                        help="the regions and simulated workers the drill runs "
+                        "(default %(default)s)")
     parser.add_argument("--duration-s", type=float, default=None,
                         help="how long the fault lasts (default 30; --quick: 6, "
                         "redis-outage 8)")
@@ -61,9 +63,14 @@ def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
                         help="slow-region: also slow the region's engines by this factor")
     parser.add_argument("--redis-mode", choices=("stop", "freeze"), default="stop",
                         help="redis-outage: stop Valkey, or SIGSTOP it (a blackholed server)")
-    parser.add_argument("--flap-down-s", type=float, default=1.0)
-    parser.add_argument("--flap-up-s", type=float, default=2.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flap-down-s", type=float, default=1.0,
+                        help="worker-flap: how long the engine stays dead each time "
+                        "(default %(default)s)")
+    parser.add_argument("--flap-up-s", type=float, default=2.0,
+                        help="worker-flap: how long it serves before the next kill "
+                        "(default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the load's randomness (default %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="PATH=VALUE",
                         help="change one setting of the config for this drill, e.g. "

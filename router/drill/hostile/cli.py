@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="PATH=VALUE",
                         help="change one setting of the lanes' regions.yaml, e.g. "
                         "router.timeouts.first_byte_s=5 (repeatable)")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="WARNING",
+                        help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
     return parser
 
 

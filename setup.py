@@ -37,6 +37,7 @@ COMPILED_MODULES = [
     "router/proxy/handlers.py",
     "router/proxy/outcome.py",
     "router/proxy/parse.py",
+    "router/proxy/transcript.py",
     "router/proxy/upstream.py",
     "router/telemetry/metrics.py",
     "router/telemetry/series.py",

@@ -138,6 +138,20 @@ class QueueConfig(_Strict):
     )
 
 
+class StreamFailoverConfig(_Strict):
+    """Mid-stream failover (router.proxy.continuation): a stream whose worker fails after
+    its first byte is finished on another worker, the client seeing one stream."""
+
+    enabled: bool = Field(
+        default=True, description="continue streams whose worker fails mid-stream on "
+        "another worker (same region first); a client opts out per request with the "
+        "header `x-globalpool-failover: off`")
+    disabled_models: list[str] = Field(
+        default_factory=list, description="models whose streams are never continued (for "
+        "example one whose chat template cannot continue an assistant message): they end "
+        "with an error event when their worker fails, as without failover")
+
+
 # router.fleet_view_cpu_share's default (router.registry.collector paces itself by it).
 DEFAULT_FLEET_VIEW_CPU_SHARE = 0.1
 
@@ -185,6 +199,7 @@ class RouterConfig(_Strict):
         default=64, ge=2, le=512, description="deepest nesting of arrays/objects in a body"
     )
     client_timeouts: ClientTimeouts = ClientTimeouts()
+    stream_failover: StreamFailoverConfig = StreamFailoverConfig()
 
 
 class HeartbeatConfig(_Strict):

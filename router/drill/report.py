@@ -192,6 +192,8 @@ def _goals(name: str, report: dict[str, Any]) -> list[dict[str, Any]]:
         goals.append({"goal": "no new requests to the drained region within 1 s",
                       "measured": detect, "met": detect is not None and detect <= 1.0})
     if name in ("kill-region", "worker-flap"):
+        goals.append({"goal": "0 streams failed mid-stream (continued on another worker)",
+                      "measured": failed["mid_stream"], "met": failed["mid_stream"] == 0})
         detect = report["time_to_detect_s"]
         goals.append({"goal": "the router stops sending to the killed engine(s) within 1 s",
                       "measured": detect, "met": detect is not None and detect <= 1.0})

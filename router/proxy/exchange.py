@@ -17,6 +17,7 @@ from typing import Protocol
 from aiohttp import web
 
 from router.proxy.errors import ApiError, error_body
+from router.proxy.transcript import Transcript
 from router.proxy.upstream import UpstreamConnection, UpstreamError
 
 
@@ -70,12 +71,21 @@ class Exchange(Protocol):
         """The whole body; ApiError(408) when it does not arrive within `timeout_s`."""
 
     async def relay(
-        self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection
+        self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection,
+        transcript: Transcript | None = None,
     ) -> UpstreamError | None:
         """Start a 200 event stream with `headers` and `first`, then pass the rest of
-        `upstream`'s body through as it arrives. Returns None when the body ended, or the
-        error that broke it off (the stream stays open for `end_stream`). Raises
-        ConnectionError or CancelledError when the client went away."""
+        `upstream`'s body through as it arrives (through `transcript.admit`, if given).
+        Returns None when the body ended, or the error that broke it off (the stream
+        stays open for `end_stream`). Raises ConnectionError or CancelledError when the
+        client went away."""
+
+    async def relay_more(
+        self, first: bytes, upstream: UpstreamConnection, rewrite: Callable[[bytes], bytes]
+    ) -> UpstreamError | None:
+        """Go on with a started stream: `first`, then `upstream`'s body through
+        `rewrite` (another worker's continuation of the answer). Returns and raises as
+        `relay` does."""
 
     async def end_stream(self, tail: bytes) -> None:
         """Write `tail` (maybe empty) and end the stream."""
@@ -128,19 +138,44 @@ class AiohttpExchange:
                            ) from None
 
     async def relay(
-        self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection
+        self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection,
+        transcript: Transcript | None = None,
     ) -> UpstreamError | None:
         response = self.response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(self._request)
-        await response.write(first)
-        while True:
-            try:
+        return await self._pass(first, upstream, None if transcript is None else transcript.admit,
+                                transcript)
+
+    async def relay_more(
+        self, first: bytes, upstream: UpstreamConnection, rewrite: Callable[[bytes], bytes]
+    ) -> UpstreamError | None:
+        return await self._pass(first, upstream, rewrite, None)
+
+    async def _pass(self, first: bytes, upstream: UpstreamConnection,
+                    change: Callable[[bytes], bytes] | None, transcript: Transcript | None
+                    ) -> UpstreamError | None:
+        response = self.response
+        assert response is not None
+        try:
+            if change is not None:
+                first = change(first)
+            if first:
+                await response.write(first)
+            while True:
                 chunk = await upstream.read_some()
-            except UpstreamError as exc:
-                return exc
-            if not chunk:
-                return None
-            await response.write(chunk)
+                if not chunk:
+                    break
+                if change is not None:
+                    chunk = change(chunk)
+                if chunk:
+                    await response.write(chunk)
+        except UpstreamError as exc:
+            return exc
+        if transcript is not None:
+            tail = transcript.take_held()
+            if tail:
+                await response.write(tail)
+        return None
 
     async def end_stream(self, tail: bytes) -> None:
         assert self.response is not None

@@ -22,8 +22,9 @@ import json
 import os
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from http import HTTPStatus
+from typing import Any
 from urllib.parse import urlsplit
 
 from router.config import GlobalConfig, Timeouts
@@ -31,11 +32,13 @@ from router.proxy.errors import error_body, sse_error_event
 from router.proxy.exchange import Exchange, Reply
 from router.proxy.outcome import Attempt, Failure
 from router.proxy.tls import client_context
+from router.proxy.transcript import ErrorEvent, TooManyEvents, Transcript
 from router.proxy.upstream import (
     ConnectFailed,
     ConnectionBroken,
     RequestHead,
     UpstreamConnection,
+    UpstreamError,
     UpstreamPool,
 )
 
@@ -382,27 +385,31 @@ async def forward_unary(
     return Reply(upstream.status, _answer_headers(response_headers, upstream, attempt), answer)
 
 
-async def forward_stream(
-    exchange: Exchange,
-    pool: UpstreamPool,
-    target: Target,
-    payload: bytes,
-    timeouts: Timeouts,
-    response_headers: dict[str, str],
-    attempt: Attempt,
-    client_stall_s: float = 60.0,
-) -> Reply:
-    """A streaming request, passed through as it arrives without parsing the events
-    (`response_headers` are completed for the client)."""
+class StreamBroken(UpstreamFailure):
+    """A started stream broke off (its client has had some of it): the caller may
+    continue it on another worker (`router.proxy.continuation`) or end it with
+    `end_broken_stream`. `event_status` and `event_message` are the error event's."""
+
+    def __init__(self, message: str, kind: Failure, *, event_status: int,
+                 detail: str) -> None:
+        super().__init__(message, kind, status=event_status, detail=detail)
+        self.event_status = event_status
+
+
+async def open_stream(pool: UpstreamPool, target: Target, payload: bytes,
+                      timeouts: Timeouts, attempt: Attempt
+                      ) -> tuple[UpstreamConnection, bytes, bool]:
+    """Send a streaming request and wait for the answer's first event: (the connection,
+    its first bytes, refused). `refused`: the worker answered other than 200 and `first`
+    is that whole answer (the connection released), as the client may get it. Raises
+    UpstreamFailure for a failure worth a retry elsewhere: no first byte in time, a
+    connection that broke, a first event that is an error worth a retry."""
     deadline = attempt.first_byte_deadline = Deadline(timeouts.first_byte_s, pool.loop)
     try:
         upstream = await _send(pool, target, payload, deadline)
         refused = await _refuse_if_failed(upstream)
         if refused is not None:
-            attempt.first_byte_s = time.monotonic()
-            attempt.status = upstream.status
-            return Reply(upstream.status,
-                         _answer_headers(response_headers, upstream, attempt), refused)
+            return upstream, refused, True
         try:
             first = await upstream.read_some()
             if (first and b"\n\n" not in first and b"\r\n\r\n" not in first
@@ -436,27 +443,102 @@ async def forward_stream(
         raise UpstreamFailure(
             f"the worker answered 200, then an error event {status}", kind, status=status,
             detail=f"worker answered 200, then an error event {status}: {message}")
+    return upstream, first, False
+
+
+async def forward_stream(
+    exchange: Exchange,
+    pool: UpstreamPool,
+    target: Target,
+    payload: bytes,
+    timeouts: Timeouts,
+    response_headers: dict[str, str],
+    attempt: Attempt,
+    client_stall_s: float = 60.0,
+    transcript: Transcript | None = None,
+) -> Reply:
+    """A streaming request, passed through as it arrives without parsing the events
+    (`response_headers` are completed for the client). With a `transcript`, what the
+    client got is kept and a stream that breaks off raises StreamBroken (the stream left
+    open) instead of ending with an error event."""
+    upstream, first, refused = await open_stream(pool, target, payload, timeouts, attempt)
     attempt.first_byte_s = time.monotonic()
+    if refused:
+        attempt.status = upstream.status
+        return Reply(upstream.status, _answer_headers(response_headers, upstream, attempt),
+                     first)
     attempt.status = 200
     headers = _answer_headers(response_headers, upstream, attempt)
     headers["Cache-Control"] = "no-cache"
+    await _pass_on(exchange, pool.loop, upstream, timeouts, attempt, client_stall_s, transcript,
+                   exchange.relay(headers, first, upstream, transcript))
+    return Reply(200, headers, streamed=True)
+
+
+async def continue_stream(
+    exchange: Exchange,
+    pool: UpstreamPool,
+    target: Target,
+    payload: bytes,
+    timeouts: Timeouts,
+    attempt: Attempt,
+    client_stall_s: float,
+    transcript: Transcript,
+    rewrite: Callable[[bytes], bytes],
+) -> None:
+    """Continue a broken stream on another worker: `payload` asks it for the rest of the
+    answer, and `rewrite` turns its events into the client's (see
+    `router.proxy.continuation`). Raises UpstreamFailure when the worker does not start
+    (the stream is left as it was), StreamBroken when it breaks off too."""
+    upstream, first, refused = await open_stream(pool, target, payload, timeouts, attempt)
+    attempt.status = upstream.status
+    if refused:
+        raise UpstreamFailure(
+            f"the worker refused the continuation ({upstream.status})",
+            Failure.REFUSED if upstream.status < 500 else Failure.SERVER_ERROR,
+            status=upstream.status,
+            detail=f"worker refused the continuation ({upstream.status}): "
+                   f"{first[:200].decode(errors='replace')}")
+    refusal = _error_event(first)
+    if refusal is not None:
+        upstream.close()
+        raise UpstreamFailure(
+            f"the worker refused the continuation ({refusal[0]})", Failure.REFUSED,
+            status=refusal[0], detail=f"worker refused the continuation: {refusal[1]}")
+    attempt.first_byte_s = time.monotonic()
+    await _pass_on(exchange, pool.loop, upstream, timeouts, attempt, client_stall_s, transcript,
+                   exchange.relay_more(first, upstream, rewrite))
+
+
+async def _pass_on(
+    exchange: Exchange, loop: asyncio.AbstractEventLoop, upstream: UpstreamConnection,
+    timeouts: Timeouts, attempt: Attempt,
+    client_stall_s: float, transcript: Transcript | None,
+    relaying: Coroutine[Any, Any, UpstreamError | None],
+) -> None:
+    """Run `relaying` (the stream passing to the client) under the idle watchdog, and end
+    the stream: as it came, with an error event, or (a `transcript` kept) open for a
+    continuation (StreamBroken)."""
     def client_stalled() -> None:
         attempt.client_stalled = True
         exchange.abort_client()  # cancels the request: the upstream is closed below
 
-    watchdog = _IdleWatchdog(pool.loop, upstream, exchange, timeouts, client_stall_s,
+    watchdog = _IdleWatchdog(loop, upstream, exchange, timeouts, client_stall_s,
                              client_stalled)
     try:
-        broken = await exchange.relay(headers, first, upstream)
+        broken = await relaying
         if attempt.client_stalled:
             raise ConnectionResetError(watchdog.client_fired)
-        if broken is not None:
-            attempt.failure = Failure.IDLE if watchdog.fired else Failure.MID_STREAM
-            status, message = _ended_early(watchdog)
-            attempt.error = f"{message}: {broken}"
-            await exchange.end_stream(sse_error_event(status, message, code="upstream_failed"))
-        else:
+        if broken is None:
             await exchange.end_stream(b"")
+            return
+        attempt.failure = Failure.IDLE if watchdog.fired else Failure.MID_STREAM
+        status, message = _ended_early(watchdog, broken)
+        attempt.error = f"{message}: {broken}"
+        if transcript is not None:
+            raise StreamBroken(message, attempt.failure, event_status=status,
+                               detail=attempt.error)
+        await exchange.end_stream(sse_error_event(status, message, code="upstream_failed"))
     except (ConnectionError, asyncio.CancelledError):
         # The client went away: drop the upstream connection so the engine stops generating.
         attempt.client_gone = True
@@ -465,7 +547,17 @@ async def forward_stream(
     finally:
         watchdog.cancel()
         upstream.release()  # closes it unless the answer was read to its end
-    return Reply(200, headers, streamed=True)
+
+
+async def end_broken_stream(exchange: Exchange, transcript: Transcript | None,
+                            broken: StreamBroken) -> None:
+    """End a stream that broke off and is not continued: the events owed to its client,
+    then an error event."""
+    owed = b""
+    if transcript is not None:
+        owed, transcript.owed = transcript.owed, b""
+    await exchange.end_stream(owed + sse_error_event(broken.event_status, broken.message,
+                                                     code="upstream_failed"))
 
 
 # A stream's first event is awaited whole up to this size before anything is sent on.
@@ -563,9 +655,13 @@ def _error_event(first: bytes) -> tuple[int, str] | None:
 _ERROR_EVENT_PREFIXES = (b'data: {"error"', b'data:{"error"')
 
 
-def _ended_early(watchdog: _IdleWatchdog) -> tuple[int, str]:
+def _ended_early(watchdog: _IdleWatchdog, broken: UpstreamError) -> tuple[int, str]:
     """The status and message of the error event that ends a stream broken off early
     (safe to show: the socket's own words, with the worker's address, go to the log)."""
     if watchdog.fired is not None:
         return 504, watchdog.fired
+    if isinstance(broken, TooManyEvents):
+        return 502, "the worker streamed past the request's max_tokens"
+    if isinstance(broken, ErrorEvent):
+        return broken.status, "the worker failed mid-stream"
     return 502, "the worker's stream broke off"

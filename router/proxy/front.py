@@ -22,15 +22,17 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from router.proxy.errors import ApiError
 from router.proxy.exchange import error_reply
+from router.proxy.transcript import Transcript
 from router.proxy.upstream import (
     UNIQUE_VALUE_HEADERS,
+    Sink,
     UpstreamConnection,
     UpstreamError,
     remember_line,
@@ -117,7 +119,7 @@ def _head(status: int, headers: Mapping[str, str], framing: str, close: bool) ->
 class FrontExchange:
     """One inference request on a front connection (see `router.proxy.exchange`)."""
 
-    __slots__ = ("_protocol", "content_length", "headers", "path", "started")
+    __slots__ = ("_protocol", "_transcript", "content_length", "headers", "path", "started")
 
     def __init__(self, protocol: FrontProtocol, path: str, headers: dict[str, str],
                  content_length: int) -> None:
@@ -126,6 +128,7 @@ class FrontExchange:
         self.headers = headers
         self.content_length = content_length
         self.started = False  # the answer's head has been written
+        self._transcript: Transcript | None = None  # kept while relaying (see `relay`)
 
     def body_if_here(self) -> bytes | None:
         return self._protocol.body_if_here(self.content_length)
@@ -134,34 +137,80 @@ class FrontExchange:
         return self._protocol.read_body(self.content_length, timeout_s)  # one await less
 
     async def relay(
-        self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection
+        self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection,
+        transcript: Transcript | None = None,
     ) -> UpstreamError | None:
         protocol = self._protocol
         transport = protocol.transport
         if transport.is_closing():
             raise ConnectionResetError("the client went away")
         self.started = True
-        transport.write(_head(200, headers, "Transfer-Encoding: chunked\r\n", protocol.closing)
-                        + b"%x\r\n" % len(first) + first + b"\r\n")
+        if transcript is not None:
+            try:
+                first = transcript.admit(first)
+            except UpstreamError as exc:  # an error event right after the first
+                transport.write(_head(200, headers, "Transfer-Encoding: chunked\r\n",
+                                      protocol.closing))
+                return exc
+        head = _head(200, headers, "Transfer-Encoding: chunked\r\n", protocol.closing)
+        transport.write(head + b"%x\r\n" % len(first) + first + b"\r\n" if first else head)
+        self._transcript = transcript
+        try:
+            return await self._pipe(upstream, self)
+        finally:
+            self._transcript = None
+
+    async def relay_more(
+        self, first: bytes, upstream: UpstreamConnection, rewrite: Callable[[bytes], bytes]
+    ) -> UpstreamError | None:
+        if self._protocol.transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        sink = _Rewriting(self, rewrite)
+        try:
+            sink.write(first)
+        except UpstreamError as exc:
+            return exc
+        return await self._pipe(upstream, sink)
+
+    async def _pipe(self, upstream: UpstreamConnection, sink: Sink) -> UpstreamError | None:
+        protocol = self._protocol
         protocol.relaying = upstream
         if protocol.writing_paused:
             upstream.pause_reading()
         try:
-            await upstream.pipe(self)
+            await upstream.pipe(sink)
         except UpstreamError as exc:
             return exc
         finally:
             protocol.relaying = None
+        transcript = self._transcript
+        if transcript is not None:
+            tail = transcript.take_held()
+            if tail:
+                self._chunk(tail)
         return None
 
     def write(self, data: bytes) -> None:
         """The upstream's next body bytes, as one HTTP chunk (called by the upstream)."""
+        transcript = self._transcript
+        if transcript is not None:
+            data = transcript.admit(data)  # whole events only (raises: the stream breaks)
+            if not data:
+                return
+        self._chunk(data)
+
+    def _chunk(self, data: bytes) -> None:
         transport = self._protocol.transport
         if not transport.is_closing():
             transport.write(b"%x\r\n" % len(data) + data + b"\r\n")
 
     def write_frame(self, frame: bytes) -> None:
         """One whole HTTP chunk of the upstream's, passed on as it came."""
+        transcript = self._transcript
+        if transcript is not None and not transcript.admit_frame(frame):
+            for payload in _payloads(frame):
+                self.write(payload)
+            return
         transport = self._protocol.transport
         if not transport.is_closing():
             transport.write(frame)
@@ -178,6 +227,33 @@ class FrontExchange:
             transport.write(b"%x\r\n" % len(tail) + tail + b"\r\n" + _LAST_CHUNK)
         else:
             transport.write(_LAST_CHUNK)
+
+
+class _Rewriting:
+    """A sink that passes a continuation's body through `rewrite` to the client."""
+
+    __slots__ = ("_exchange", "_rewrite")
+
+    def __init__(self, exchange: FrontExchange, rewrite: Callable[[bytes], bytes]) -> None:
+        self._exchange = exchange
+        self._rewrite = rewrite
+
+    def write(self, data: bytes) -> None:
+        out = self._rewrite(data)
+        if out:
+            self._exchange._chunk(out)
+
+
+def _payloads(frame: bytes) -> list[bytes]:
+    """The payloads of the whole bare-size chunks in `frame` (as `write_frame` gets them)."""
+    payloads: list[bytes] = []
+    pos = 0
+    while pos < len(frame):
+        eol = frame.index(b"\r\n", pos)
+        size = int(frame[pos:eol], 16)
+        payloads.append(frame[eol + 2 : eol + 2 + size])
+        pos = eol + size + 4
+    return payloads
 
 
 class FrontProtocol(asyncio.Protocol):

@@ -15,15 +15,20 @@ from router.admin.drains import DrainHolder
 from router.admission.gate import Admission
 from router.admission.queue import QueueFull, RouterQueue
 from router.auth.keys import Principal
-from router.config import GlobalConfig
+from router.config import GlobalConfig, RouterConfig
 from router.config_reload import ConfigHolder
 from router.health import Health, RetryBudget
 from router.policy import Decision, NoRoute, Policy, RouteRequest
 from router.policy.inflight import InFlight
+from router.proxy.continuation import FAILOVER_HEADER, Failover, Rewriter
 from router.proxy.errors import ApiError
 from router.proxy.exchange import Exchange, Reply, api_error_reply, error_reply
 from router.proxy.forward import (
+    StreamBroken,
+    Target,
     UpstreamFailure,
+    continue_stream,
+    end_broken_stream,
     forward_stream,
     forward_unary,
     target_of,
@@ -33,9 +38,10 @@ from router.proxy.forward import (
 from router.proxy.outcome import Attempt, Failure, Observer, RequestRecord
 from router.proxy.parse import PREFIX_TOKENS, ParsedRequest, parse_body
 from router.proxy.request_id import request_id_of
+from router.proxy.transcript import event_limit
 from router.proxy.upstream import UpstreamPool
 from router.registry.snapshot import SnapshotHolder
-from router.telemetry.tracing import inject_current_trace
+from router.telemetry.tracing import continuation_span, inject_current_trace
 
 log = logging.getLogger("globalpool.proxy")
 
@@ -164,6 +170,8 @@ class Proxy:
         session_id, traffic_class, budget_ms = hints
         record.traffic_class = traffic_class
         allowed = None if principal is None else principal.allowed_regions  # data residency
+        failover = _failover_for(router_config, exchange, parsed, body, record.kind)
+        broken_stream: StreamBroken | None = None
         tried: set[str] = set()
         avoid_regions: set[str] = set()
         failure: UpstreamFailure | None = None
@@ -218,9 +226,11 @@ class Proxy:
             now = time.monotonic()
             if record.routed_s is None:
                 record.routed_s = now
+            continuing = broken_stream is not None
             attempt = Attempt(worker_id=worker.worker_id, region=worker.region,
                               predicted_ttft_ms=decision.predicted_ttft_ms,
-                              reason=decision.reason if not record.attempts else "retry",
+                              reason=("continuation" if continuing else
+                                      decision.reason if not record.attempts else "retry"),
                               started_s=now, streamed=parsed.stream)
             record.attempts.append(attempt)
             reply_headers = {
@@ -248,11 +258,15 @@ class Proxy:
                     prompt_tokens=parsed.prompt_tokens, prefix_tokens=route.prefix_tokens)
             try:
                 target = target_of(worker.endpoint)
+                if failover is not None and continuing:
+                    return await self._continue(exchange, failover, target, headers, attempt,
+                                                record)
                 payload = target.request(exchange.path, headers, body)
                 if parsed.stream:
                     reply = await forward_stream(
                         exchange, self.upstreams, target, payload, router_config.timeouts,
-                        reply_headers, attempt, router_config.client_timeouts.stall_s)
+                        reply_headers, attempt, router_config.client_timeouts.stall_s,
+                        None if failover is None else failover.transcript)
                     if attempt.error is not None:
                         record.error = attempt.error
                         log.warning("request %s: stream from %s (%s) ended early: %s",
@@ -262,18 +276,25 @@ class Proxy:
                     reply = await forward_unary(self.upstreams, target, payload,
                                                 router_config.timeouts, reply_headers, attempt)
                 return reply
+            except StreamBroken as broken:
+                _note_failure(attempt, broken)
+                log.warning("request %s: stream from %s (%s) broke off: %s", record.request_id,
+                            worker.worker_id, worker.region, broken.detail)
+                assert failover is not None  # (only a kept transcript raises it)
+                if await _stream_ended(exchange, failover, broken, record):
+                    return Reply(200, {}, streamed=True)
+                broken_stream = failure = broken
+                free_retry = True  # failover: the budget guards against amplification
             except UpstreamFailure as failed:
                 log.warning("request %s: attempt on %s (%s) failed before first byte: %s",
                             record.request_id, worker.worker_id, worker.region, failed.detail)
-                attempt.error = failed.detail
-                attempt.failure = failed.kind
-                attempt.status = failed.status
-                attempt.retry_after_s = failed.retry_after_s
+                _note_failure(attempt, failed)
                 # A retry costs no budget when the failed attempt did no work anywhere: a
                 # refused connection, or a wait abandoned on a stalled worker (ejected, so
                 # its requests move once; the budget guards against amplification, and
                 # this is failover).
-                free_retry = failed.kind is Failure.CONNECT or attempt.abandoned is not None
+                free_retry = (failed.kind is Failure.CONNECT or attempt.abandoned is not None
+                              or continuing)
                 if failed.kind in _PATH_FAILURES:
                     # The path to the region may be down (refused, or a blackhole that
                     # only times out): the retry prefers another region. A reset is
@@ -290,6 +311,11 @@ class Proxy:
                     observer.attempt_finished(attempt)
         assert failure is not None
         record.error = failure.detail
+        if broken_stream is not None:  # the client has part of the answer: end it
+            record.failover = "failed"
+            await end_broken_stream(exchange, None if failover is None else failover.transcript,
+                                    broken_stream)
+            return Reply(200, {}, streamed=True)
         status = failure.status if failure.status in (502, 503, 504) else 502
         return error_reply(
             status,
@@ -297,6 +323,24 @@ class Proxy:
             code="upstream_failed",
             headers={"Retry-After": "1"},
         )
+
+    async def _continue(self, exchange: Exchange, failover: Failover, target: Target,
+                        headers: dict[str, str], attempt: Attempt, record: RequestRecord
+                        ) -> Reply:
+        """Ask `target` for the rest of a broken stream and pass it on (raises
+        UpstreamFailure when it does not start, StreamBroken when it breaks off too)."""
+        router_config = self.config.router
+        payload = target.request(exchange.path, headers, failover.next_body())
+        record.continuations += 1
+        with continuation_span(attempt.worker_id, attempt.region):
+            await continue_stream(exchange, self.upstreams, target, payload,
+                                  router_config.timeouts, attempt,
+                                  router_config.client_timeouts.stall_s, failover.transcript,
+                                  Rewriter(failover.transcript))
+        record.failover = "continued"
+        log.info("request %s: stream continued on %s (%s)", record.request_id,
+                 attempt.worker_id, attempt.region)
+        return Reply(200, {}, streamed=True)
 
     def _count_unrouted(self, path: str, received_s: float, request_id: str,
                         exc: Exception) -> None:
@@ -365,6 +409,44 @@ class Proxy:
 
 
 _PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
+
+
+def _note_failure(attempt: Attempt, failed: UpstreamFailure) -> None:
+    attempt.error = failed.detail
+    attempt.failure = failed.kind
+    attempt.status = failed.status
+    attempt.retry_after_s = failed.retry_after_s
+
+
+def _failover_for(config: RouterConfig, exchange: Exchange, parsed: ParsedRequest,
+                  body: bytes, kind: str) -> Failover | None:
+    """The failover state of a stream that may be continued elsewhere, else None (not a
+    stream, switched off for the model or by the client)."""
+    if not parsed.stream or kind == "embeddings":
+        return None
+    settings = config.stream_failover
+    if (not settings.enabled or parsed.model in settings.disabled_models
+            or exchange.headers.get(FAILOVER_HEADER, "").lower() == "off"):
+        return None
+    return Failover(body, kind, event_limit(parsed.completion_tokens, parsed.choices))
+
+
+async def _stream_ended(exchange: Exchange, failover: Failover, broken: StreamBroken,
+                        record: RequestRecord) -> bool:
+    """After a stream broke off: end it here if it cannot or need not be continued (True),
+    else False (the caller continues it on another worker)."""
+    if failover.finished():
+        record.failover = "finished"  # nothing left to generate: only its end was missing
+        await exchange.end_stream(failover.closing_events())
+        return True
+    reason = failover.refusal()
+    if reason is None:
+        return False
+    record.failover, record.failover_reason = "not_continued", reason
+    record.error = broken.detail
+    log.warning("request %s: stream not continued elsewhere: %s", record.request_id, reason)
+    await end_broken_stream(exchange, failover.transcript, broken)
+    return True
 
 
 def _no_route(exc: NoRoute, *, configured: bool) -> Reply:

@@ -36,6 +36,9 @@ class Failure(StrEnum):
     RESET = "reset"  # the connection broke before the first byte
     MID_STREAM = "mid_stream"  # broke off after the client got the first byte
     IDLE = "idle"  # a started stream stalled past idle_s / total_s
+    # The worker refused to continue another worker's broken stream (4xx): nothing bad
+    # about its health.
+    REFUSED = "refused"
 
 
 @dataclass(slots=True)
@@ -98,6 +101,21 @@ class RequestRecord:
     finished_s: float | None = None
     error: str | None = None
     request_id: str = ""  # the client's `x-request-id`, or the router's (router.proxy.request_id)
+    # Mid-stream failover: attempts that continued the stream, and how it ended
+    # ("continued", "failed", "finished", or "not_continued"); None: no stream broke.
+    continuations: int = 0
+    failover: str | None = None
+    failover_reason: str | None = None  # why not continued (a fixed phrase: a label)
+
+    @property
+    def first_streamed(self) -> Attempt | None:
+        """The attempt whose first byte started the answer (the client's TTFT)."""
+        if not self.continuations:
+            return self.served_by
+        for attempt in self.attempts:
+            if attempt.first_byte_s is not None:
+                return attempt
+        return None
 
     @property
     def served_by(self) -> Attempt | None:

@@ -52,6 +52,7 @@ class ParsedRequest(NamedTuple):
     # requests sharing a long prefix (system prompt, few-shot examples, a document) share
     # it, and a worker that served one has that prefix in its KV cache.
     prefix_key: int | None = None
+    choices: int = 1  # n
 
 
 def nesting_depth_exceeds(document: Any, limit: int) -> bool:
@@ -73,16 +74,20 @@ def nesting_depth_exceeds(document: Any, limit: int) -> bool:
     return False
 
 
-def _requested_tokens(document: dict[str, Any]) -> int | None:
+def _requested_tokens(document: dict[str, Any], choices: int) -> int | None:
     limit = document.get("max_completion_tokens", _MISSING)
     if limit is _MISSING:
         limit = document.get("max_tokens")
     if type(limit) is not int or limit < 0:  # not a bool either (a subclass of int)
         return None
+    return limit * choices
+
+
+def _choices(document: dict[str, Any]) -> int:
     choices = document.get("n", 1)
     if type(choices) is not int or not 1 <= choices <= 128:
-        choices = 1
-    return limit * choices
+        return 1
+    return choices
 
 
 _MISSING = object()
@@ -160,8 +165,9 @@ def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
             raise ApiError(400, "'input' is required", param="input")
         chars = _text_chars(document["input"])
         prefix_key = None
+    choices = _choices(document) if "n" in document else 1
     # `__new__` directly: half the cost of `ParsedRequest(...)` (see handlers' RouteRequest)
     return ParsedRequest.__new__(
         ParsedRequest, model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
-        completion_tokens=0 if kind == "embeddings" else _requested_tokens(document),
-        prefix_key=prefix_key)
+        completion_tokens=0 if kind == "embeddings" else _requested_tokens(document, choices),
+        prefix_key=prefix_key, choices=choices)

@@ -90,6 +90,12 @@ class RequestMetrics:
             "Requests ended by their client (status 499): it went away (left), or it "
             "stopped reading and was cut off (stalled). Never counted against a worker.",
             ["reason"], registry)
+        self.failovers = LabelledCounter(
+            "globalpool_stream_failovers",
+            "Streams whose worker failed mid-stream, by how they ended: continued on another "
+            "worker, finished (only the end was missing), failed (no worker could continue "
+            "it), not_continued (not sound to continue: `reason`).",
+            ["outcome", "reason"], registry)
 
     def attempt_finished(self, attempt: Attempt) -> None:
         region = attempt.region
@@ -124,6 +130,10 @@ class RequestMetrics:
             self.client_disconnects.inc(("stalled" if stalled else "left",))
         if record.routed_s is not None:
             self.route.observe((), record.routed_s - record.received_s)
+        if record.failover is not None:
+            self.failovers.inc((record.failover, record.failover_reason or ""))
+        if record.continuations:
+            served = record.first_streamed  # the client's first token came from it
         if served is None or served.first_byte_s is None or record.finished_s is None:
             return
         if record.stream:

@@ -17,9 +17,10 @@ Tests pass their own TracerProvider with an in-memory exporter.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -63,9 +64,14 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     return provider
 
 
+# The tracer of `traced`, for the spans inside a request's (one provider per process).
+_tracer: trace.Tracer | None = None
+
+
 def traced(provider: trace.TracerProvider, handler: InferenceHandler) -> InferenceHandler:
     """`handler` (the proxy's inference), each request run inside its own SERVER span."""
-    tracer = provider.get_tracer(INSTRUMENTATION)
+    global _tracer
+    tracer = _tracer = provider.get_tracer(INSTRUMENTATION)
 
     async def trace_request(exchange: Exchange) -> Reply:
         parent = _PROPAGATOR.extract(exchange.headers)
@@ -91,6 +97,20 @@ def traced(provider: trace.TracerProvider, handler: InferenceHandler) -> Inferen
             return reply
 
     return trace_request
+
+
+@contextlib.contextmanager
+def continuation_span(worker_id: str, region: str) -> Iterator[None]:
+    """A child span of the request's around a mid-stream continuation (nothing when the
+    request is not traced)."""
+    if _tracer is None or not trace.get_current_span().is_recording():
+        yield
+        return
+    with _tracer.start_as_current_span(
+        "globalpool.continuation",
+        attributes={"globalpool.worker": worker_id, "globalpool.region": region},
+    ):
+        yield
 
 
 def inject_current_trace(headers: MutableMapping[str, str]) -> None:
@@ -140,7 +160,11 @@ class SpanAnnotator:
             span.set_attribute("globalpool.request_id", record.request_id)
         if record.error is not None:
             span.set_attribute("globalpool.error", record.error)
-        chosen = record.served_by or (record.attempts[-1] if record.attempts else None)
+        if record.continuations:
+            span.set_attribute("globalpool.continuations", record.continuations)
+        if record.failover is not None:
+            span.set_attribute("globalpool.failover", record.failover)
+        chosen = record.first_streamed or (record.attempts[-1] if record.attempts else None)
         if chosen is None:
             return
         span.set_attribute("globalpool.region", chosen.region)

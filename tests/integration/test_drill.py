@@ -69,6 +69,8 @@ def test_kill_region_through_the_command(tmp_path: Path) -> None:
     assert report["scenario"] == "kill-region"
     assert set(report["ttft_p99_ms"]) == {"before", "during", "after"}
     _no_failure_before_first_byte(report)
+    # The streams in flight on the killed engines are finished on other workers.
+    assert report["failed"]["mid_stream"] == 0, report["phases"]
     assert report["time_to_reroute_s"] is not None and report["time_to_reroute_s"] <= 1.0
     assert report["phases"]["during"]["served_by_region"].keys() == {"eu-west"}
     # The load goes on until the restarted engines serve again, and a little longer.
@@ -139,5 +141,6 @@ async def test_worker_flap(tmp_path: Path) -> None:
     report = await _drill(tmp_path, "worker-flap", fault_s=10.0, flap_down_s=0.5,
                           flap_up_s=1.5)
     _no_failure_before_first_byte(report)
+    assert report["failed"]["mid_stream"] == 0, report["phases"]
     assert report["flap"]["cycles"] >= 2
     assert report["flap"]["readmissions"] * 2 < report["flap"]["comebacks"], report["flap"]

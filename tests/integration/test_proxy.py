@@ -91,7 +91,7 @@ async def fleet_factory(
     async def make(workers: dict[str, str], timeouts: dict[str, float] | None = None,
                    *, redis: str = redis_url, ttl_s: float = 60.0,
                    client_timeouts: dict[str, float] | None = None,
-                   policy: str = "predicted_ttft",
+                   policy: str = "predicted_ttft", router: dict[str, object] | None = None,
                    **sim_changes: object) -> Fleet:
         sims: dict[str, SimServer] = {}
         for index, (worker_id, _region) in enumerate(workers.items()):
@@ -110,10 +110,10 @@ async def fleet_factory(
 
         for worker_id in workers:
             await publish(worker_id)
-        config = parse_config(_config(timeouts or {"connect_s": 1, "first_byte_s": 2,
-                                                   "idle_s": 1, "total_s": 10},
-                                      client_timeouts, policy) |
-                              {"redis": {"url": redis, "key_prefix": key_prefix}})
+        raw = _config(timeouts or {"connect_s": 1, "first_byte_s": 2, "idle_s": 1,
+                                   "total_s": 10}, client_timeouts, policy)
+        raw["router"] = {**raw["router"], **(router or {})}  # type: ignore[dict-item]
+        config = parse_config(raw | {"redis": {"url": redis, "key_prefix": key_prefix}})
         app = build_app(RouterSettings(config=config, redis_url=redis, region="us-east",
                                        seed=1))
         runner = web.AppRunner(app, handler_cancellation=True)

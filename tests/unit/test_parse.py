@@ -18,7 +18,7 @@ def _chat(content: str, **extra: object) -> bytes:
 def test_a_chat_request_gives_model_stream_and_sizes() -> None:
     parsed = parse_body(_chat("x" * 400, stream=True, max_tokens=30, n=2), "chat")
     assert parsed == ParsedRequest(model="m", stream=True, prompt_tokens=100,
-                                   completion_tokens=60, prefix_key=None)
+                                   completion_tokens=60, prefix_key=None, choices=2)
     long = parse_body(_chat("y" * (PREFIX_CHARS + 5)), "chat")
     assert long.prefix_key is not None and long.completion_tokens is None
     assert parse_body(_chat("y" * (PREFIX_CHARS + 9)), "chat").prefix_key == long.prefix_key

@@ -1,0 +1,249 @@
+"""Mid-stream failover: finish on another worker a streamed answer whose worker failed.
+
+vLLM continues a partial answer: `/v1/completions` with the text so far appended to the
+prompt, chat with the partial assistant message last and `continue_final_message: true,
+add_generation_prompt: false`. The continuation asks for the tokens that are left
+(`max_tokens` less those already sent) with the original sampling parameters; its events
+are rewritten to carry the first answer's `id`, `created`, `model` and choice index, its
+role event is dropped, and its usage counts cover the whole answer. The client sees one
+stream with one finish reason and one `[DONE]`.
+
+Not sound, so not attempted (the stream ends with an error event as before): more than
+one choice, logprobs, `echo`, structured output (a grammar would restart), a prompt
+that is not one text, a tool call or reasoning in progress, an event passed on half.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from router.proxy.progress import Progress
+from router.proxy.transcript import ErrorEvent, Transcript
+
+FAILOVER_HEADER = "x-globalpool-failover"  # "off": this request's stream is not continued
+
+_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "structured_outputs")
+
+
+def refusal(document: dict[str, Any], kind: str) -> str | None:
+    """Why a request's stream cannot be continued on another engine, or None."""
+    n = document.get("n", 1)
+    if n not in (None, 1):
+        return "n > 1"
+    if document.get("best_of") not in (None, 1):
+        return "best_of > 1"
+    if kind == "chat":
+        if document.get("logprobs") or document.get("top_logprobs"):
+            return "logprobs"
+    elif document.get("logprobs") is not None:
+        return "logprobs"
+    if document.get("echo"):
+        return "echo"
+    response_format = document.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        return "structured output (response_format)"
+    if any(document.get(name) is not None for name in _STRUCTURED):
+        return "structured output"
+    if kind == "completions" and _single_text(document.get("prompt")) is None:
+        return "a prompt that is not one text"
+    if kind == "chat" and not isinstance(document.get("messages"), list):
+        return "no messages"
+    return None
+
+
+def tokens_left(document: dict[str, Any], progress: Progress) -> int | None:
+    """The completion tokens the continuation may still produce (None: no limit set)."""
+    limit = document.get("max_completion_tokens")
+    if limit is None:
+        limit = document.get("max_tokens")
+    if type(limit) is not int:
+        return None
+    return limit - progress.tokens
+
+
+def continuation_body(document: dict[str, Any], kind: str, progress: Progress) -> bytes:
+    """The request that continues `progress` (the original body, `document`, is not
+    changed). Call only when `tokens_left` is None or positive."""
+    body = dict(document)
+    left = tokens_left(document, progress)
+    if left is not None:
+        key = "max_completion_tokens" if "max_completion_tokens" in document else "max_tokens"
+        body[key] = left
+    min_tokens = document.get("min_tokens")
+    if type(min_tokens) is int:
+        body["min_tokens"] = max(0, min_tokens - progress.tokens)
+    answer = progress.answer
+    if answer:
+        if kind == "chat":
+            messages = list(document["messages"])
+            last = messages[-1] if messages else None
+            if (document.get("continue_final_message") and isinstance(last, dict)
+                    and last.get("role") == "assistant"
+                    and isinstance(last.get("content"), str)):
+                # The client prefilled the answer's start itself: it grows.
+                messages[-1] = {**last, "content": last["content"] + answer}
+            else:
+                messages.append({"role": "assistant", "content": answer})
+            body["messages"] = messages
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
+        else:
+            body["prompt"] = _single_text(document["prompt"]) + answer  # type: ignore[operator]
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def closing_events(progress: Progress) -> bytes:
+    """What ends a stream that needs no more tokens: a finish event (`length`: the answer
+    used all its max_tokens) unless one was sent, then `[DONE]` unless it was sent."""
+    parts: list[bytes] = []
+    if progress.finish_reason is None:
+        if progress.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None,
+                                      "finish_reason": "length"}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+        chunk = {"id": progress.id, "object": progress.object, "created": progress.created,
+                 "model": progress.model, "choices": [choice]}
+        parts.append(_event(chunk))
+    if not progress.done:
+        parts.append(b"data: [DONE]\n\n")
+    return b"".join(parts)
+
+
+class Failover:
+    """One stream's failover across its attempts: what its client got (`transcript`) and
+    how to ask another worker for the rest."""
+
+    __slots__ = ("_body", "_document", "kind", "transcript")
+
+    def __init__(self, body: bytes, kind: str, limit: int | None) -> None:
+        self._body = body
+        self._document: dict[str, Any] | None = None  # parsed when first needed
+        self.kind = kind
+        self.transcript = Transcript(kind, limit)
+
+    def _request(self) -> dict[str, Any]:
+        if self._document is None:
+            document = json.loads(self._body)
+            self._document = document if isinstance(document, dict) else {}
+        return self._document
+
+    def refusal(self) -> str | None:
+        """Why the stream cannot be continued, or None."""
+        reason = refusal(self._request(), self.kind)
+        return reason if reason is not None else self.transcript.read().unsound
+
+    def finished(self) -> bool:
+        """Whether the client has had all it asked for, or the answer's end was sent: the
+        stream needs only its closing events (`closing_events`)."""
+        progress = self.transcript.read()
+        if progress.done or progress.finish_reason is not None:
+            return True
+        left = tokens_left(self._request(), progress)
+        return left is not None and left <= 0
+
+    def closing_events(self) -> bytes:
+        transcript = self.transcript
+        owed, transcript.owed = transcript.owed, b""
+        return owed + closing_events(transcript.read())
+
+    def next_body(self) -> bytes:
+        """The request body that asks another worker for the rest of the answer."""
+        return continuation_body(self._request(), self.kind, self.transcript.read())
+
+
+class Rewriter:
+    """A continuation's body bytes -> the events its client gets (see the module's
+    docstring). Holds the start of an event split across reads until its end comes."""
+
+    __slots__ = ("_held", "_owed", "_prior_tokens", "_progress", "_transcript")
+
+    def __init__(self, transcript: Transcript) -> None:
+        self._transcript = transcript
+        self._progress = transcript.read()
+        self._prior_tokens = self._progress.tokens
+        self._owed = transcript.owed  # events the client has not had yet: they go first
+        transcript.owed = b""
+        self._held = b""
+
+    def __call__(self, data: bytes) -> bytes:
+        data = self._held + data
+        cut = data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0
+        self._held = data[cut:]
+        out = [self._owed] if self._owed else []
+        self._owed = b""
+        for event in data[:cut].replace(b"\r\n", b"\n").split(b"\n\n"):
+            rewritten = self._event(event)
+            if rewritten:
+                out.append(rewritten)
+        return self._transcript.admit(b"".join(out)) if out else b""
+
+    def _event(self, event: bytes) -> bytes:
+        payload = b"\n".join(line[5:].strip() for line in event.split(b"\n")
+                             if line.startswith(b"data:"))
+        if not payload:
+            return b""
+        if payload == b"[DONE]":
+            return b"data: [DONE]\n\n"
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            return event + b"\n\n"
+        if not isinstance(chunk, dict):
+            return event + b"\n\n"
+        error = chunk.get("error")
+        if error is not None:
+            code = error.get("code") if isinstance(error, dict) else None
+            status = code if type(code) is int and 400 <= code <= 599 else 500
+            message = error.get("message", "") if isinstance(error, dict) else ""
+            raise ErrorEvent(status, str(message)[:200])
+        return self._chunk(chunk)
+
+    def _chunk(self, chunk: dict[str, Any]) -> bytes:
+        progress = self._progress
+        chunk["id"] = progress.id
+        if progress.created is not None:
+            chunk["created"] = progress.created
+        if progress.model is not None:
+            chunk["model"] = progress.model
+        choices = chunk.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    continue
+                choice["index"] = 0
+                delta = choice.get("delta")
+                if isinstance(delta, dict):
+                    delta.pop("role", None)  # the client had the role from the first worker
+                    if (not delta.get("content") and len(delta) <= 1
+                            and choice.get("finish_reason") is None and len(choices) == 1):
+                        return b""  # the continuation's role event: nothing new
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self._whole_usage(usage)
+        return _event(chunk)
+
+    def _whole_usage(self, usage: dict[str, Any]) -> None:
+        """Counts for the whole answer: the continuation's prompt held the text so far."""
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        if type(prompt) is int and type(completion) is int:
+            prior = self._prior_tokens
+            usage["prompt_tokens"] = max(0, prompt - prior)
+            usage["completion_tokens"] = completion + prior
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def _event(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False
+                                  ).encode() + b"\n\n"
+
+
+def _single_text(prompt: object) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    return None

@@ -1,0 +1,202 @@
+"""What a stream's client has been sent, kept so that another worker can finish the answer.
+
+A stream is passed through as it arrives, without parsing its events (see
+`router.proxy.forward`). To carry it across a worker that dies mid-stream, the relay also
+hands every piece to a `Transcript`, which
+- passes on whole SSE events only, holding back the start of an event split across
+  reads until its end arrives, so a client never holds half an event when its worker dies;
+- keeps the pieces (references, not copies) and reads them only when a continuation needs
+  them, or every `FOLD_BYTES` so that a long answer costs bounded memory;
+- counts events, so that a worker that streams past what the request allows (a stream
+  that never ends) is cut off as broken (`TooManyEvents`);
+- stops at an error event (vLLM writes one when its engine fails mid-generation) before
+  it reaches the client (`ErrorEvent`), so the stream can be continued elsewhere.
+
+The usual token costs an `endswith`, a `count`, a substring test and an append.
+"""
+
+from __future__ import annotations
+
+import json
+
+from router.proxy.progress import Progress
+from router.proxy.upstream import UpstreamError
+
+# Pieces kept before they are read into the progress and dropped.
+FOLD_BYTES = 256 * 1024
+# The start of an event held back past this size is passed on as it is (and the stream can
+# no longer be continued: its client may hold half an event).
+MAX_HELD_BYTES = 1024 * 1024
+# An upstream chunk that ends one SSE event exactly ("...\n\n" + the chunk's CRLF).
+_FRAME_ENDS_EVENT = b"\n\n\r\n"
+_ERROR_MARK = b'{"error"'
+
+
+class TooManyEvents(UpstreamError):
+    """The worker streamed more events than the request's max_tokens allows."""
+
+
+class ErrorEvent(UpstreamError):
+    """The worker sent an error event after the stream had started."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"the worker sent an error event {status} mid-stream: {message}")
+        self.status = status
+        self.message = message
+
+
+def event_limit(completion_tokens: int | None, choices: int) -> int | None:
+    """The most events a stream for this request may carry: one per token and choice, a
+    role and a finish event per choice, usage and [DONE], and an eighth more for events
+    an engine may add. None when the request sets no max_tokens (the engine's own limit,
+    unknown here, applies)."""
+    if completion_tokens is None:
+        return None
+    return completion_tokens + completion_tokens // 8 + 2 * choices + 8
+
+
+class Transcript:
+    """The whole events a stream's client got, in order (see the module's docstring)."""
+
+    __slots__ = ("_held", "_pieces", "_size", "event_limit", "events", "owed", "progress")
+
+    def __init__(self, kind: str, limit: int | None) -> None:
+        self._pieces: list[bytes] = []
+        self._size = 0
+        self._held = b""
+        self.events = 0
+        self.event_limit = limit if limit is not None else 1 << 62
+        self.progress = Progress(kind)
+        # Recorded events that did not reach the client (they came just before an error
+        # event): whoever continues or ends the stream sends them first.
+        self.owed = b""
+
+    @property
+    def started(self) -> bool:
+        """Whether the client has been sent any event."""
+        return self.events > 0
+
+    def admit(self, data: bytes) -> bytes:
+        """Of the bytes held back and `data`, those that end on an event boundary, for the
+        client now (maybe b""); the rest waits for the next call. Raises TooManyEvents or
+        ErrorEvent instead of passing such events on."""
+        held = self._held
+        if held:
+            data = held + data
+            self._held = b""
+        if not data.endswith(b"\n\n"):
+            cut = _after_last_event(data)
+            if len(data) - cut > MAX_HELD_BYTES:
+                self.progress.unsound = "an event larger than 1 MB was passed on whole"
+            elif cut < len(data):
+                self._held = data[cut:]
+                data = data[:cut]
+                if not data:
+                    return data
+        self._record(data)
+        return data
+
+    def admit_frame(self, frame: bytes) -> bool:
+        """True when `frame`, one whole chunk of a chunked answer that ends one event,
+        was recorded and may go to the client as it is (the usual token); False: decode it
+        and `admit` its payload instead."""
+        if self._held or not frame.endswith(_FRAME_ENDS_EVENT):
+            return False
+        eol = frame.find(b"\r\n")
+        try:
+            size = int(frame[:eol], 16)
+        except ValueError:
+            return False
+        if eol + size + 4 != len(frame):
+            return False  # several chunks in one read
+        self._record(frame[eol + 2 : -2])
+        return True
+
+    def take_held(self) -> bytes:
+        """What is held back when the stream ends (an answer that ends inside an event)."""
+        held = self._held
+        self._held = b""
+        if held:
+            self._pieces.append(held)
+        return held
+
+    def read(self) -> Progress:
+        """The progress of everything the client has been sent (reads the pieces kept)."""
+        if self._pieces:
+            self._fold()
+        return self.progress
+
+    def _record(self, data: bytes) -> None:
+        events = self.events + data.count(b"\n\n")
+        if _ERROR_MARK in data:
+            self._stop_at_error(data)
+        if events > self.event_limit:
+            raise TooManyEvents(
+                f"the worker streamed more than {self.event_limit} events, more than the "
+                "request's max_tokens allows")
+        self.events = events
+        self._pieces.append(data)
+        self._size += len(data)
+        if self._size > FOLD_BYTES:
+            self._fold()
+
+    def _stop_at_error(self, data: bytes) -> None:
+        """Raise ErrorEvent if `data` holds an error event (the events before it are
+        recorded; the client gets them when the stream is continued or ended)."""
+        start = 0
+        for event in _split_events(data):
+            payload = _data_of(event)
+            if payload.startswith(_ERROR_MARK):
+                status, message = _error_of(payload)
+                before = data[:start]
+                if before:
+                    self.events += before.count(b"\n\n")
+                    self._pieces.append(before)
+                    self.owed = before
+                raise ErrorEvent(status, message)
+            start += len(event)
+
+    def _fold(self) -> None:
+        self.progress.feed(b"".join(self._pieces))
+        self._pieces.clear()
+        self._size = 0
+
+
+def _after_last_event(data: bytes) -> int:
+    """Where the bytes after the last whole event of `data` start (0: there is none)."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def _split_events(data: bytes) -> list[bytes]:
+    """`data`'s events, each with its ending blank line (so their lengths add up)."""
+    events: list[bytes] = []
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n\n", start)
+        if end < 0:
+            events.append(data[start:])
+            break
+        events.append(data[start : end + 2])
+        start = end + 2
+    return events
+
+
+def _data_of(event: bytes) -> bytes:
+    """The `data:` payload of one SSE event (lines joined), stripped."""
+    lines = [line[5:].strip() for line in event.replace(b"\r\n", b"\n").split(b"\n")
+             if line.startswith(b"data:")]
+    return b"\n".join(lines)
+
+
+def _error_of(payload: bytes) -> tuple[int, str]:
+    try:
+        error = json.loads(payload).get("error")
+    except (ValueError, AttributeError):
+        return 500, "an error event that is not JSON"
+    if not isinstance(error, dict):
+        return 500, ""
+    code = error.get("code")
+    status = code if type(code) is int and 400 <= code <= 599 else 500
+    return status, str(error.get("message", ""))[:200]

@@ -87,8 +87,10 @@ class Exchange(Protocol):
         `rewrite` (another worker's continuation of the answer). Returns and raises as
         `relay` does."""
 
-    async def end_stream(self, tail: bytes) -> None:
-        """Write `tail` (maybe empty) and end the stream."""
+    async def end_stream(self, tail: bytes, server_timing: str | None = None) -> None:
+        """Write `tail` (maybe empty) and end the stream; `server_timing`, if given, as
+        a `server-timing` trailer where the server can send one (the front can; aiohttp's
+        server cannot, and drops it)."""
 
     def client_pending_bytes(self) -> int:
         """Bytes written for the client that it has not taken yet (the transport's write
@@ -177,7 +179,7 @@ class AiohttpExchange:
                 await response.write(tail)
         return None
 
-    async def end_stream(self, tail: bytes) -> None:
+    async def end_stream(self, tail: bytes, server_timing: str | None = None) -> None:
         assert self.response is not None
         if tail:
             await self.response.write(tail)

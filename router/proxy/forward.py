@@ -485,11 +485,13 @@ async def continue_stream(
     client_stall_s: float,
     transcript: Transcript,
     rewrite: Callable[[bytes], bytes],
+    server_timing: Callable[[], str] | None = None,
 ) -> None:
     """Continue a broken stream on another worker: `payload` asks it for the rest of the
     answer, and `rewrite` turns its events into the client's (see
     `router.proxy.continuation`). Raises UpstreamFailure when the worker does not start
-    (the stream is left as it was), StreamBroken when it breaks off too."""
+    (the stream is left as it was), StreamBroken when it breaks off too. A stream that
+    ends well ends with the `server_timing()` trailer."""
     upstream, first, refused = await open_stream(pool, target, payload, timeouts, attempt)
     attempt.status = upstream.status
     if refused:
@@ -507,7 +509,7 @@ async def continue_stream(
             status=refusal[0], detail=f"worker refused the continuation: {refusal[1]}")
     attempt.first_byte_s = time.monotonic()
     await _pass_on(exchange, pool.loop, upstream, timeouts, attempt, client_stall_s, transcript,
-                   exchange.relay_more(first, upstream, rewrite))
+                   exchange.relay_more(first, upstream, rewrite), server_timing)
 
 
 async def _pass_on(
@@ -515,6 +517,7 @@ async def _pass_on(
     timeouts: Timeouts, attempt: Attempt,
     client_stall_s: float, transcript: Transcript | None,
     relaying: Coroutine[Any, Any, UpstreamError | None],
+    server_timing: Callable[[], str] | None = None,
 ) -> None:
     """Run `relaying` (the stream passing to the client) under the idle watchdog, and end
     the stream: as it came, with an error event, or (a `transcript` kept) open for a
@@ -530,7 +533,7 @@ async def _pass_on(
         if attempt.client_stalled:
             raise ConnectionResetError(watchdog.client_fired)
         if broken is None:
-            await exchange.end_stream(b"")
+            await exchange.end_stream(b"", None if server_timing is None else server_timing())
             return
         attempt.failure = Failure.IDLE if watchdog.fired else Failure.MID_STREAM
         status, message = _ended_early(watchdog, broken)

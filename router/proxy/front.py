@@ -221,12 +221,14 @@ class FrontExchange:
     def abort_client(self) -> None:
         self._protocol.transport.abort()
 
-    async def end_stream(self, tail: bytes) -> None:
+    async def end_stream(self, tail: bytes, server_timing: str | None = None) -> None:
         transport = self._protocol.transport
+        last = _LAST_CHUNK if server_timing is None else (
+            b"0\r\nserver-timing: " + server_timing.encode("latin-1", "replace") + b"\r\n\r\n")
         if tail:
-            transport.write(b"%x\r\n" % len(tail) + tail + b"\r\n" + _LAST_CHUNK)
+            transport.write(b"%x\r\n" % len(tail) + tail + b"\r\n" + last)
         else:
-            transport.write(_LAST_CHUNK)
+            transport.write(last)
 
 
 class _Rewriting:

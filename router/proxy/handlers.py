@@ -336,7 +336,8 @@ class Proxy:
             await continue_stream(exchange, self.upstreams, target, payload,
                                   router_config.timeouts, attempt,
                                   router_config.client_timeouts.stall_s, failover.transcript,
-                                  Rewriter(failover.transcript))
+                                  Rewriter(failover.transcript),
+                                  functools.partial(_continuation_timing, record))
         record.failover = "continued"
         log.info("request %s: stream continued on %s (%s)", record.request_id,
                  attempt.worker_id, attempt.region)
@@ -409,6 +410,18 @@ class Proxy:
 
 
 _PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
+
+
+def _continuation_timing(record: RequestRecord) -> str:
+    """The `server-timing` trailer of a continued stream: how long its client waited
+    between the first break and the continuation's first byte, and how many there were."""
+    broke_s = next((a.finished_s for a in record.attempts
+                    if a.failure is not None and a.first_byte_s is not None), None)
+    served = record.attempts[-1]
+    wait_ms = 0.0
+    if broke_s is not None and served.first_byte_s is not None:
+        wait_ms = (served.first_byte_s - broke_s) * 1000
+    return f'continuation;dur={wait_ms:.3f};desc="{record.continuations}"'
 
 
 def _note_failure(attempt: Attempt, failed: UpstreamFailure) -> None:

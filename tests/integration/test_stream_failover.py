@@ -9,7 +9,9 @@ reason, one usage chunk covering the whole answer, one `[DONE]`, no error.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from typing import Any
 
 import aiohttp
@@ -187,3 +189,33 @@ async def test_with_no_other_worker_the_stream_ends_with_an_error_event(
     metrics = await scrape(fleet.router_url)
     assert value(metrics, "globalpool_stream_failovers_total",
                  outcome="failed", reason="") >= 1
+
+
+async def _raw_stream(url: str, path: str, body: dict[str, Any]) -> bytes:
+    """The whole HTTP answer as it came on the socket (framing and trailers too)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    payload = json.dumps(body).encode()
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                 + payload)
+    try:
+        return await asyncio.wait_for(reader.read(-1), 10)
+    finally:
+        writer.close()
+
+
+async def test_a_continued_stream_ends_with_a_server_timing_trailer(
+        fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory({"a": "us-east", "b": "us-east"}, policy="round_robin")
+    await fleet.faults("a", mid_stream_error_rate=1.0)
+    answers = [await _raw_stream(fleet.router_url, "/v1/chat/completions", CHAT)
+               for _ in range(4)]
+    began_on_a = [a for a in answers if b"\r\nx-globalpool-worker: a\r\n" in a.lower()]
+    assert began_on_a, answers
+    for answer in began_on_a:
+        trailer = re.search(rb'\r\n0\r\nserver-timing: continuation;dur=([0-9.]+);desc="1"'
+                            rb"\r\n\r\n$", answer)
+        assert trailer is not None, answer[-300:]
+    untouched = [a for a in answers if a not in began_on_a]
+    assert all(a.endswith(b"\r\n0\r\n\r\n") for a in untouched)

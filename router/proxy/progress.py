@@ -28,7 +28,7 @@ class Progress:
         self.model: str | None = None
         self.system_fingerprint: str | None = None
         self.text: list[str] = []
-        self.tokens = 0  # events that carried text: one token each, as vLLM streams
+        self.tokens = 0  # events that carried text (maybe ""): one token each, as vLLM streams
         self.role_sent = False
         self.finish_reason: str | None = None
         self.usage_sent = False
@@ -89,12 +89,15 @@ class Progress:
                 self.unsound = "a tool call in progress"
             if delta.get("reasoning_content") or delta.get("reasoning"):
                 self.unsound = "reasoning in progress"
-            text = delta.get("content")
+            # vLLM sends a chunk per generated token, "" for one that ends inside a
+            # character; the role event is not a token.
+            text = None if "role" in delta else delta.get("content")
         else:
             text = choice.get("text")
-        if isinstance(text, str) and text:
-            self.text.append(text)
+        if isinstance(text, str):
             self.tokens += 1
+            if text:
+                self.text.append(text)
         finish = choice.get("finish_reason")
         if isinstance(finish, str):
             self.finish_reason = finish

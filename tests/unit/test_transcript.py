@@ -80,3 +80,13 @@ def test_progress_notes_what_makes_a_stream_unsound_to_continue() -> None:
                                      "finish_reason": None}]}
     transcript.admit(b"data: " + json.dumps(chunk).encode() + b"\n\n")
     assert transcript.read().unsound == "a tool call in progress"
+
+
+def test_a_token_that_decodes_to_nothing_still_counts_and_the_role_event_does_not() -> None:
+    transcript = Transcript("chat", None)
+    role = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None}]}
+    transcript.admit(b"data: " + json.dumps(role).encode() + b"\n\n" + _token("")
+                     + _token("\u00e9"))
+    progress = transcript.read()
+    assert (progress.tokens, progress.answer, progress.role_sent) == (2, "\u00e9", True)

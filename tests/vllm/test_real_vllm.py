@@ -377,6 +377,37 @@ async def steady_requests(client: openai.AsyncOpenAI, stop: asyncio.Event,
             results.append(exc)
 
 
+STREAM_TOKENS = 600
+KILL_AFTER_TOKENS = 40
+
+
+async def stream_across_the_kill(client: openai.AsyncOpenAI, halfway: asyncio.Event
+                                 ) -> dict[str, Any]:
+    """A long stream that sets `halfway` after KILL_AFTER_TOKENS tokens; what it got."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT, max_tokens=STREAM_TOKENS, extra_body=EXACT, stream=True,
+        stream_options={"include_usage": True})
+    seen: dict[str, Any] = {"region": raw.headers.get(REGION, ""), "ids": set(),
+                            "finishes": [], "usage_tokens": None, "tokens": 0}
+    pieces: list[str] = []
+    async for chunk in raw.parse():
+        seen["ids"].add(chunk.id)
+        if chunk.usage is not None:
+            seen["usage_tokens"] = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            if choice.delta.role is None and choice.delta.content is not None:
+                seen["tokens"] += 1
+                pieces.append(choice.delta.content)
+            if choice.finish_reason is not None:
+                seen["finishes"].append(choice.finish_reason)
+        if seen["tokens"] >= KILL_AFTER_TOKENS and not halfway.is_set():
+            seen["text_before_kill"] = "".join(pieces)
+            seen["tokens_before_kill"] = seen["tokens"]
+            halfway.set()
+    seen["text"] = "".join(pieces)
+    return seen
+
+
 async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarted(
     pool: RealPool, measurements: dict[str, Any]
 ) -> None:
@@ -390,9 +421,12 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
     client = pool.async_client("us-east")
     stop = asyncio.Event()
     results: list[tuple[str, str, int] | BaseException] = []
+    halfway = asyncio.Event()
+    carried = asyncio.create_task(stream_across_the_kill(client, halfway))
     senders = [asyncio.create_task(steady_requests(client, stop, results)) for _ in range(4)]
     try:
-        await asyncio.sleep(1.0)
+        async with asyncio.timeout(60):
+            await halfway.wait()  # the long stream is under way in us-east
         os.kill(vllm_pid, signal.SIGKILL)
         killed_at = time.monotonic()
         degraded = await until_beat(pool, "us-east",
@@ -402,7 +436,20 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
     finally:
         stop.set()
         await asyncio.gather(*senders)
+        async with asyncio.timeout(180):
+            stream = await carried
         await client.close()
+    # The stream whose engine died was finished by eu-west's, as one stream: the text the
+    # client had, then the rest, with the whole token count and one finish reason.
+    assert stream["region"] == "us-east", stream
+    assert len(stream["ids"]) == 1 and stream["finishes"] == ["length"], stream
+    assert stream["usage_tokens"] == STREAM_TOKENS, stream
+    assert stream["tokens"] == STREAM_TOKENS, stream
+    assert stream["text"].startswith(stream["text_before_kill"])
+    router_log = (pool.work / f"router-{pool.router_url.rsplit(':', 1)[1]}.log").read_text()
+    assert f"stream continued on {pool.agents['eu-west'].worker_id} (eu-west)" in router_log
+    measurements["stream carried across kill -9: tokens before / after"] = (
+        stream["tokens_before_kill"], STREAM_TOKENS - stream["tokens_before_kill"])
     assert [r for r in results if isinstance(r, BaseException)] == []
     served = [r for r in results if not isinstance(r, BaseException)]
     assert all(tokens == 8 for _, _, tokens in served)

@@ -184,13 +184,18 @@ class Health:
             self._saw_first_byte(attempt)
         failure = attempt.failure
         if failure is None:
-            if attempt.first_byte_s is None:
-                # No answer and no failure: its client left first (for a non-streaming
-                # request, that cancels the wait). Says nothing about the worker, and is no
-                # success: a half-open probe of a hung worker must not readmit it.
+            if attempt.first_byte_s is None or attempt.client_gone or attempt.client_stalled:
+                # No failure, but no whole answer either: its client left first (for a
+                # non-streaming request, that cancels the wait; a stream it stopped
+                # taking). Says nothing about the worker, and is no success: a half-open
+                # probe of a hung worker, or of one whose streams never end, must not
+                # readmit it, and a stream cut short by its client must not wipe out the
+                # failures counted against a worker that breaks every stream it finishes.
                 breaker = self._breakers.get(attempt.worker_id)
                 if breaker is not None:
                     breaker.probe_abandoned()
+                if attempt.first_byte_s is not None:
+                    self._learn_latency(attempt, now_s)
                 return
             breaker = self._breakers.get(attempt.worker_id)
             if breaker is not None:
@@ -314,10 +319,12 @@ class Health:
             if (self._waited_s(oldest, now_s) >= limit_s
                     and self._last_any_first_byte_s > oldest.started_s):
                 return "while other workers answer", oldest
-        silent = [a for a in attempts if a.started_s > answered_s
-                  and self._waited_s(a, now_s) >= self._stall_after_s
-                  and (self._silent_s(a, now_s) >= self._stall_after_s
-                       or self._unending(a, now_s))]
+        # An unending whole answer counts whatever else the worker answered meanwhile (a
+        # worker whose streams start well may still never finish a body).
+        silent = [a for a in attempts if self._waited_s(a, now_s) >= self._stall_after_s
+                  and (self._unending(a, now_s)
+                       or (a.started_s > answered_s
+                           and self._silent_s(a, now_s) >= self._stall_after_s))]
         if not silent:
             return None
         oldest = min(silent, key=_started)

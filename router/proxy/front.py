@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from router.proxy.errors import ApiError
 from router.proxy.exchange import error_reply
-from router.proxy.transcript import Transcript
+from router.proxy.transcript import Transcript, chunk_payloads
 from router.proxy.upstream import (
     UNIQUE_VALUE_HEADERS,
     Sink,
@@ -208,7 +208,7 @@ class FrontExchange:
         """One whole HTTP chunk of the upstream's, passed on as it came."""
         transcript = self._transcript
         if transcript is not None and not transcript.admit_frame(frame):
-            for payload in _payloads(frame):
+            for payload in chunk_payloads(frame):
                 self.write(payload)
             return
         transport = self._protocol.transport
@@ -244,18 +244,6 @@ class _Rewriting:
         out = self._rewrite(data)
         if out:
             self._exchange._chunk(out)
-
-
-def _payloads(frame: bytes) -> list[bytes]:
-    """The payloads of the whole bare-size chunks in `frame` (as `write_frame` gets them)."""
-    payloads: list[bytes] = []
-    pos = 0
-    while pos < len(frame):
-        eol = frame.index(b"\r\n", pos)
-        size = int(frame[pos:eol], 16)
-        payloads.append(frame[eol + 2 : eol + 2 + size])
-        pos = eol + size + 4
-    return payloads
 
 
 class FrontProtocol(asyncio.Protocol):

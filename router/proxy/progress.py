@@ -6,8 +6,9 @@ Only read when a stream is to be continued on another worker (or every
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from pydantic_core import from_json
 
 _DONE = b"[DONE]"
 
@@ -50,7 +51,7 @@ class Progress:
                 self.done = True
                 continue
             try:
-                document = json.loads(payload)
+                document = from_json(payload)  # ~4x cheaper than json.loads
             except ValueError:
                 self.unsound = "an event that is not JSON"
                 continue

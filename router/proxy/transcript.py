@@ -12,7 +12,8 @@ hands every piece to a `Transcript`, which
 - stops at an error event (vLLM writes one when its engine fails mid-generation) before
   it reaches the client (`ErrorEvent`), so the stream can be continued elsewhere.
 
-The usual token costs an `endswith`, a `count`, a substring test and an append.
+The usual token costs an `endswith`, a `count`, a substring test and an append: it is
+kept as the worker framed it and decoded only when read.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ import json
 from router.proxy.progress import Progress
 from router.proxy.upstream import UpstreamError
 
-# Pieces kept before they are read into the progress and dropped.
-FOLD_BYTES = 256 * 1024
+# Pieces kept before they are read into the progress and dropped (reading costs ~1 us an
+# event: only answers longer than this pay it).
+FOLD_BYTES = 1024 * 1024
 # The start of an event held back past this size is passed on as it is (and the stream can
 # no longer be continued: its client may hold half an event).
 MAX_HELD_BYTES = 1024 * 1024
 # An upstream chunk that ends one SSE event exactly ("...\n\n" + the chunk's CRLF).
 _FRAME_ENDS_EVENT = b"\n\n\r\n"
 _ERROR_MARK = b'{"error"'
+_ERROR_EVENT = b'data: {"error"'
 
 
 class TooManyEvents(UpstreamError):
@@ -58,7 +61,8 @@ def event_limit(completion_tokens: int | None, choices: int) -> int | None:
 class Transcript:
     """The whole events a stream's client got, in order (see the module's docstring)."""
 
-    __slots__ = ("_held", "_pieces", "_size", "event_limit", "events", "owed", "progress")
+    __slots__ = ("_held", "_kind", "_pieces", "_progress", "_size", "event_limit", "events",
+                 "owed")
 
     def __init__(self, kind: str, limit: int | None) -> None:
         self._pieces: list[bytes] = []
@@ -66,10 +70,19 @@ class Transcript:
         self._held = b""
         self.events = 0
         self.event_limit = limit if limit is not None else 1 << 62
-        self.progress = Progress(kind)
+        self._kind = kind
+        self._progress: Progress | None = None  # made when first needed (most never are)
         # Recorded events that did not reach the client (they came just before an error
         # event): whoever continues or ends the stream sends them first.
         self.owed = b""
+
+    @property
+    def progress(self) -> Progress:
+        """What has been read of the pieces so far (`read` reads them all)."""
+        progress = self._progress
+        if progress is None:
+            progress = self._progress = Progress(self._kind)
+        return progress
 
     @property
     def started(self) -> bool:
@@ -97,19 +110,24 @@ class Transcript:
         return data
 
     def admit_frame(self, frame: bytes) -> bool:
-        """True when `frame`, one whole chunk of a chunked answer that ends one event,
-        was recorded and may go to the client as it is (the usual token); False: decode it
-        and `admit` its payload instead."""
+        """True when `frame`, whole chunks of a chunked answer ending on an event
+        boundary, was recorded and may go to the client as it is (the usual token, kept
+        framed: decoded only when read); False: decode it and `admit` its payloads."""
         if self._held or not frame.endswith(_FRAME_ENDS_EVENT):
             return False
-        eol = frame.find(b"\r\n")
-        try:
-            size = int(frame[:eol], 16)
-        except ValueError:
-            return False
-        if eol + size + 4 != len(frame):
-            return False  # several chunks in one read
-        self._record(frame[eol + 2 : -2])
+        # Counted as one event (a read of several is rare, and counting them costs a
+        # search of every byte): a lower bound, so the limit never cuts a stream early.
+        # An error event is its own chunk (vLLM writes each event as one): only where
+        # the frame's payload starts is looked at.
+        events = self.events + 1
+        if events > self.event_limit or frame.startswith(_ERROR_EVENT,
+                                                          frame.find(b"\r\n") + 2):
+            return False  # `admit` raises what it must
+        self.events = events
+        self._pieces.append(frame)
+        self._size += len(frame)
+        if self._size > FOLD_BYTES:
+            self._fold()
         return True
 
     def take_held(self) -> bytes:
@@ -117,7 +135,7 @@ class Transcript:
         held = self._held
         self._held = b""
         if held:
-            self._pieces.append(held)
+            self._pieces.append(_framed(held))
         return held
 
     def read(self) -> Progress:
@@ -135,7 +153,7 @@ class Transcript:
                 f"the worker streamed more than {self.event_limit} events, more than the "
                 "request's max_tokens allows")
         self.events = events
-        self._pieces.append(data)
+        self._pieces.append(_framed(data))
         self._size += len(data)
         if self._size > FOLD_BYTES:
             self._fold()
@@ -151,15 +169,35 @@ class Transcript:
                 before = data[:start]
                 if before:
                     self.events += before.count(b"\n\n")
-                    self._pieces.append(before)
+                    self._pieces.append(_framed(before))
                     self.owed = before
                 raise ErrorEvent(status, message)
             start += len(event)
 
     def _fold(self) -> None:
-        self.progress.feed(b"".join(self._pieces))
+        try:
+            self.progress.feed(b"".join(chunk_payloads(b"".join(self._pieces))))
+        except ValueError:  # (the upstream parser passes whole chunks only)
+            self.progress.unsound = "the answer's framing could not be read back"
         self._pieces.clear()
         self._size = 0
+
+
+def _framed(data: bytes) -> bytes:
+    """`data` as one chunk of a chunked body: how the pieces are kept (see admit_frame)."""
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+def chunk_payloads(chunks: bytes) -> list[bytes]:
+    """The payloads of whole bare-size chunks (as `admit_frame` gets them)."""
+    payloads: list[bytes] = []
+    pos = 0
+    while pos < len(chunks):
+        eol = chunks.index(b"\r\n", pos)
+        size = int(chunks[pos:eol], 16)
+        payloads.append(chunks[eol + 2 : eol + 2 + size])
+        pos = eol + size + 4
+    return payloads
 
 
 def _after_last_event(data: bytes) -> int:

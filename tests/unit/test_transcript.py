@@ -41,8 +41,12 @@ def test_frames_that_do_not_end_an_event_take_the_slow_path() -> None:
     transcript = Transcript("chat", None)
     event = _token("a")
     assert not transcript.admit_frame(_frame(event[:10]))  # half an event
-    assert not transcript.admit_frame(_frame(event) + _frame(event))  # two chunks at once
+    error = b'data: {"error": {"message": "x", "code": 500}}\n\n'
+    assert not transcript.admit_frame(_frame(error))  # `admit` raises for it
     assert transcript.events == 0
+    assert transcript.admit_frame(_frame(event) + _frame(event))  # two whole chunks
+    assert transcript.events == 1  # a lower bound: a read is counted as one event
+    assert transcript.read().answer == "aa"
 
 
 def test_a_stream_past_its_max_tokens_is_cut_before_the_extra_event_is_passed() -> None:

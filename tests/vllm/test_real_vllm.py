@@ -377,7 +377,9 @@ async def steady_requests(client: openai.AsyncOpenAI, stop: asyncio.Event,
             results.append(exc)
 
 
-STREAM_TOKENS = 600
+# Long enough that the engine is still generating when the client has read the first
+# KILL_AFTER_TOKENS (~7 s of decoding here; the engines run niced, the test is not).
+STREAM_TOKENS = 1800
 KILL_AFTER_TOKENS = 40
 
 
@@ -447,6 +449,7 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
     assert stream["tokens"] == STREAM_TOKENS, stream
     assert stream["text"].startswith(stream["text_before_kill"])
     router_log = (pool.work / f"router-{pool.router_url.rsplit(':', 1)[1]}.log").read_text()
+    assert "broke off" in router_log, "the stream ended before its engine was killed"
     assert f"stream continued on {pool.agents['eu-west'].worker_id} (eu-west)" in router_log
     measurements["stream carried across kill -9: tokens before / after"] = (
         stream["tokens_before_kill"], STREAM_TOKENS - stream["tokens_before_kill"])

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from router import lab_commands
 from router.config import ConfigError, GlobalConfig, load_config, redis_url_problem
 
 DEFAULT_CONFIG = "regions.yaml"
@@ -31,14 +32,21 @@ DEFAULT_CONFIG = "regions.yaml"
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
-    from router.drill.cli import hostile_argv
-
-    hostile = hostile_argv(arguments)
-    if hostile is not None:
-        from router.drill.hostile.cli import main as run_hostile
-
-        return run_hostile(hostile)
-    args = build_parser().parse_args(arguments)
+    with_lab = lab_commands.lab_available()
+    if with_lab:
+        hostile = lab_commands.hostile_drill(arguments)
+        if hostile is not None:
+            return hostile
+    parser = build_parser(with_lab=with_lab)
+    # Known arguments only: a lab subcommand without the lab takes any (and says how to
+    # get the lab); everywhere else the unknown ones are refused as parse_args would.
+    args, unknown = parser.parse_known_args(arguments)
+    lab_command: str | None = getattr(args, "lab_command", None)
+    if lab_command is not None:
+        print(lab_commands.missing_lab_message(lab_command), file=sys.stderr)
+        return 2
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -48,9 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, with_lab: bool | None = None) -> argparse.ArgumentParser:
     """The `globalpool` parser with every subcommand (`drill hostile` has a parser of its
-    own, router.drill.hostile.cli.build_parser, which `main` dispatches to first)."""
+    own, lab.drill.hostile.cli.build_parser, which `main` dispatches to first). The lab's
+    subcommands are configured by the lab when it is importable (`with_lab`, default:
+    whether it is) and otherwise only say how to get it (router.lab_commands)."""
+    if with_lab is None:
+        with_lab = lab_commands.lab_available()
     parser = argparse.ArgumentParser(
         prog="globalpool", description="A multi-region global request router for LLM inference."
     )
@@ -59,14 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "then INFO)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = commands.add_parser("up", help="run the whole system on this machine (simulated GPUs)")
-    up.add_argument("--config", default=DEFAULT_CONFIG,
-                    help="the regions, models and simulated workers to run (default %(default)s)")
-    up.add_argument("--host", default=None, help="router address (default: from the config)")
-    up.add_argument("--port", type=int, default=None, help="router port (default: from config)")
-    up.add_argument("--state-file", default=None, help="write the PIDs and URLs as JSON here")
-    up.add_argument("--log-dir", default=None, help="children's logs (default: a temp folder)")
-    up.set_defaults(run=_run_up)
+    def add_lab(name: str, help_text: str,
+                add_arguments: lab_commands.Configure | None = None) -> None:
+        lab_commands.add_lab_command(commands, name, help_text, with_lab=with_lab,
+                                     add_arguments=add_arguments)
+
+    add_lab("up", "run the whole system on this machine (simulated GPUs)", _add_up_arguments)
 
     router = commands.add_parser("router", help="run one router replica")
     router.add_argument("--config", default=DEFAULT_CONFIG,
@@ -87,64 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_arguments(worker)
     worker.set_defaults(run=run_worker)
 
-    sim = commands.add_parser("sim", help="run the engine simulator (a stand-in for vLLM)")
-    from worker.sim.cli import add_sim_arguments, run_sim
-
-    add_sim_arguments(sim)
-    sim.set_defaults(run=run_sim)
-
-    from router.benchproxy import cli as benchproxy
-
-    bench_proxy = commands.add_parser(
-        "bench-proxy", help="router CPU per request vs peer routers (fake backends)")
-    benchproxy.add_bench_proxy_arguments(bench_proxy)
-    bench_proxy.set_defaults(run=benchproxy.run_bench_proxy)
-    bench_decision = commands.add_parser(
-        "bench-decision", help="cost of one routing decision at 10..10,000 workers")
-    benchproxy.add_bench_decision_arguments(bench_decision)
-    bench_decision.set_defaults(run=benchproxy.run_bench_decision)
-    bench_heartbeats = commands.add_parser(
-        "bench-heartbeats", help="router CPU to follow 10,000 workers heartbeating at 4 Hz")
-    benchproxy.add_bench_heartbeats_arguments(bench_heartbeats)
-    bench_heartbeats.set_defaults(run=benchproxy.run_bench_heartbeats)
-    bench_instructions = commands.add_parser(
-        "bench-instructions",
-        help="the router's instructions per proxied request under callgrind, per source tree")
-    benchproxy.add_bench_instructions_arguments(bench_instructions)
-    bench_instructions.set_defaults(run=benchproxy.run_bench_instructions)
-
-    from router.benchproxy import slow_readers
-
-    bench_slow = commands.add_parser(
-        "bench-slow-readers",
-        help="2,000 paced streams through one router, with and without 5%% slow readers")
-    slow_readers.add_arguments(bench_slow)
-    bench_slow.set_defaults(run=slow_readers.run_command)
+    add_lab("sim", "run the engine simulator (a stand-in for vLLM)")
+    add_lab("bench-proxy", "router CPU per request vs peer routers (fake backends)")
+    add_lab("bench-decision", "cost of one routing decision at 10..10,000 workers")
+    add_lab("bench-heartbeats", "router CPU to follow 10,000 workers heartbeating at 4 Hz")
+    add_lab("bench-instructions",
+            "the router's instructions per proxied request under callgrind, per source tree")
+    add_lab("bench-slow-readers",
+            "2,000 paced streams through one router, with and without 5%% slow readers")
 
     from router.compiled import add_parser as add_compile_parser
 
     add_compile_parser(commands)
 
-    from router.benchproxy import memory
-
-    bench_memory = commands.add_parser(
-        "bench-memory", help="router memory over 100,000 requests with new header lines, "
-        "and with 10,000 https workers")
-    memory.add_arguments(bench_memory)
-    bench_memory.set_defaults(run=memory.run_command)
-
-    from router.bench.cli import add_bench_arguments, run_bench_command
-
-    bench_routing = commands.add_parser(
-        "bench", help="routing policies side by side on one multi-region trace")
-    add_bench_arguments(bench_routing)
-    bench_routing.set_defaults(run=run_bench_command)
-
-    from router.drill.cli import add_drill_arguments, run_drill_command
-
-    drill = commands.add_parser("drill", help="a failover drill under load (kill-region, ...)")
-    add_drill_arguments(drill)
-    drill.set_defaults(run=run_drill_command)
+    add_lab("bench-memory", "router memory over 100,000 requests with new header lines, "
+            "and with 10,000 https workers")
+    add_lab("bench", "routing policies side by side on one multi-region trace")
+    add_lab("drill", "a failover drill under load (kill-region, ...)")
 
     check = commands.add_parser("check-config", help="validate a regions.yaml")
     check.add_argument("file", nargs="?", default=DEFAULT_CONFIG,
@@ -157,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_status_arguments(status)
     status.set_defaults(run=run_status)
     return parser
+
+
+def _add_up_arguments(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--config", default=DEFAULT_CONFIG,
+                    help="the regions, models and simulated workers to run (default %(default)s)")
+    up.add_argument("--host", default=None, help="router address (default: from the config)")
+    up.add_argument("--port", type=int, default=None, help="router port (default: from config)")
+    up.add_argument("--state-file", default=None, help="write the PIDs and URLs as JSON here")
+    up.add_argument("--log-dir", default=None, help="children's logs (default: a temp folder)")
+    up.set_defaults(run=_run_up)
 
 
 def _load_or_report(path: str, *, policy_override: str | None = None) -> GlobalConfig | None:
@@ -231,12 +210,10 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from router.devstack.up import run_up
-
     config = _load_or_report(args.config)
     if config is None:
         return 1
-    return run_up(args, config)
+    return lab_commands.run_up(args, config)
 
 
 if __name__ == "__main__":

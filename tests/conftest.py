@@ -10,7 +10,7 @@ from typing import NoReturn
 
 import pytest
 
-from router.devstack.valkey import EmbeddedValkey
+from lab.devstack.valkey import EmbeddedValkey
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

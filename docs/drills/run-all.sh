@@ -39,4 +39,4 @@ drill slow-region          slow-region
 drill redis-outage         redis-outage
 drill redis-outage-freeze  redis-outage --redis-mode freeze
 drill worker-flap          worker-flap
-${PYTHON:-python} -m router.drill.summary docs/drills
+${PYTHON:-python} -m lab.drill.summary docs/drills

@@ -16,7 +16,7 @@ best worker as if there were no queue (its engine queues it). Past `max_requests
 waiting, a request is refused at once (503 with Retry-After: nothing is lost silently).
 A client that disconnects while waiting leaves the queue.
 
-On the routing benchmark's twin (router.bench.twin) this raised predicted_ttft's mean
+On the routing benchmark's twin (lab.bench.twin) this raised predicted_ttft's mean
 interactive SLO attainment over six traces of skewed-3region by 1.1-1.7 points; batch
 requests wait more, as they should.
 

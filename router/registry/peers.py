@@ -6,7 +6,7 @@ replicas': all of them would see the same worker as momentarily best and send to
 together until its next heartbeat. So every replica publishes its open requests per
 worker on a Redis channel every `router.peer_interval_ms` (50 ms by default; only when
 they changed, and at least every KEEPALIVE_S), and adds its peers' latest reports to
-its own counts. On the benchmark's twin (router.bench.twin) this took `predicted_ttft`
+its own counts. On the benchmark's twin (lab.bench.twin) this took `predicted_ttft`
 on skewed-3region from 92.5 % to 96.5 % interactive SLO attainment.
 
 Large fleets report less often: a report is spaced so that reading every replica's

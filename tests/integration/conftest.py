@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from worker.sim.config import SimConfig
-from worker.sim.server import SimServer
+from lab.sim.config import SimConfig
+from lab.sim.server import SimServer
 
 # Fast engine timings: tests measure behaviour, not speed.
 FAST = {"decode_step_ms": 1.0, "decode_step_ms_per_seq": 0.0, "prefill_tokens_per_s": 1e6}

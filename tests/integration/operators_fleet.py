@@ -16,14 +16,14 @@ from aiohttp import web
 from opentelemetry.trace import TracerProvider
 from prometheus_client.parser import text_string_to_metric_families
 
+from lab.devstack.valkey import free_port
+from lab.sim.server import SimServer
 from router.app import HOLDER, RouterSettings, build_app, router_site
 from router.config import load_config
-from router.devstack.valkey import free_port
 from tests.integration.conftest import StartSim
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
 from worker.schema import Capacity, Heartbeat, HeartbeatKeys, LifecycleState, Load
-from worker.sim.server import SimServer
 
 TOKEN = "test-admin-token-7f3a"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}

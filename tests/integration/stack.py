@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from router.devstack.valkey import free_port
+from lab.devstack.valkey import free_port
 from tests.conftest import ROOT
 
 

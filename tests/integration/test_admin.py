@@ -11,8 +11,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from lab.devstack.valkey import EmbeddedValkey
 from router.admin.drains import DrainKeys
-from router.devstack.valkey import EmbeddedValkey
 from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import (
     CHAT,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from router.devstack.valkey import free_port
+from lab.devstack.valkey import free_port
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration

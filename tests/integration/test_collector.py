@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
+from lab.devstack.valkey import EmbeddedValkey
 from router.admission.stats import SecurityStats
 from router.auth.heartbeats import HeartbeatGate, HeartbeatRules
-from router.devstack.valkey import EmbeddedValkey
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry import collector as collector_module
 from router.registry.subscriber import Subscription

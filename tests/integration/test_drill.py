@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from router.drill.run import DrillOptions, run_drill
-from router.drill.scenarios import FaultSettings
+from lab.drill.run import DrillOptions, run_drill
+from lab.drill.scenarios import FaultSettings
 from tests.conftest import ROOT, skip_unless_slow_tests_are_asked_for
 from tests.integration.stack import drill_config
 

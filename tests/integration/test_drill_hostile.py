@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from router.drill.hostile.run import HostileOptions
+from lab.drill.hostile.run import HostileOptions
 from tests.conftest import ROOT, skip_unless_slow_tests_are_asked_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(480)]

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.devstack.loadgen import LoadGenerator, LoadSpec, LoadTarget
+from lab.devstack.loadgen import LoadGenerator, LoadSpec, LoadTarget
 from tests.integration.conftest import StartSim
 
 pytestmark = pytest.mark.integration

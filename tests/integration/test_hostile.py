@@ -27,9 +27,11 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lab.devstack.valkey import free_port
+from lab.sim.config import SimConfig
+from lab.sim.server import SimServer
 from router.app import HOLDER, RouterSettings, build_app, router_site
 from router.config import parse_config
-from router.devstack.valkey import free_port
 from tests.conftest import ROOT
 from tests.integration.conftest import FAST
 from tests.integration.test_security_fleet import (
@@ -43,8 +45,6 @@ from tests.integration.test_security_fleet import (
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
 from worker.schema import HeartbeatKeys
-from worker.sim.config import SimConfig
-from worker.sim.server import SimServer
 
 __all__ = ["secure_fleet"]
 pytestmark = pytest.mark.integration

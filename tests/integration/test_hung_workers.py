@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 import yaml
 
-from router.devstack.valkey import free_port
+from lab.devstack.valkey import free_port
 from tests.integration.stack import RunningUp, pid_alive, start_up
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import pytest
 
+from lab.devstack.valkey import EmbeddedValkey
 from router.admission.stats import SecurityStats
-from router.devstack.valkey import EmbeddedValkey
 from router.policy import RouteRequest, RoutingContext, create_policy
 from router.policy.inflight import InFlight
 from router.registry.peers import PEER_TTL_S, PeerExchange, encode_report

@@ -19,14 +19,14 @@ import openai
 import pytest
 from aiohttp import web
 
+from lab.devstack.valkey import EmbeddedValkey, free_port
+from lab.sim.server import SimServer
 from router.app import HOLDER, RouterSettings, build_app, router_site
 from router.config import parse_config
-from router.devstack.valkey import EmbeddedValkey, free_port
 from tests.integration.conftest import StartSim
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
 from worker.schema import Capacity, Heartbeat, HeartbeatKeys, LifecycleState, Load
-from worker.sim.server import SimServer
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
+from lab.devstack.valkey import EmbeddedValkey
 from router.auth.keys import hash_key
-from router.devstack.valkey import EmbeddedValkey
 from tests.integration.test_security_fleet import CHAT, FleetFactory, auth_section, secure_fleet
 
 __all__ = ["secure_fleet"]

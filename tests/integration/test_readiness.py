@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from lab.devstack.valkey import EmbeddedValkey, free_port
 from router.app import COLLECTOR, RouterSettings, build_app, router_site
 from router.config import parse_config
-from router.devstack.valkey import EmbeddedValkey, free_port
 from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import scrape, value
 from worker.publisher import HeartbeatPublisher

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from router.devstack.valkey import free_port
+from lab.devstack.valkey import free_port
 from tests.integration.operators_fleet import scrape, value
 from tests.integration.stack import RunningUp, pid_alive, start_up
 from worker.redis_client import connect

@@ -22,8 +22,8 @@ import pytest
 from aiohttp import web
 from redis.exceptions import AuthenticationError
 
+from lab.devstack.valkey import EmbeddedValkey, free_port
 from router.app import HOLDER
-from router.devstack.valkey import EmbeddedValkey, free_port
 from tests.conftest import ROOT
 from tests.integration.conftest import StartSim
 from tests.integration.test_security_fleet import (

@@ -14,9 +14,9 @@ import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from lab.sim.server import SimServer
 from tests.conftest import FIXTURES
 from tests.integration.conftest import StartSim
-from worker.sim.server import SimServer
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 LAUNCH = (
     "import argparse, sys\n"
-    "from worker.sim.cli import add_sim_arguments, run_sim\n"
+    "from lab.sim.cli import add_sim_arguments, run_sim\n"
     "p = argparse.ArgumentParser()\n"
     "add_sim_arguments(p)\n"
     "sys.exit(run_sim(p.parse_args()))\n"

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from lab.sim.server import SimServer
 from tests.integration.conftest import StartSim
-from worker.sim.server import SimServer
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from lab.devstack.valkey import free_port
 from router.app import HOLDER, RouterSettings, build_app
-from router.devstack.valkey import free_port
 from router.telemetry.tracing import tracer_provider_from_env
 from tests.integration.operators_fleet import CHAT, OpsFleet, chat, wait_for
 

@@ -27,7 +27,7 @@ from aiohttp import web
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
-from router.devstack.valkey import EmbeddedValkey
+from lab.devstack.valkey import EmbeddedValkey
 from worker.agent import WorkerAgent
 from worker.heartbeat import HeartbeatLoop, HeartbeatTiming, WorkerIdentity
 from worker.probe import EngineProber, open_engine_session

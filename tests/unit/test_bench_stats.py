@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from router.bench.observe import EngineSample, parse_engine_metrics, prefix_hit_rate
-from router.bench.replay import Outcome
-from router.bench.report import goals
-from router.bench.stats import (
+from lab.bench.observe import EngineSample, parse_engine_metrics, prefix_hit_rate
+from lab.bench.replay import Outcome
+from lab.bench.report import goals
+from lab.bench.stats import (
     distribution,
     oscillation,
     percentile,

@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from router.bench.capacity import worker_capacity_rps
-from router.bench.scenario import (
+from lab.bench.capacity import worker_capacity_rps
+from lab.bench.scenario import (
     BoundedLognormal,
     ScenarioError,
     load_scenario,
     parse_scenario,
     shipped_scenarios,
 )
-from router.bench.trace import PromptBuilder, Trace, TraceRequest, segment_text
-from router.bench.workload import ContentSource, arrivals, draw, generate
+from lab.bench.trace import PromptBuilder, Trace, TraceRequest, segment_text
+from lab.bench.workload import ContentSource, arrivals, draw, generate
 from router.proxy.parse import PREFIX_CHARS, parse_body
 
 
@@ -199,8 +199,8 @@ def test_arrivals_follow_the_demand_steps() -> None:
 
 
 def test_the_twin_replays_a_trace_in_virtual_time_with_the_real_policies() -> None:
-    from router.bench.stats import summarize
-    from router.bench.twin import ORACLE, Twin
+    from lab.bench.stats import summarize
+    from lab.bench.twin import ORACLE, Twin
 
     scenario = parse_scenario(small(duration_s=10))
     trace = generate(scenario)
@@ -225,7 +225,7 @@ def test_the_twin_replays_a_trace_in_virtual_time_with_the_real_policies() -> No
 
 
 def test_a_saved_trace_is_what_the_benchmark_replays(tmp_path: Path) -> None:
-    from router.bench.run import BenchOptions, load_trace
+    from lab.bench.run import BenchOptions, load_trace
 
     scenario = parse_scenario(small())
     saved = generate(scenario, seed=9)

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from router.benchproxy.cpu import (
+from lab.benchproxy.cpu import (
     CLOCK_TICKS_PER_S,
     descendants,
     parse_stat,
     read_stat,
     tree_cpu_s,
 )
-from router.benchproxy.profile import top_functions
-from router.benchproxy.stats import percentile, summarize
+from lab.benchproxy.profile import top_functions
+from lab.benchproxy.stats import percentile, summarize
 
 # A real /proc/PID/stat line, with a command name holding a space and a parenthesis.
 STAT = ("4242 (my proc) x) S 4200 4242 4200 0 -1 4194560 1234 0 0 0 "
@@ -108,7 +108,7 @@ def test_top_functions_counts_own_time_at_the_leaf() -> None:
 
 
 def test_the_heartbeat_bench_publishes_what_an_agent_would() -> None:
-    from router.benchproxy.hbpublish import Template, worker_heartbeat
+    from lab.benchproxy.hbpublish import Template, worker_heartbeat
     from worker.schema import HeartbeatKeys, load_record
     from worker.signing import HeartbeatSigner
 
@@ -135,8 +135,8 @@ def _result(router: str, cpu_us: float, round_: int = 0) -> dict[str, object]:
 
 
 def test_ratios_are_to_the_compiled_build_when_it_ran() -> None:
-    from router.benchproxy.report import ratio_base
-    from router.benchproxy.report import summarize as summarize_runs
+    from lab.benchproxy.report import ratio_base
+    from lab.benchproxy.report import summarize as summarize_runs
 
     both = {"results": [_result("globalpool", 80.0), _result("globalpool-compiled", 50.0),
                         _result("vllm-router", 40.0)]}

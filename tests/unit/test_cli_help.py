@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from lab.drill.hostile.cli import build_parser as build_hostile_parser
 from router.cli import build_parser
-from router.drill.hostile.cli import build_parser as build_hostile_parser
 
 ISSUE_NUMBER = re.compile(r"issue\s*#?\d", re.IGNORECASE)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from router.devstack.loadgen import RequestResult
-from router.drill.analysis import (
+from lab.devstack.loadgen import RequestResult
+from lab.drill.analysis import (
     Target,
     Timeline,
     per_second,

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from router.devstack import valkey
-from router.devstack.valkey import EmbeddedRedisError, free_port
+from lab.devstack import valkey
+from lab.devstack.valkey import EmbeddedRedisError, free_port
 
 
 class _ScriptedSocket:

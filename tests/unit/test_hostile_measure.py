@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from router.drill.cli import hostile_argv
-from router.drill.hostile.behaviours import BEHAVIOURS
-from router.drill.hostile.clients import ClientSettings, Outcome, RequestPlan
-from router.drill.hostile.http import AnswerReader, BodyDecoder, MalformedAnswer, parse_head
-from router.drill.hostile.measure import (
+from lab.drill.cli import hostile_argv
+from lab.drill.hostile.behaviours import BEHAVIOURS
+from lab.drill.hostile.clients import ClientSettings, Outcome, RequestPlan
+from lab.drill.hostile.http import AnswerReader, BodyDecoder, MalformedAnswer, parse_head
+from lab.drill.hostile.measure import (
     detection,
     ejection_windows,
     goals_missed,

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from router.devstack.netem import NetemKnobs, NetemRegion
-from router.devstack.valkey import free_port
+from lab.devstack.netem import NetemKnobs, NetemRegion
+from lab.devstack.valkey import free_port
 
 HOST = "127.0.0.1"
 

@@ -308,7 +308,7 @@ def test_large_pools_consider_the_least_loaded_of_each_region() -> None:
 
 
 def test_large_pools_skip_regions_that_cannot_win_and_choose_as_if_they_had_not() -> None:
-    from router.benchproxy.decision import MODEL, REGIONS, fleet, ten_regions
+    from lab.benchproxy.decision import MODEL, REGIONS, fleet, ten_regions
     from router.health import Health
 
     rng = random.Random(3)

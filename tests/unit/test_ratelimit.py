@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from lab.devstack.valkey import free_port
 from router.admission.gate import buckets_for, duration, rate_limit_headers
 from router.admission.gcra import Bucket, LocalLimiter
 from router.admission.limiter import RateLimiter
@@ -14,7 +15,6 @@ from router.admission.redis_limiter import RateLimitKeys, RedisLimiter
 from router.admission.stats import SecurityStats
 from router.auth.config import RateLimits
 from router.auth.keys import Principal
-from router.devstack.valkey import free_port
 from worker.redis_client import connect
 
 

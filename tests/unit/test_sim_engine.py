@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import pytest
 
-from worker.sim.clock import VirtualClock
-from worker.sim.config import SimConfig
-from worker.sim.engine import Engine, NullObserver, QueueFullError
-from worker.sim.sequence import FinishReason, Sequence
-from worker.sim.tokens import Prompt, prompt_from_text
+from lab.sim.clock import VirtualClock
+from lab.sim.config import SimConfig
+from lab.sim.engine import Engine, NullObserver, QueueFullError
+from lab.sim.sequence import FinishReason, Sequence
+from lab.sim.tokens import Prompt, prompt_from_text
 
 # Fast, simple numbers: 10 ms per decode step, no per-sequence cost, 1000 prompt tokens/s.
 BASE = SimConfig(

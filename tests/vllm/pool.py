@@ -25,7 +25,7 @@ import openai
 import redis
 import yaml
 
-from router.devstack.valkey import free_port
+from lab.devstack.valkey import free_port
 from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
 from worker.signing import KEYS_ENV
 from worker.supervisor import die_with_parent

@@ -24,6 +24,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from lab.sim.config import SimConfig
+from lab.sim.server import SimServer
 from tests.integration.test_worker_agent import HeartbeatChannel, subscribed
 from tests.vllm.pool import (
     HEARTBEAT_INTERVAL_S,
@@ -35,8 +37,6 @@ from tests.vllm.pool import (
     pss_mib,
 )
 from worker.schema import Heartbeat, LifecycleState
-from worker.sim.config import SimConfig
-from worker.sim.server import SimServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -1,0 +1,159 @@
+"""`globalpool bench`: one trace, replayed against every policy on the same test bed.
+
+    trace (generated from the scenario, or --trace F) -> test bed up ->
+    for each policy: routers restarted with it -> engines idle -> replay -> measure
+    -> test bed down -> results.json, report.md, PNGs
+
+Every policy gets fresh router replicas and idle engines, and its prompts carry a salt of
+their own (same length), so no policy finds the previous one's prefixes in an engine's
+cache (lab.bench.trace.PromptBuilder). Restarting the simulators and agents for each
+policy would cost a dozen process starts per policy on a 2-core machine and change
+nothing that matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lab.bench import stats
+from lab.bench.measure import run_policy
+from lab.bench.progress import ProgressBar
+from lab.bench.scenario import Scenario, load_scenario, resolve
+from lab.bench.testbed import Testbed
+from lab.bench.trace import Trace
+from lab.bench.twin import ORACLE, Twin
+from lab.bench.workload import generate
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    scenario: str
+    policies: tuple[str, ...]
+    out: Path
+    quick: bool = False
+    replicas: int | None = None
+    trace_path: Path | None = None
+    save_trace: Path | None = None
+    seed: int | None = None
+    attempts: int = 2  # runs of a policy when the machine disturbed the first
+    command: str = ""
+
+
+def load_trace(options: BenchOptions, scenario: Scenario) -> Trace:
+    """The trace to replay: the file given, or a new one from the (unshortened) scenario."""
+    if options.trace_path is None:
+        return generate(scenario, seed=options.seed, quick=options.quick)
+    trace = Trace.load(options.trace_path)
+    unknown = {r.origin for r in trace.requests} - set(scenario.regions)
+    if unknown:
+        raise ValueError(f"{options.trace_path}: origins {sorted(unknown)} are not regions "
+                         f"of scenario {scenario.name}")
+    return trace
+
+
+async def run_bench(options: BenchOptions, say: Say, bar: ProgressBar | None = None
+                    ) -> dict[str, Any]:
+    """Run the benchmark end to end; returns the results (also written under `out`)."""
+    from lab.bench.report import build_results, write_outputs
+
+    bar = bar or ProgressBar()
+    scenario_file = resolve(options.scenario)
+    base = load_scenario(options.scenario)
+    scenario = base.quick_variant() if options.quick else base
+    options.out.mkdir(parents=True, exist_ok=True)
+    trace = await asyncio.to_thread(load_trace, options, base)  # capacity runs its own loop
+    trace.save(options.out / "trace.jsonl")
+    if options.save_trace is not None:
+        trace.save(options.save_trace)
+    header = trace.header
+    say(f"bench {scenario.name}{' (quick)' if options.quick else ''}: {len(trace.requests)} "
+        f"requests over {trace.duration_s:g} s ({header.get('offered_rps')} req/s, "
+        f"{100 * float(header.get('offered_share_of_capacity', 0)):.0f} % of the fleet's "
+        f"capacity); policies: {', '.join(options.policies)}; out: {options.out}")
+    replicas = options.replicas or len(scenario.regions)
+    say("virtual-time twin (the same trace without the machine): "
+        + ", ".join((*options.policies, ORACLE)) + " ...")
+    twin = await asyncio.to_thread(twin_reference, scenario, trace, options.policies, replicas)
+    testbed = Testbed(scenario, options.out, replicas, say)
+    runs: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    await testbed.start(options.policies[0])
+    say(f"test bed up in {time.monotonic() - started:.1f} s: routers "
+        + ", ".join(f"{region} {testbed.router_for(region)}" for region in testbed.router_regions))
+    try:
+        salts = iter(range(10_000))
+        for policy in options.policies:
+            runs[policy] = await _with_attempts(testbed, trace, scenario, policy, salts,
+                                                options, say, bar)
+    finally:
+        say("stopping the test bed ...")
+        await testbed.stop()
+    results = build_results(scenario=scenario, scenario_file=scenario_file, trace=trace,
+                            runs=runs, twin=twin, replicas=replicas,
+                            router_regions=testbed.router_regions, quick=options.quick,
+                            command=options.command)
+    write_outputs(options.out, results)
+    return results
+
+
+async def _with_attempts(testbed: Testbed, trace: Trace, scenario: Scenario, policy: str,
+                         salts: Iterator[int], options: BenchOptions, say: Say,
+                         bar: ProgressBar) -> dict[str, Any]:
+    """Run `policy`, again (up to `options.attempts` in all) while the machine disturbs it;
+    the last run counts, and says how many there were."""
+    attempts: list[dict[str, Any]] = []
+    while True:
+        run = await run_policy(testbed, trace, scenario, policy, next(salts), options.out,
+                               say, bar)
+        attempts.append({"loadgen": run["loadgen"], "host_load_1m": run["host_load_1m"],
+                         "cpu_pressure": run["cpu_pressure"], "disturbed": disturbed(run)})
+        if not disturbed(run) or len(attempts) >= options.attempts:
+            break
+        say(f"    {policy}: the load generator fell behind (send lag p99 "
+            f"{run['loadgen']['p99_ms']} ms, max {run['loadgen']['max_ms']} ms): the "
+            "machine stalled; running this policy again")
+    run["disturbed"] = disturbed(run)
+    run["attempts"] = attempts
+    return run
+
+
+def twin_reference(scenario: Scenario, trace: Trace, policies: Sequence[str], replicas: int
+                   ) -> dict[str, dict[str, Any]]:
+    """Each policy (and the oracle) on the virtual-time twin of the test bed."""
+    capacity = float(trace.header["worker_capacity_rps"])
+    regions = list(scenario.regions)
+    found: dict[str, dict[str, Any]] = {}
+    for policy in (*policies, ORACLE):
+        result = Twin(scenario, trace, policy, service_s=scenario.engine.max_num_seqs / capacity,
+                      one_router=replicas == 1).run()
+        summary = stats.summarize(result.outcomes, slo_ms=scenario.interactive_ttft_slo_ms,
+                                  duration_s=trace.duration_s, regions=regions)
+        found[policy] = {key: summary[key] for key in (
+            "requests", "errors", "ttft_ms", "itl_ms", "interactive", "slo_attainment",
+            "goodput_rps", "traffic_share", "routes")}
+        found[policy]["prefix_hit_rate"] = (None if result.prefix_hit_rate is None
+                                            else round(result.prefix_hit_rate, 4))
+        bins = stats.share_bins(result.outcomes, regions, trace.duration_s)
+        found[policy]["oscillation"] = stats.oscillation(bins, regions)
+    return found
+
+
+# A run whose load generator sent this late was disturbed by the machine (another process
+# took the CPUs): its latencies say more about the machine than about routing.
+DISTURBED_LAG_P99_MS = 100.0
+DISTURBED_LAG_MAX_MS = 1000.0
+
+
+def disturbed(run: dict[str, Any]) -> bool:
+    lag = run["loadgen"]
+    return bool((lag["p99_ms"] or 0.0) > DISTURBED_LAG_P99_MS
+                or (lag["max_ms"] or 0.0) > DISTURBED_LAG_MAX_MS)
+
+

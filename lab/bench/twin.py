@@ -1,0 +1,324 @@
+"""A virtual-time twin of the test bed: the same trace and routing, without the machine.
+
+Every worker is the simulator's own engine model (lab.sim.engine.Engine, the code each
+`globalpool sim` runs) on one shared virtual clock; a request reaches its engine half an
+RTT after its router decided and its tokens reach the client half an RTT after the
+engine made them. One router per region runs the real policy class (router.policy) on
+snapshots of heartbeats that the twin publishes every heartbeat interval from the
+engines' state, with the performance figures computed as the worker agent computes them
+(means over the requests that finished in the interval, held for 4 intervals). Nothing
+else is modelled: no CPU, no probe or Redis delay, no TCP handshakes.
+
+It answers two questions next to the measured results:
+- is a result the policy's or the machine's? (the twin has no machine);
+- what is reachable at all: the `oracle` policy scores like predicted_ttft (RTT + queue
+  wait + prefill) but from every engine's exact state at every decision, with the
+  engine's true prefill rate and the service time measured at saturation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import heapq
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lab.bench.capacity import sim_config
+from lab.bench.replay import Outcome
+from lab.bench.scenario import Scenario
+from lab.bench.trace import PromptBuilder, Trace, TraceRequest
+from lab.bench.twin_parts import EngineEvents, SharedClock, TwinWorker
+from lab.sim.engine import Engine
+from lab.sim.sequence import Sequence as EngineSequence
+from lab.sim.tokens import prompt_from_text
+from router.admission.queue import POLL_S as QUEUE_POLL_S
+from router.admission.queue import Backlog
+from router.config import QueueConfig, RouterConfig
+from router.policy import Decision, Policy, RouteRequest, RoutingContext, create_policy
+from router.policy.affinity import AffinityTable
+from router.policy.inflight import InFlight
+from router.proxy.parse import PREFIX_TOKENS, ParsedRequest, parse_body
+from router.registry.snapshot import Snapshot, WorkerView
+from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
+
+ORACLE = "oracle"
+# How often router replicas report their open requests to each other, and their queue
+# for requests that find every worker busy, as deployed by default.
+PEER_INTERVAL_S = RouterConfig.model_fields["peer_interval_ms"].default / 1000.0
+QUEUE = QueueConfig()
+
+
+@dataclass
+class TwinResult:
+    outcomes: list[Outcome]
+    prefix_hit_rate: float | None
+
+
+class Twin:
+    """Replays `trace` under one policy in virtual time; `run()` returns the outcomes."""
+
+    def __init__(self, scenario: Scenario, trace: Trace, policy: str, *, seed: int = 0,
+                 service_s: float | None = None, one_router: bool = False,
+                 true_prefill_rate: bool = False, near_equal_ms: float = 5.0,
+                 peer_interval_s: float | None = PEER_INTERVAL_S,
+                 queue: bool = QUEUE.enabled) -> None:
+        """`one_router`: one router replica for every origin (no other replica's traffic
+        is invisible to it); `true_prefill_rate`: heartbeats carry the engine's configured
+        prefill rate instead of the agent's measured one. Both are diagnostics: they
+        remove one source of prediction error at a time. `peer_interval_s`: how often
+        the replicas report their open requests to each other (router.registry.peers;
+        None: they do not). `queue`: requests wait at their router while every candidate
+        is busy (router.admission.queue), with regions.yaml's default settings."""
+        self.scenario = scenario
+        self.one_router = one_router
+        self.peer_interval_s = peer_interval_s
+        self.true_prefill_rate = true_prefill_rate
+        self.near_equal_ms = near_equal_ms  # router.near_equal_ms (regions.yaml default: 5)
+        self.trace = trace
+        self.policy_name = policy
+        self.clock = SharedClock()
+        self.rng = random.Random(seed)
+        self.service_s = service_s  # oracle: one request's time in a batch slot
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self.workers: list[TwinWorker] = []
+        self.outcomes: dict[int, Outcome] = {}
+        self._pending: dict[str, tuple[TraceRequest, TwinWorker, ParsedRequest]] = {}
+        self._routers: dict[str, tuple[Policy | None, InFlight, dict[str, WorkerView]]] = {}
+        self._open = len(trace.requests)  # requests whose client has not seen the end yet
+        self.queue = queue
+        self.queue_max_wait_s = QUEUE.max_wait_ms / 1000.0
+        self._backlogs: dict[str, Backlog[tuple[TraceRequest, bytes, ParsedRequest]]] = {}
+        self._polling = False
+
+    def _at(self, when_s: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when_s, next(self._order), action))
+
+    # --- the fleet ------------------------------------------------------------------
+    def _build(self) -> None:
+        config = sim_config(self.scenario.engine, self.scenario.model)
+        for region, spec in self.scenario.regions.items():
+            for number in range(1, spec.workers + 1):
+                name = f"{region}-{number}"
+                observer = EngineEvents(self._finished)
+                engine = Engine(config, self.clock, observer)
+                self.workers.append(TwinWorker(name, region, engine, observer, config.max_num_seqs))
+        rtt = self.scenario.rtt_ms
+        for region in list(self.scenario.regions)[:1] if self.one_router else self.scenario.regions:
+            inflight = InFlight()
+            context = RoutingContext(
+                rtt_ms=rtt, inflight=inflight, clock=self.clock.now,
+                near_equal_ms=self.near_equal_ms,
+                rng=random.Random(self.rng.random()), affinity=AffinityTable(),
+                region_cost=lambda r: self.scenario.regions[r].cost_per_gpu_hour)
+            policy = (None if self.policy_name == ORACLE
+                      else create_policy(self.policy_name, context))
+            self._routers[region] = (policy, inflight, {})
+        if self.one_router:
+            only = next(iter(self._routers.values()))
+            self._routers = {region: only for region in self.scenario.regions}
+        elif self.peer_interval_s is not None:
+            self._at(self.peer_interval_s, self._exchange)
+        if self.queue and self.policy_name != ORACLE:
+            backlogs: dict[int, Backlog[tuple[TraceRequest, bytes, ParsedRequest]]] = {}
+            for region, (_, inflight, _) in self._routers.items():
+                self._backlogs[region] = backlogs.setdefault(id(inflight), Backlog(
+                    inflight, max_requests=QUEUE.max_requests, clock=self.clock.now))
+
+    def _exchange(self) -> None:
+        """Every replica's open requests reach the others (router.registry.peers)."""
+        now_s = self.clock.now_s
+        for region, (_, inflight, _) in self._routers.items():
+            counts = inflight.own_counts()
+            for other, (_, peer_inflight, _) in self._routers.items():
+                if other != region:
+                    peer_inflight.apply_peer(region, counts, now_s)
+        if self._open and self.peer_interval_s is not None:
+            self._at(now_s + self.peer_interval_s, self._exchange)
+
+    def _heartbeat(self, worker: TwinWorker, next_in_s: float | None = None) -> None:
+        """Publish `worker`'s heartbeat to every router, then again one interval later
+        (or after `next_in_s`, to stagger the workers as the agents' jitter does)."""
+        engine = worker.engine
+        worker.seq += 1
+        heartbeat = Heartbeat(
+            worker_id=worker.name, region=worker.region, endpoint=f"http://twin/{worker.name}",
+            models=(self.scenario.model,), state=LifecycleState.READY,
+            capacity=Capacity(max_num_seqs=worker.slots),
+            load=Load(running=engine.num_running, waiting=engine.num_waiting,
+                      kv_cache_usage=engine.kv_usage),
+            performance=self._performance(worker), seq=worker.seq, sent_at_s=self.clock.now_s,
+            ttl_s=3600.0)
+        routers = {id(router): router for router in self._routers.values()}.values()
+        for _, inflight, views in routers:
+            views[worker.name] = WorkerView(heartbeat, self.clock.now_s,
+                                            inflight.of(worker.name))
+        if self._open:
+            interval = self.scenario.heartbeat_interval_s if next_in_s is None else next_in_s
+            self._at(self.clock.now_s + interval, lambda: self._heartbeat(worker))
+
+    def _performance(self, worker: TwinWorker) -> Performance:
+        performance = worker.performance()
+        if self.true_prefill_rate:
+            rate = self.scenario.engine.prefill_tokens_per_s
+            performance = performance.model_copy(update={"prefill_tokens_per_s": rate})
+        return performance
+
+    # --- requests -------------------------------------------------------------------
+    def _route(self, request: TraceRequest, body: bytes) -> None:
+        policy, inflight, views = self._routers[request.origin]
+        parsed = parse_body(body, "chat")
+        if policy is None:
+            worker = self._oracle(request, parsed.prompt_tokens)
+            inflight.started(worker.name)
+            self._dispatch(request, body, parsed, worker, "oracle")
+            return
+        route = RouteRequest(
+            model=self.scenario.model, origin_region=request.origin,
+            prompt_tokens=parsed.prompt_tokens, stream=True,
+            session_id=request.session_id, prefix_key=parsed.prefix_key,
+            prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,
+            traffic_class=request.traffic_class, ttft_budget_ms=request.ttft_budget_ms)
+
+        def pick(policy: Policy = policy) -> Decision:
+            snapshot = Snapshot.build(views.values(), built_at_s=self.clock.now_s,
+                                      redis_connected=True, last_redis_ok_at_s=self.clock.now_s)
+            return policy.pick(snapshot, route)
+
+        decision = pick()
+        backlog = self._backlogs.get(request.origin)
+        if backlog is None:
+            inflight.started(decision.worker.worker_id)
+        elif backlog.admit(route.model, request.traffic_class, decision, pick,
+                           lambda: (request, body, parsed), arrived_s=request.at_s,
+                           max_wait_s=self.queue_max_wait_s,
+                           budget_ms=request.ttft_budget_ms) is not None:
+            self._poll_backlogs()  # it waits at the router, as RouterQueue.turn does
+            return
+        self._dispatch(request, body, parsed, self._worker(decision), decision.reason)
+
+    def _worker(self, decision: Decision) -> TwinWorker:
+        return next(w for w in self.workers if w.name == decision.worker.worker_id)
+
+    def _poll_backlogs(self) -> None:
+        """Every queue's heads that may go now (router.admission.queue); again in POLL_S
+        while anything waits."""
+        waiting = False
+        for backlog in {id(b): b for b in self._backlogs.values()}.values():
+            for item, outcome in backlog.due():
+                request, body, parsed = item.payload
+                if isinstance(outcome, BaseException):
+                    raise outcome  # the twin's fleet never loses its last worker
+                self._dispatch(request, body, parsed, self._worker(outcome), outcome.reason)
+            waiting |= bool(len(backlog))
+        if waiting and not self._polling:
+            self._polling = True
+            self._at(self.clock.now_s + QUEUE_POLL_S, self._next_poll)
+
+    def _next_poll(self) -> None:
+        self._polling = False
+        self._poll_backlogs()
+
+    def _dispatch(self, request: TraceRequest, body: bytes, parsed: ParsedRequest,
+                  worker: TwinWorker, reason: str) -> None:
+        """Send to `worker` (already counted in its router's open requests), remembered
+        for affinity as the proxy does when it sends."""
+        worker.in_transit += 1
+        policy = self._routers[request.origin][0]
+        prefix_key = parsed.prefix_key
+        if policy is not None and (request.session_id or prefix_key is not None):
+            policy.context.affinity.remember(
+                request.session_id, prefix_key, worker.name, prompt_tokens=parsed.prompt_tokens,
+                prefix_tokens=PREFIX_TOKENS if prefix_key is not None else 0)
+        outcome = Outcome(index=request.index, origin=request.origin,
+                          traffic_class=request.traffic_class, scheduled_s=request.at_s,
+                          sent_s=request.at_s, status=200, region=worker.region,
+                          worker=worker.name, route=reason)
+        self.outcomes[request.index] = outcome
+        half_rtt_s = self.scenario.rtt_ms(request.origin, worker.region) / 2000.0
+        self._at(self.clock.now_s + half_rtt_s,
+                 lambda: self._arrive(request, body, worker, parsed))
+
+    def _oracle(self, request: TraceRequest, prompt_tokens: int) -> TwinWorker:
+        engine_spec = self.scenario.engine
+        service_s = self.service_s or 1.0
+
+        def score(worker: TwinWorker) -> tuple[float, int, float]:
+            occupied = worker.engine.num_running + worker.engine.num_waiting + worker.in_transit
+            queue_s = max(0, occupied + 1 - worker.slots) * service_s / worker.slots
+            rtt_s = self.scenario.rtt_ms(request.origin, worker.region) / 1000.0
+            prefill_s = prompt_tokens / engine_spec.prefill_tokens_per_s
+            return (rtt_s + queue_s + prefill_s, occupied, self.rng.random())
+
+        return min(self.workers, key=score)
+
+    def _arrive(self, request: TraceRequest, body: bytes, worker: TwinWorker,
+                parsed: ParsedRequest) -> None:
+        worker.in_transit -= 1
+        builder_text = "\n".join(m["content"] for m in PromptBuilder(self.scenario.model)
+                                 .messages(request))
+        prompt = prompt_from_text(builder_text, self.scenario.engine.block_size, 0)
+        seq = worker.engine.submit(f"twin-{request.index}", prompt, request.max_tokens,
+                                   ignore_eos=True)
+        self._pending[seq.request_id] = (request, worker, parsed)
+
+    def _finished(self, seq: EngineSequence) -> None:
+        request, worker, _ = self._pending.pop(seq.request_id)
+        worker.finished.append(seq)
+        half_rtt_s = self.scenario.rtt_ms(request.origin, worker.region) / 2000.0
+        outcome = self.outcomes[request.index]
+        if seq.first_token_s is not None:
+            outcome.first_token_s = seq.first_token_s + half_rtt_s
+            outcome.last_token_s = (seq.last_token_s or seq.first_token_s) + half_rtt_s
+        outcome.tokens = len(seq.output)
+        outcome.end_s = (seq.finished_s or self.clock.now_s) + half_rtt_s
+        inflight = self._routers[request.origin][1]
+
+        def client_end() -> None:
+            self._open -= 1
+            inflight.finished(worker.name)
+            if self._backlogs:
+                self._poll_backlogs()  # as RouterQueue.capacity_freed
+
+        self._at(outcome.end_s, client_end)
+
+    # --- the driver -----------------------------------------------------------------
+    async def _drive(self, bodies: Sequence[bytes]) -> None:
+        self._build()
+        tasks = [asyncio.create_task(w.engine.run()) for w in self.workers]
+        interval = self.scenario.heartbeat_interval_s
+        for number, worker in enumerate(self.workers):
+            self._heartbeat(worker, next_in_s=interval * (number + 1) / len(self.workers))
+        for request, body in zip(self.trace.requests, bodies, strict=True):
+            self._at(request.at_s, functools.partial(self._route, request, body))
+        try:
+            while self._events:
+                due = [t for t in (self._events[0][0] if self._events else None,
+                                   self.clock.next_due()) if t is not None]
+                if not due:
+                    break
+                self.clock.now_s = max(self.clock.now_s, min(due))
+                while self._events and self._events[0][0] <= self.clock.now_s:
+                    heapq.heappop(self._events)[2]()
+                self.clock.fire_due()
+                for _ in range(6):  # let the engines run their step bookkeeping
+                    await asyncio.sleep(0)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def run(self) -> TwinResult:
+        bodies = PromptBuilder(self.scenario.model).bodies(self.trace.requests)
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._drive(bodies))
+        finally:
+            loop.close()
+        queried = sum(w.observer.queried_tokens for w in self.workers)
+        hits = sum(w.observer.hit_tokens for w in self.workers)
+        return TwinResult(outcomes=sorted(self.outcomes.values(), key=lambda o: o.index),
+                          prefix_hit_rate=hits / queried if queried else None)

@@ -1,0 +1,157 @@
+"""Arguments of `globalpool bench-proxy`, `bench-decision`, `bench-heartbeats` and
+`bench-instructions`.
+
+Kept free of heavy imports: `globalpool` builds every subcommand's parser at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
+
+
+def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, type=Path, help="folder for results and logs")
+    parser.add_argument("--quick", action="store_true",
+                        help="small workloads (a CI smoke test: < 60 s without peers)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated routers: globalpool,aiohttp,vllm-router,"
+                             "sglang-router,envoy (default: all; `direct` always runs), and "
+                             "globalpool-fleet (globalpool following 10,000 more workers "
+                             "heartbeating at 4 Hz) and its control globalpool-fleet-elsewhere "
+                             "(the same heartbeats, not followed), only when named")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the whole comparison this many times (default 1)")
+    parser.add_argument("--peers-dir", type=Path, default=None,
+                        help="virtualenv for the peer routers (default: "
+                             "~/.cache/globalpool/bench-peers)")
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated workloads to measure: unary,stream,paced "
+                             "(default: all three)")
+    parser.add_argument("--fleet-workers", type=int, default=10_000,
+                        help="workers globalpool-fleet follows (default 10,000, at 4 Hz)")
+    parser.add_argument("--profile", default="",
+                        help="comma-separated workloads (unary,stream,paced) to profile "
+                             "globalpool under with py-spy, after the measurements")
+
+
+def run_bench_proxy(args: argparse.Namespace) -> int:
+    from lab.benchproxy.procs import new_event_loop
+    from lab.benchproxy.run import Options, bench_proxy
+
+    options = Options(
+        out=args.out, quick=args.quick, rounds=max(1, args.rounds), peers_dir=args.peers_dir,
+        only=_names(args.only),
+        profile=[w.strip() for w in args.profile.split(",") if w.strip()],
+        workloads=_names(args.workloads), fleet_workers=args.fleet_workers,
+    )
+    loop = new_event_loop()
+    try:
+        document = loop.run_until_complete(bench_proxy(options))
+    except ValueError as exc:
+        print(str(exc))
+        return 2
+    finally:
+        loop.close()
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'report.md'}, "
+          f"{args.out / 'cpu_per_request.png'}")
+    ran = [r for r in document["results"] if r.get("completed")]
+    return 0 if ran else 1
+
+
+def _names(text: str | None) -> list[str] | None:
+    """`a, b` -> ["a", "b"]; None (the option was not given) stays None."""
+    return [n.strip() for n in text.split(",") if n.strip()] if text else None
+
+
+def add_bench_decision_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=None, help="write decision.json here")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--sizes", default="10,100,1000,10000",
+                        help="comma-separated worker counts (default 10,100,1000,10000)")
+
+
+def run_bench_decision(args: argparse.Namespace) -> int:
+    from lab.benchproxy.decision import main
+
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    return main(sizes=sizes, quick=args.quick, out=args.out)
+
+
+def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=None, help="write heartbeats.json here")
+    parser.add_argument("--workers", type=int, default=10_000,
+                        help="simulated workers heartbeating (default 10,000)")
+    parser.add_argument("--hz", type=float, default=4.0, help="heartbeats per worker per second")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured window")
+    parser.add_argument("--publishers", type=int, default=2, help="publisher processes")
+    parser.add_argument("--signed", action="store_true",
+                        help="sign heartbeats and make the router verify them")
+    parser.add_argument("--legacy-agents", action="store_true",
+                        help="publish as agents did before load records (every heartbeat "
+                        "a message on the routers' channel), to compare")
+    parser.add_argument("--fleet-view-cpu-share", type=float,
+                        default=DEFAULT_FLEET_VIEW_CPU_SHARE,
+                        help="the router's router.fleet_view_cpu_share (default "
+                        f"{DEFAULT_FLEET_VIEW_CPU_SHARE:g}, as regions.yaml's): more reads the "
+                        "records more often")
+
+
+def run_bench_heartbeats(args: argparse.Namespace) -> int:
+    from lab.benchproxy.heartbeats import main
+
+    return asyncio.run(main(workers=args.workers, hz=args.hz, seconds=args.seconds,
+                            publishers=args.publishers, signed=args.signed, out=args.out,
+                            legacy=args.legacy_agents, cpu_share=args.fleet_view_cpu_share))
+
+
+def add_bench_instructions_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write instructions.json and callgrind's dumps here")
+    parser.add_argument("--tree", type=Path, action="append", default=None,
+                        help="a source tree (checkout) whose router to measure; repeat to "
+                             "compare (default: this one)")
+    parser.add_argument("--workloads", default="unary,stream",
+                        help="comma-separated: unary,stream,paced (default unary,stream)")
+    parser.add_argument("--requests", type=int, default=1000,
+                        help="measured requests per workload (default 1,000)")
+    parser.add_argument("--vllm-router", action="store_true",
+                        help="also measure vllm-router (installed as bench-proxy installs it)")
+    parser.add_argument("--peers-dir", type=Path, default=None,
+                        help="virtualenv for vllm-router (default: "
+                             "~/.cache/globalpool/bench-peers)")
+
+
+def run_bench_instructions(args: argparse.Namespace) -> int:
+    from lab.benchproxy.instructions import Options, bench_instructions
+    from lab.benchproxy.procs import new_event_loop
+    from lab.benchproxy.routers import Unavailable
+    from lab.benchproxy.workloads import workloads
+
+    names = _names(args.workloads) or []
+    known = [w.name for w in workloads(False)]
+    wrong = [n for n in names if n not in known]
+    if wrong or not names:
+        print(f"unknown workload(s) {', '.join(wrong)} (known: {', '.join(known)})")
+        return 2
+    here = Path(__file__).resolve().parents[2]
+    trees = [tree.resolve() for tree in (args.tree or [here])]
+    missing = [str(tree) for tree in trees if not (tree / "router" / "cli.py").is_file()]
+    if missing:
+        print(f"not a globalpool source tree: {', '.join(missing)}")
+        return 2
+    options = Options(out=args.out, trees=trees, workloads=names,
+                      requests=max(1, args.requests), vllm_router=args.vllm_router,
+                      peers_dir=args.peers_dir)
+    loop = new_event_loop()
+    try:
+        document = loop.run_until_complete(bench_instructions(options))
+    except Unavailable as exc:
+        print(f"bench-instructions: {exc}")
+        return 2
+    finally:
+        loop.close()
+    return 0 if all(row["errors"] == 0 for row in document["results"]) else 1

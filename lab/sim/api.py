@@ -1,0 +1,350 @@
+"""The simulator's HTTP API: vLLM's OpenAI server routes plus /sim/faults and /sim/arrivals.
+
+`build_app` wires one engine, its metrics and its fault knobs into an aiohttp app. Serve
+it with handler cancellation on (`SimServer` does; aiohttp's TestServer does too), so a
+client that disconnects cancels its handler and the handler aborts the sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from lab.sim.clock import Clock, SystemClock
+from lab.sim.config import SIM_VERSION, SimConfig
+from lab.sim.engine import Engine, QueueFullError
+from lab.sim.errors import ApiError, json_response
+from lab.sim.faults import FaultInjector, FaultKnobs
+from lab.sim.metrics import CONTENT_TYPE, SimMetrics
+from lab.sim.misbehave import WrongAnswer
+from lab.sim.protocol import GenerationRequest, parse_chat, parse_completion
+from lab.sim.responses import DONE, StreamEncoder, chat_completion, text_completion, usage
+from lab.sim.sequence import FinishReason, Sequence
+
+_MAX_BODY_BYTES = 64 * 1024 * 1024  # long-context benchmarks send prompts of many MB
+# Each token is its own write: aiohttp sets TCP_NODELAY on every server connection
+# (BaseProtocol.connection_made) and StreamResponse.write hands data to the socket at
+# once, so a token leaves without Nagle delay or buffering.
+_SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+
+Parser = Callable[[bytes, SimConfig], GenerationRequest]
+
+
+class SimHandlers:
+    """Request handlers over one engine, its metrics and its fault knobs."""
+
+    def __init__(self, config: SimConfig, engine: Engine, metrics: SimMetrics) -> None:
+        self._config = config
+        self._engine = engine
+        self._metrics = metrics
+        self._faults = FaultInjector(
+            FaultKnobs(error_rate=config.error_rate, slow_factor=config.slow_factor), config.seed
+        )
+        self._created_s = int(time.time())
+        # Handlers parked by the `hang` and `misbehave` faults; released at shutdown so that
+        # stopping the server does not wait for requests that would never end.
+        self._parked: set[asyncio.Future[None]] = set()
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/version", self.version),
+            web.get("/metrics", self.metrics),
+            web.get("/sim/faults", self.get_faults),
+            web.post("/sim/faults", self.set_faults),
+            web.get("/sim/arrivals", self.get_arrivals),
+        ]
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat, "chatcmpl-")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion, "cmpl-")
+
+    async def models(self, request: web.Request) -> web.Response:
+        cards = [self._model_card(name) for name in self._config.served_model_names]
+        return json_response({"object": "list", "data": cards})
+
+    async def health(self, request: web.Request) -> web.Response:
+        status = 503 if self._faults.knobs.unhealthy else 200
+        return web.Response(status=status)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": SIM_VERSION, "simulator": True})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return json_response(self._faults.knobs.model_dump())
+
+    async def get_arrivals(self, request: web.Request) -> web.Response:
+        """Completion requests read since the knobs last changed (FaultInjector.arrivals)."""
+        return json_response(self._faults.arrivals())
+
+    async def set_faults(self, request: web.Request) -> web.StreamResponse:
+        """Change the knobs named in the JSON body; answers with all knobs after the change."""
+        try:
+            changes = await request.json()
+        except ValueError as exc:
+            return ApiError(HTTPStatus.BAD_REQUEST, f"Invalid JSON: {exc}").response()
+        if not isinstance(changes, dict):
+            return ApiError(HTTPStatus.BAD_REQUEST, "Expected a JSON object of knobs.").response()
+        try:
+            knobs = self._faults.update(changes)
+        except ValidationError as exc:
+            return ApiError(HTTPStatus.BAD_REQUEST, str(exc)).response()
+        self._engine.slow_factor = knobs.slow_factor
+        if knobs.crash:
+            return await self._crash(request)
+        return json_response(knobs.model_dump())
+
+    async def release_parked(self, app: web.Application) -> None:
+        for waiter in self._parked:
+            waiter.cancel()
+
+    async def _crash(self, request: web.Request) -> web.StreamResponse:
+        # Send the answer first so the caller knows the crash was on purpose, then die
+        # without cleanup, the way a killed GPU server goes.
+        response = json_response(self._faults.knobs.model_dump())
+        await response.prepare(request)
+        await response.write_eof()
+        os._exit(1)
+
+    async def _generate(
+        self, request: web.Request, parse: Parser, id_prefix: str
+    ) -> web.StreamResponse:
+        try:
+            generation = parse(await request.read(), self._config)
+        except ApiError as exc:
+            return exc.response()
+        self._faults.arrived()
+        knobs = self._faults.knobs
+        if knobs.hang:
+            await self._park()
+        if knobs.misbehave != "none":
+            return await self._misbehave(request, generation, knobs, id_prefix)
+        if self._faults.draw_error():
+            return ApiError(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                "Simulated engine failure (fault knob error_rate).",
+            ).response()
+        request_id = id_prefix + uuid.uuid4().hex
+        try:
+            seq = self._engine.submit(
+                request_id, generation.prompt, generation.max_tokens, generation.ignore_eos
+            )
+        except QueueFullError as exc:
+            refusal = ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
+            if generation.stream and self._faults.knobs.busy_in_stream:
+                return await self._stream_refusal(request, refusal)
+            return refusal.response()
+        cut_after = self._faults.draw_mid_stream_cut()
+        try:
+            if generation.stream:
+                return await self._stream(request, generation, seq, cut_after)
+            return await self._respond(request, generation, seq, cut_after)
+        finally:
+            # A no-op for finished sequences; otherwise the client went away (the handler
+            # was cancelled) and its slot and KV blocks go back to the pool.
+            self._engine.abort(seq)
+
+    async def _misbehave(self, request: web.Request, generation: GenerationRequest,
+                         knobs: FaultKnobs, id_prefix: str) -> web.StreamResponse:
+        """The engine serves the request as usual, so that its metrics (and the agent's
+        heartbeats) look healthy, while the answer goes wrong: a fault between a working
+        engine and the router, which only the router's own observations can find."""
+        try:
+            seq: Sequence | None = self._engine.submit(
+                id_prefix + uuid.uuid4().hex, generation.prompt, generation.max_tokens,
+                generation.ignore_eos)
+        except QueueFullError:
+            seq = None  # a full engine: the answer goes wrong all the same
+        try:
+            return await WrongAnswer(request, generation, knobs, self._park).play(knobs.misbehave)
+        finally:
+            if seq is not None:
+                self._engine.abort(seq)
+
+    async def _stream_refusal(self, request: web.Request, refusal: ApiError) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": _SSE_CONTENT_TYPE})
+        await response.prepare(request)
+        await response.write(refusal.event())
+        await response.write(DONE)
+        await response.write_eof()
+        return response
+
+    async def _park(self, timeout_s: float | None = None) -> None:
+        """Wait until released at shutdown (CancelledError), or `timeout_s` has passed."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _wake, waiter)
+        self._parked.add(waiter)
+        try:
+            await waiter
+        finally:
+            self._parked.discard(waiter)
+            if timer is not None:
+                timer.cancel()
+
+    async def _stream(
+        self,
+        request: web.Request,
+        generation: GenerationRequest,
+        seq: Sequence,
+        cut_after: int | None,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": _SSE_CONTENT_TYPE})
+        encoder = StreamEncoder(generation.kind, seq.request_id, int(time.time()), generation.model)
+        try:
+            # vLLM (Starlette) sends the headers at once; the body starts with the first token.
+            await response.prepare(request)
+            completed = await self._send_tokens(response, encoder, seq, cut_after)
+            if not completed:
+                self._cut(request, seq)
+                return response
+            if generation.include_usage:
+                await response.write(encoder.usage(seq.prompt.num_tokens, len(seq.output)))
+            await response.write(DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away; _generate aborts the sequence
+        return response
+
+    async def _send_tokens(
+        self,
+        response: web.StreamResponse,
+        encoder: StreamEncoder,
+        seq: Sequence,
+        cut_after: int | None,
+    ) -> bool:
+        """Write one SSE event per token, as soon as the engine step produced it.
+
+        Returns False when the stream must be cut instead of finished: after `cut_after`
+        tokens (mid-stream fault), or if the engine stopped the sequence.
+        """
+        sent = 0
+        while True:
+            await seq.wait_for_output(sent)
+            available = len(seq.output)
+            if cut_after is not None:
+                available = min(available, cut_after)
+            completed = (
+                cut_after is None
+                and seq.finished
+                and seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+            )
+            chunks = [encoder.first()] if sent == 0 and available > 0 else []
+            for index in range(sent, available):
+                reason = seq.finish_reason if completed and index == available - 1 else None
+                chunks.append(encoder.token(seq.output[index], reason.value if reason else None))
+            sent = available
+            if chunks:
+                await response.write(b"".join(chunks))
+            if completed:
+                return True
+            if seq.finished or (cut_after is not None and sent >= cut_after):
+                return False
+
+    async def _respond(
+        self,
+        request: web.Request,
+        generation: GenerationRequest,
+        seq: Sequence,
+        cut_after: int | None,
+    ) -> web.StreamResponse:
+        if cut_after is None:
+            await seq.wait_finished()
+        else:
+            while len(seq.output) < cut_after and not seq.finished:
+                await seq.wait_for_output(len(seq.output))
+            self._cut(request, seq)
+            return web.Response()
+        reason = seq.finish_reason
+        if reason is None or reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            return ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, "The request was aborted.").response()
+        build = chat_completion if generation.kind == "chat" else text_completion
+        body = build(
+            seq.request_id,
+            int(time.time()),
+            generation.model,
+            "".join(seq.output),
+            reason.value,
+            usage(seq.prompt.num_tokens, len(seq.output)),
+        )
+        return json_response(body)
+
+    def _cut(self, request: web.Request, seq: Sequence) -> None:
+        """Drop the connection without finishing the response (mid-stream failure)."""
+        self._engine.abort(seq, FinishReason.ERROR)
+        transport = request.transport
+        if transport is not None:
+            transport.abort()
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self._created_s,
+            "owned_by": "vllm",
+            "root": name,
+            "parent": None,
+            "max_model_len": self._config.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{uuid.uuid4().hex}",
+                    "object": "model_permission",
+                    "created": self._created_s,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def build_app(config: SimConfig, *, clock: Clock | None = None) -> web.Application:
+    """The simulator as an aiohttp app; the engine loop runs while the app is running.
+
+    `clock` defaults to real time. Serve with handler_cancellation=True (see module doc).
+    """
+    metrics = SimMetrics(config)
+    engine = Engine(config, clock or SystemClock(), metrics)
+    metrics.watch(engine)
+    handlers = SimHandlers(config, engine, metrics)
+
+    async def run_engine(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(engine.run(), name="sim-engine")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    app.add_routes(handlers.routes())
+    app.cleanup_ctx.append(run_engine)
+    app.on_shutdown.append(handlers.release_parked)
+    return app

@@ -1,0 +1,174 @@
+"""OpenAI request bodies -> one `GenerationRequest`, or an `ApiError` as vLLM would give.
+
+Only the fields that change what the simulator does are read; sampling parameters
+(temperature, top_p, ...) are accepted and ignored, as they do not change timing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lab.sim.config import SimConfig
+from lab.sim.errors import ApiError
+from lab.sim.tokens import Prompt, prompt_from_text, prompt_from_token_ids
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+
+
+class _ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[_ContentPart] | None = None
+
+
+class _CommonRequest(_Lenient):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int | None = Field(default=1, ge=1)
+
+
+class ChatRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+RequestT = TypeVar("RequestT", bound=_CommonRequest)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What a handler needs to run one request, whichever endpoint it came from."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    prompt: Prompt
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+
+
+def parse_chat(body: bytes, config: SimConfig) -> GenerationRequest:
+    request = _validate(ChatRequest, body)
+    parts: list[str] = []
+    for message in request.messages:
+        if isinstance(message.content, str):
+            parts.append(message.content)
+        elif message.content is not None:
+            parts.extend(part.text for part in message.content if part.text is not None)
+    prompt = prompt_from_text("\n".join(parts), config.block_size, config.seed)
+    return _finish(
+        request, "chat", prompt, request.max_completion_tokens or request.max_tokens, config
+    )
+
+
+def parse_completion(body: bytes, config: SimConfig) -> GenerationRequest:
+    request = _validate(CompletionRequest, body)
+    single = _single_prompt(request.prompt)
+    if isinstance(single, str):
+        prompt = prompt_from_text(single, config.block_size, config.seed)
+    else:
+        prompt = prompt_from_token_ids(single, config.block_size, config.seed)
+    return _finish(request, "completion", prompt, request.max_tokens, config)
+
+
+def _single_prompt(raw: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """The one prompt of a request: text or token ids. Batched prompts are refused."""
+    if isinstance(raw, str):
+        return raw
+    if raw and all(isinstance(item, int) for item in raw):
+        return [item for item in raw if isinstance(item, int)]
+    if len(raw) == 1:
+        only = raw[0]
+        if isinstance(only, str):
+            return only
+        if isinstance(only, list) and only:
+            return only
+    raise ApiError(
+        HTTPStatus.BAD_REQUEST,
+        "The simulator accepts exactly one non-empty prompt per request.",
+        param="prompt",
+    )
+
+
+def _validate(model: type[RequestT], body: bytes) -> RequestT:
+    try:
+        payload: Any = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"Invalid JSON in request body: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "The request body must be a JSON object.")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = str(first["loc"][0]) if first["loc"] else None
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in error['loc']) or 'body'}: {error['msg']}"
+            for error in exc.errors()
+        )
+        raise ApiError(HTTPStatus.BAD_REQUEST, problems, param=param) from exc
+
+
+def _finish(
+    request: _CommonRequest,
+    kind: Literal["chat", "completion"],
+    prompt: Prompt,
+    max_tokens: int | None,
+    config: SimConfig,
+) -> GenerationRequest:
+    model = request.model or config.served_model_names[0]
+    if model not in config.served_model_names:
+        raise ApiError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model")
+    if (request.n or 1) > 1:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "The simulator supports only n=1.", param="n")
+    limit = config.max_model_len
+    if prompt.num_tokens >= limit:
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            f"This model's maximum context length is {limit} tokens. However, your request "
+            f"has {prompt.num_tokens} input tokens. Please reduce the length of the input "
+            "messages.",
+        )
+    if max_tokens is None:
+        max_tokens = min(config.default_max_tokens, limit - prompt.num_tokens)
+    elif prompt.num_tokens + max_tokens > limit:
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt.num_tokens + max_tokens} tokens ({prompt.num_tokens} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion.",
+        )
+    options = request.stream_options
+    return GenerationRequest(
+        kind=kind,
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        stream=bool(request.stream),
+        include_usage=bool(options and options.include_usage),
+        ignore_eos=request.ignore_eos,
+    )

@@ -412,8 +412,10 @@ async def test_load_records_that_are_not_the_workers_own_are_dropped(
         rejected = collector.rejected_heartbeats
 
         async def write(region: str, field: str, record: bytes) -> None:
-            await admin.hset(KEYS.loads(region), field, record)
+            # The count before the write: the collector's read that finds the record can
+            # be answered, and counted, before this coroutine resumes after its HSET.
             read = collector.read_records
+            await admin.hset(KEYS.loads(region), field, record)
             await until(lambda: collector.read_records > read)
 
         busy = with_load(signer.sign(lasting("a")), 8)

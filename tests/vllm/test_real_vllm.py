@@ -445,12 +445,14 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
     # client had, then the rest, with the whole token count and one finish reason.
     assert stream["region"] == "us-east", stream
     assert len(stream["ids"]) == 1 and stream["finishes"] == ["length"], stream
-    assert stream["usage_tokens"] == STREAM_TOKENS, stream
-    assert stream["tokens"] == STREAM_TOKENS, stream
-    assert stream["text"].startswith(stream["text_before_kill"])
     router_log = (pool.work / f"router-{pool.router_url.rsplit(':', 1)[1]}.log").read_text()
     assert "broke off" in router_log, "the stream ended before its engine was killed"
     assert f"stream continued on {pool.agents['eu-west'].worker_id} (eu-west)" in router_log
+    assert stream["usage_tokens"] == STREAM_TOKENS, stream
+    # One chunk per token, or fewer: vLLM puts several tokens in one chunk when its
+    # output falls behind the engine (1,685 chunks for 1,800 tokens seen here).
+    assert 0 < stream["tokens"] <= STREAM_TOKENS, stream
+    assert stream["text"].startswith(stream["text_before_kill"])
     measurements["stream carried across kill -9: tokens before / after"] = (
         stream["tokens_before_kill"], STREAM_TOKENS - stream["tokens_before_kill"])
     assert [r for r in results if isinstance(r, BaseException)] == []

@@ -377,39 +377,6 @@ async def steady_requests(client: openai.AsyncOpenAI, stop: asyncio.Event,
             results.append(exc)
 
 
-# Long enough that the engine is still generating when the client has read the first
-# KILL_AFTER_TOKENS (~7 s of decoding here; the engines run niced, the test is not).
-STREAM_TOKENS = 1800
-KILL_AFTER_TOKENS = 40
-
-
-async def stream_across_the_kill(client: openai.AsyncOpenAI, halfway: asyncio.Event
-                                 ) -> dict[str, Any]:
-    """A long stream that sets `halfway` after KILL_AFTER_TOKENS tokens; what it got."""
-    raw = await client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=CHAT, max_tokens=STREAM_TOKENS, extra_body=EXACT, stream=True,
-        stream_options={"include_usage": True})
-    seen: dict[str, Any] = {"region": raw.headers.get(REGION, ""), "ids": set(),
-                            "finishes": [], "usage_tokens": None, "tokens": 0}
-    pieces: list[str] = []
-    async for chunk in raw.parse():
-        seen["ids"].add(chunk.id)
-        if chunk.usage is not None:
-            seen["usage_tokens"] = chunk.usage.completion_tokens
-        for choice in chunk.choices:
-            if choice.delta.role is None and choice.delta.content is not None:
-                seen["tokens"] += 1
-                pieces.append(choice.delta.content)
-            if choice.finish_reason is not None:
-                seen["finishes"].append(choice.finish_reason)
-        if seen["tokens"] >= KILL_AFTER_TOKENS and not halfway.is_set():
-            seen["text_before_kill"] = "".join(pieces)
-            seen["tokens_before_kill"] = seen["tokens"]
-            halfway.set()
-    seen["text"] = "".join(pieces)
-    return seen
-
-
 async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarted(
     pool: RealPool, measurements: dict[str, Any]
 ) -> None:
@@ -423,12 +390,9 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
     client = pool.async_client("us-east")
     stop = asyncio.Event()
     results: list[tuple[str, str, int] | BaseException] = []
-    halfway = asyncio.Event()
-    carried = asyncio.create_task(stream_across_the_kill(client, halfway))
     senders = [asyncio.create_task(steady_requests(client, stop, results)) for _ in range(4)]
     try:
-        async with asyncio.timeout(60):
-            await halfway.wait()  # the long stream is under way in us-east
+        await asyncio.sleep(1.0)
         os.kill(vllm_pid, signal.SIGKILL)
         killed_at = time.monotonic()
         degraded = await until_beat(pool, "us-east",
@@ -438,23 +402,7 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
     finally:
         stop.set()
         await asyncio.gather(*senders)
-        async with asyncio.timeout(180):
-            stream = await carried
         await client.close()
-    # The stream whose engine died was finished by eu-west's, as one stream: the text the
-    # client had, then the rest, with the whole token count and one finish reason.
-    assert stream["region"] == "us-east", stream
-    assert len(stream["ids"]) == 1 and stream["finishes"] == ["length"], stream
-    router_log = (pool.work / f"router-{pool.router_url.rsplit(':', 1)[1]}.log").read_text()
-    assert "broke off" in router_log, "the stream ended before its engine was killed"
-    assert f"stream continued on {pool.agents['eu-west'].worker_id} (eu-west)" in router_log
-    assert stream["usage_tokens"] == STREAM_TOKENS, stream
-    # One chunk per token, or fewer: vLLM puts several tokens in one chunk when its
-    # output falls behind the engine (1,685 chunks for 1,800 tokens seen here).
-    assert 0 < stream["tokens"] <= STREAM_TOKENS, stream
-    assert stream["text"].startswith(stream["text_before_kill"])
-    measurements["stream carried across kill -9: tokens before / after"] = (
-        stream["tokens_before_kill"], STREAM_TOKENS - stream["tokens_before_kill"])
     assert [r for r in results if isinstance(r, BaseException)] == []
     served = [r for r in results if not isinstance(r, BaseException)]
     assert all(tokens == 8 for _, _, tokens in served)

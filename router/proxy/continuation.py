@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.proxy.progress import Progress
-from router.proxy.transcript import ErrorEvent, Transcript
+from router.proxy.progress import Progress, error_status, sse_data
+from router.proxy.transcript import ErrorEvent, Transcript, after_last_event
 
 FAILOVER_HEADER = "x-globalpool-failover"  # "off": this request's stream is not continued
 
@@ -146,8 +146,7 @@ class Failover:
 
     def closing_events(self) -> bytes:
         transcript = self.transcript
-        owed, transcript.owed = transcript.owed, b""
-        return owed + closing_events(transcript.read())
+        return transcript.take_owed() + closing_events(transcript.read())
 
     def next_body(self) -> bytes:
         """The request body that asks another worker for the rest of the answer."""
@@ -164,13 +163,12 @@ class Rewriter:
         self._transcript = transcript
         self._progress = transcript.read()
         self._prior_tokens = self._progress.tokens
-        self._owed = transcript.owed  # events the client has not had yet: they go first
-        transcript.owed = b""
+        self._owed = transcript.take_owed()  # events the client has not had: they go first
         self._held = b""
 
     def __call__(self, data: bytes) -> bytes:
         data = self._held + data
-        cut = data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0
+        cut = after_last_event(data)
         self._held = data[cut:]
         out = [self._owed] if self._owed else []
         self._owed = b""
@@ -181,8 +179,7 @@ class Rewriter:
         return self._transcript.admit(b"".join(out)) if out else b""
 
     def _event(self, event: bytes) -> bytes:
-        payload = b"\n".join(line[5:].strip() for line in event.split(b"\n")
-                             if line.startswith(b"data:"))
+        payload = sse_data(event)
         if not payload:
             return b""
         if payload == b"[DONE]":
@@ -195,10 +192,7 @@ class Rewriter:
             return event + b"\n\n"
         error = chunk.get("error")
         if error is not None:
-            code = error.get("code") if isinstance(error, dict) else None
-            status = code if type(code) is int and 400 <= code <= 599 else 500
-            message = error.get("message", "") if isinstance(error, dict) else ""
-            raise ErrorEvent(status, str(message)[:200])
+            raise ErrorEvent(*error_status(error))
         return self._chunk(chunk)
 
     def _chunk(self, chunk: dict[str, Any]) -> bytes:

@@ -31,6 +31,7 @@ from router.config import GlobalConfig, Timeouts
 from router.proxy.errors import error_body, sse_error_event
 from router.proxy.exchange import Exchange, Reply
 from router.proxy.outcome import Attempt, Failure
+from router.proxy.progress import error_status
 from router.proxy.tls import client_context
 from router.proxy.transcript import ErrorEvent, TooManyEvents, Transcript
 from router.proxy.upstream import (
@@ -388,12 +389,7 @@ async def forward_unary(
 class StreamBroken(UpstreamFailure):
     """A started stream broke off (its client has had some of it): the caller may
     continue it on another worker (`router.proxy.continuation`) or end it with
-    `end_broken_stream`. `event_status` and `event_message` are the error event's."""
-
-    def __init__(self, message: str, kind: Failure, *, event_status: int,
-                 detail: str) -> None:
-        super().__init__(message, kind, status=event_status, detail=detail)
-        self.event_status = event_status
+    `end_broken_stream`. `status` and `message` are the error event's."""
 
 
 async def open_stream(pool: UpstreamPool, target: Target, payload: bytes,
@@ -539,8 +535,7 @@ async def _pass_on(
         status, message = _ended_early(watchdog, broken)
         attempt.error = f"{message}: {broken}"
         if transcript is not None:
-            raise StreamBroken(message, attempt.failure, event_status=status,
-                               detail=attempt.error)
+            raise StreamBroken(message, attempt.failure, status=status, detail=attempt.error)
         await exchange.end_stream(sse_error_event(status, message, code="upstream_failed"))
     except (ConnectionError, asyncio.CancelledError):
         # The client went away: drop the upstream connection so the engine stops generating.
@@ -556,10 +551,8 @@ async def end_broken_stream(exchange: Exchange, transcript: Transcript | None,
                             broken: StreamBroken) -> None:
     """End a stream that broke off and is not continued: the events owed to its client,
     then an error event."""
-    owed = b""
-    if transcript is not None:
-        owed, transcript.owed = transcript.owed, b""
-    await exchange.end_stream(owed + sse_error_event(broken.event_status, broken.message,
+    owed = b"" if transcript is None else transcript.take_owed()
+    await exchange.end_stream(owed + sse_error_event(broken.status, broken.message,
                                                      code="upstream_failed"))
 
 
@@ -650,9 +643,7 @@ def _error_event(first: bytes) -> tuple[int, str] | None:
     error = document.get("error") if isinstance(document, dict) else None
     if not isinstance(error, dict):
         return None
-    code = error.get("code")
-    status = code if isinstance(code, int) and 400 <= code <= 599 else 500
-    return status, str(error.get("message", ""))[:200]
+    return error_status(error)
 
 
 _ERROR_EVENT_PREFIXES = (b'data: {"error"', b'data:{"error"')

@@ -13,6 +13,23 @@ from pydantic_core import from_json
 _DONE = b"[DONE]"
 
 
+def sse_data(event: bytes) -> bytes:
+    """The `data:` payload of one SSE event: its data lines, each stripped, joined."""
+    return b"\n".join(line[5:].strip() for line in event.replace(b"\r\n", b"\n").split(b"\n")
+                      if line.startswith(b"data:"))
+
+
+def error_status(error: object) -> tuple[int, str]:
+    """(status, message) of the `error` object of an error event, as vLLM writes one
+    (`{"message": ..., "code": 503}`): its code when that is an HTTP error status, else
+    500; the message cut to 200 characters."""
+    if not isinstance(error, dict):
+        return 500, ""
+    code = error.get("code")
+    status = code if type(code) is int and 400 <= code <= 599 else 500
+    return status, str(error.get("message", ""))[:200]
+
+
 class Progress:
     """The identity of a streamed answer and what of it the client has.
 
@@ -43,8 +60,7 @@ class Progress:
     def feed(self, data: bytes) -> None:
         """Read whole events (`data` ends on an event boundary)."""
         for event in data.replace(b"\r\n", b"\n").split(b"\n\n"):
-            payload = b"\n".join(line[5:].strip() for line in event.split(b"\n")
-                                 if line.startswith(b"data:"))
+            payload = sse_data(event)
             if not payload:
                 continue  # a comment, a blank, or an event without data
             if payload == _DONE:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 
-from router.proxy.progress import Progress
+from router.proxy.progress import Progress, error_status, sse_data
 from router.proxy.upstream import UpstreamError
 
 # Pieces kept before they are read into the progress and dropped (reading costs ~1 us an
@@ -67,7 +67,9 @@ class Transcript:
         self._size = 0
         self._held = b""
         self.events = 0
-        self.event_limit = limit if limit is not None else 1 << 62
+        # No limit: a large number that stays a machine integer in the compiled build
+        # (mypyc boxes ints from 2**62; this is compared at every token).
+        self.event_limit = limit if limit is not None else 1 << 61
         self._kind = kind
         self._progress: Progress | None = None  # made when first needed (most never are)
         # Recorded events that did not reach the client (they came just before an error
@@ -96,7 +98,7 @@ class Transcript:
             data = held + data
             self._held = b""
         if not data.endswith(b"\n\n"):
-            cut = _after_last_event(data)
+            cut = after_last_event(data)
             if len(data) - cut > MAX_HELD_BYTES:
                 self.progress.unsound = "an event larger than 1 MB was passed on whole"
             elif cut < len(data):
@@ -137,6 +139,11 @@ class Transcript:
             self._fold()
         return True
 
+    def take_owed(self) -> bytes:
+        """The events owed to the client (see `owed`), now to be sent."""
+        owed, self.owed = self.owed, b""
+        return owed
+
     def take_held(self) -> bytes:
         """What is held back when the stream ends (an answer that ends inside an event)."""
         held = self._held
@@ -170,7 +177,7 @@ class Transcript:
         recorded; the client gets them when the stream is continued or ended)."""
         start = 0
         for event in _split_events(data):
-            payload = _data_of(event)
+            payload = sse_data(event)
             if payload.startswith(_ERROR_MARK):
                 status, message = _error_of(payload)
                 before = data[:start]
@@ -207,7 +214,7 @@ def chunk_payloads(chunks: bytes) -> list[bytes]:
     return payloads
 
 
-def _after_last_event(data: bytes) -> int:
+def after_last_event(data: bytes) -> int:
     """Where the bytes after the last whole event of `data` start (0: there is none)."""
     lf = data.rfind(b"\n\n")
     crlf = data.rfind(b"\r\n\r\n")
@@ -228,20 +235,9 @@ def _split_events(data: bytes) -> list[bytes]:
     return events
 
 
-def _data_of(event: bytes) -> bytes:
-    """The `data:` payload of one SSE event (lines joined), stripped."""
-    lines = [line[5:].strip() for line in event.replace(b"\r\n", b"\n").split(b"\n")
-             if line.startswith(b"data:")]
-    return b"\n".join(lines)
-
-
 def _error_of(payload: bytes) -> tuple[int, str]:
     try:
         error = json.loads(payload).get("error")
     except (ValueError, AttributeError):
         return 500, "an error event that is not JSON"
-    if not isinstance(error, dict):
-        return 500, ""
-    code = error.get("code")
-    status = code if type(code) is int and 400 <= code <= 599 else 500
-    return status, str(error.get("message", ""))[:200]
+    return error_status(error)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from router.proxy.errors import ApiError
 from router.proxy.exchange import error_reply
-from router.proxy.transcript import Transcript, chunk_payloads
+from router.proxy.transcript import Transcript, chunk_payloads, framed
 from router.proxy.upstream import (
     UNIQUE_VALUE_HEADERS,
     Sink,
@@ -145,15 +145,15 @@ class FrontExchange:
         if transport.is_closing():
             raise ConnectionResetError("the client went away")
         self.started = True
-        if transcript is not None:
-            try:
-                first = transcript.admit(first)
-            except UpstreamError as exc:  # an error event right after the first
-                transport.write(_head(200, headers, "Transfer-Encoding: chunked\r\n",
-                                      protocol.closing))
-                return exc
         head = _head(200, headers, "Transfer-Encoding: chunked\r\n", protocol.closing)
-        transport.write(head + b"%x\r\n" % len(first) + first + b"\r\n" if first else head)
+        if transcript is None:
+            transport.write(head + framed(first) if first else head)
+        else:
+            try:
+                transport.write(head + transcript.admit_framed(first))
+            except UpstreamError as exc:  # an error event right after the first
+                transport.write(head)
+                return exc
         self._transcript = transcript
         try:
             return await self._pipe(upstream, self)
@@ -193,16 +193,16 @@ class FrontExchange:
     def write(self, data: bytes) -> None:
         """The upstream's next body bytes, as one HTTP chunk (called by the upstream)."""
         transcript = self._transcript
-        if transcript is not None:
-            data = transcript.admit(data)  # whole events only (raises: the stream breaks)
-            if not data:
-                return
-        self._chunk(data)
+        # Whole events only (raises: the stream breaks), framed once for both.
+        chunk = framed(data) if transcript is None else transcript.admit_framed(data)
+        transport = self._protocol.transport
+        if chunk and not transport.is_closing():
+            transport.write(chunk)
 
     def _chunk(self, data: bytes) -> None:
         transport = self._protocol.transport
         if not transport.is_closing():
-            transport.write(b"%x\r\n" % len(data) + data + b"\r\n")
+            transport.write(framed(data))
 
     def write_frame(self, frame: bytes) -> None:
         """One whole HTTP chunk of the upstream's, passed on as it came."""

@@ -93,6 +93,24 @@ class Transcript:
         """Of the bytes held back and `data`, those that end on an event boundary, for the
         client now (maybe b""); the rest waits for the next call. Raises TooManyEvents or
         ErrorEvent instead of passing such events on."""
+        whole = self._whole(data)
+        if whole:
+            self._record(whole, framed(whole))
+        return whole
+
+    def admit_framed(self, data: bytes) -> bytes:
+        """As `admit`, but what is for the client comes as one chunk of a chunked body
+        (maybe b""): framed once, for the client and for what is kept (the front)."""
+        whole = self._whole(data)
+        if not whole:
+            return whole
+        frame = framed(whole)
+        self._record(whole, frame)
+        return frame
+
+    def _whole(self, data: bytes) -> bytes:
+        """The bytes held back and `data` up to their last event boundary; holds back the
+        rest (see `admit`)."""
         held = self._held
         if held:
             data = held + data
@@ -104,9 +122,6 @@ class Transcript:
             elif cut < len(data):
                 self._held = data[cut:]
                 data = data[:cut]
-                if not data:
-                    return data
-        self._record(data)
         return data
 
     def admit_frame(self, frame: bytes) -> bool:
@@ -149,7 +164,7 @@ class Transcript:
         held = self._held
         self._held = b""
         if held:
-            self._pieces.append(_framed(held))
+            self._pieces.append(framed(held))
         return held
 
     def read(self) -> Progress:
@@ -158,7 +173,8 @@ class Transcript:
             self._fold()
         return self.progress
 
-    def _record(self, data: bytes) -> None:
+    def _record(self, data: bytes, frame: bytes) -> None:
+        """Count and keep `data` (whole events), `frame` being it framed as a chunk."""
         events = self.events + data.count(b"\n\n")
         if _ERROR_MARK in data:
             self._stop_at_error(data)
@@ -167,7 +183,7 @@ class Transcript:
                 f"the worker streamed more than {self.event_limit} events, more than the "
                 "request's max_tokens allows")
         self.events = events
-        self._pieces.append(_framed(data))
+        self._pieces.append(frame)
         self._size += len(data)
         if self._size > FOLD_BYTES:
             self._fold()
@@ -183,7 +199,7 @@ class Transcript:
                 before = data[:start]
                 if before:
                     self.events += before.count(b"\n\n")
-                    self._pieces.append(_framed(before))
+                    self._pieces.append(framed(before))
                     self.owed = before
                 raise ErrorEvent(status, message)
             start += len(event)
@@ -197,7 +213,7 @@ class Transcript:
         self._size = 0
 
 
-def _framed(data: bytes) -> bytes:
+def framed(data: bytes) -> bytes:
     """`data` as one chunk of a chunked body: how the pieces are kept (see admit_frame)."""
     return b"%x\r\n" % len(data) + data + b"\r\n"
 

@@ -36,7 +36,7 @@ class Progress:
     `unsound` says why the answer cannot be continued elsewhere (None: it can)."""
 
     __slots__ = ("created", "done", "finish_reason", "id", "kind", "model", "object",
-                 "role_sent", "system_fingerprint", "text", "tokens", "unsound", "usage_sent")
+                 "role_sent", "text", "tokens", "unsound")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind  # "chat" or "completions"
@@ -44,12 +44,10 @@ class Progress:
         self.object: str | None = None
         self.created: int | None = None
         self.model: str | None = None
-        self.system_fingerprint: str | None = None
         self.text: list[str] = []
         self.tokens = 0  # events that carried text (maybe ""): one token each, as vLLM streams
         self.role_sent = False
         self.finish_reason: str | None = None
-        self.usage_sent = False
         self.done = False
         self.unsound: str | None = None
 
@@ -81,12 +79,9 @@ class Progress:
             created = chunk.get("created")
             self.created = created if type(created) is int else None
             self.model = _str(chunk.get("model"))
-            self.system_fingerprint = _str(chunk.get("system_fingerprint"))
         choices = chunk.get("choices")
         if not isinstance(choices, list):
             return
-        if not choices and chunk.get("usage") is not None:
-            self.usage_sent = True
         for choice in choices:
             if isinstance(choice, dict):
                 self._choice(choice)

@@ -17,33 +17,34 @@ from setuptools import setup
 # The request path: what a proxied request executes between its head arriving and its
 # answer leaving, and the fleet view it reads (`router/registry/snapshot.py`: the views a
 # router makes from 10,000 workers' load records, and the snapshots built of them).
-# `router/proxy/errors.py` (an aiohttp middleware) and `site.py` (an aiohttp subclass) are
+# `router/core/errors.py` (an aiohttp middleware) and `site.py` (an aiohttp subclass) are
 # not compilable as they are and not per request. `router/registry/collector.py` compiles,
 # but the compiled tier's first router test then crashed (a segmentation fault: a task
 # woken by a future whose result had been freed; mypy 2.4's mypyc), so it stays Python.
 COMPILED_MODULES = [
     "router/config_reload.py",
+    "router/core/outcome.py",
+    "router/core/parse.py",
+    "router/health/tracker.py",
     "router/policy/__init__.py",
     "router/policy/affinity.py",
     "router/policy/base.py",
     "router/policy/baselines.py",
     "router/policy/filters.py",
-    "router/policy/inflight.py",
     "router/policy/predicted_ttft.py",
     "router/policy/request.py",
     "router/proxy/exchange.py",
     "router/proxy/forward.py",
     "router/proxy/front.py",
     "router/proxy/handlers.py",
-    "router/proxy/outcome.py",
-    "router/proxy/parse.py",
     "router/proxy/transcript.py",
     "router/proxy/upstream.py",
+    "router/registry/drained.py",
+    "router/registry/inflight.py",
+    "router/registry/snapshot.py",
     "router/telemetry/metrics.py",
     "router/telemetry/series.py",
     "router/telemetry/window.py",
-    "router/health/tracker.py",
-    "router/registry/snapshot.py",
 ]
 
 

@@ -21,19 +21,19 @@ from router.admin.setup import Operations
 from router.admission.gate import Admission
 from router.admission.queue import RouterQueue
 from router.admission.setup import build_admission, heartbeat_gate
-from router.admission.stats import SecurityStats
 from router.compiled import compiled_modules
 from router.config import GlobalConfig
+from router.core.errors import openai_errors
+from router.core.stats import SecurityStats
 from router.health import BreakerPolicy, Health, RetryBudget
 from router.policy import RoutingContext, create_policy
-from router.policy.inflight import InFlight
-from router.proxy.errors import openai_errors
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
 from router.proxy.handlers import Proxy
 from router.proxy.site import FrontSite
 from router.proxy.upstream import UpstreamPool
 from router.readiness import CollectorState, readiness
 from router.registry import HeartbeatCollector, SnapshotHolder
+from router.registry.inflight import InFlight
 from router.registry.peers import PeerExchange
 from router.supervisor import Supervised
 from worker import redis_client

@@ -37,10 +37,10 @@ from lab.sim.tokens import prompt_from_text
 from router.admission.queue import POLL_S as QUEUE_POLL_S
 from router.admission.queue import Backlog
 from router.config import QueueConfig, RouterConfig
+from router.core.parse import PREFIX_TOKENS, ParsedRequest, parse_body
 from router.policy import Decision, Policy, RouteRequest, RoutingContext, create_policy
 from router.policy.affinity import AffinityTable
-from router.policy.inflight import InFlight
-from router.proxy.parse import PREFIX_TOKENS, ParsedRequest, parse_body
+from router.registry.inflight import InFlight
 from router.registry.snapshot import Snapshot, WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 

@@ -19,7 +19,7 @@ from lab.benchproxy.stats import summarize
 from router.config import GlobalConfig
 from router.health import Health
 from router.policy import RouteRequest, RoutingContext, create_policy
-from router.policy.inflight import InFlight
+from router.registry.inflight import InFlight
 from router.registry.snapshot import Snapshot, WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 

@@ -25,9 +25,9 @@ from lab.benchproxy.decision import ten_regions
 from lab.benchproxy.heartbeats import until_settled
 from lab.benchproxy.procs import new_event_loop
 from router.admission.setup import heartbeat_gate
-from router.admission.stats import SecurityStats
 from router.app import tune_gc
 from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
+from router.core.stats import SecurityStats
 from router.registry import HeartbeatCollector, SnapshotHolder
 from worker import redis_client
 from worker.schema import HeartbeatKeys

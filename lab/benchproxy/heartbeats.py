@@ -90,7 +90,7 @@ def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict
     the gate (asked only when signed), and the worker's new view."""
     from lab.benchproxy.hbpublish import worker_heartbeat
     from router.admission.setup import heartbeat_gate
-    from router.admission.stats import SecurityStats
+    from router.core.stats import SecurityStats
     from router.registry.snapshot import Snapshot, WorkerView
     from worker.schema import Heartbeat, LoadRecord, load_record, record_items
     from worker.signing import HeartbeatSigner

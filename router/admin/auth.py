@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 from aiohttp import web
 
-from router.proxy.errors import ApiError
+from router.core.errors import ApiError
 
 audit = logging.getLogger("globalpool.audit")
 

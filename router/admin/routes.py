@@ -21,9 +21,9 @@ from typing import Any
 from aiohttp import web
 
 from router.admin.auth import AdminAuth
-from router.admin.drains import DrainError, TargetKind
 from router.admin.status import AdminContext, status_json
-from router.proxy.errors import ApiError
+from router.core.errors import ApiError
+from router.registry.drains import DrainError, TargetKind
 
 audit = logging.getLogger("globalpool.audit")
 

@@ -21,19 +21,19 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from router.admin.auth import AdminAuth
-from router.admin.drains import DrainHolder, DrainKeys, DrainRecord, DrainStore
 from router.admin.events import EventLog
 from router.admin.routes import ADMIN, add_admin_routes
 from router.admin.status import AdminContext
-from router.admission.stats import SecurityStats
 from router.config import GlobalConfig
 from router.config_checks import runtime_problems
 from router.config_reload import ConfigHolder, ConfigWatcher, ReloadError, initial_holder
+from router.core.outcome import Observer
+from router.core.stats import SecurityStats
 from router.policy import create_policy
-from router.policy.inflight import InFlight
 from router.proxy.exchange import InferenceHandler
 from router.proxy.handlers import Proxy
-from router.proxy.outcome import Observer
+from router.registry.drains import DrainHolder, DrainKeys, DrainRecord, DrainStore
+from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder
 from router.supervisor import Supervised
 from router.telemetry.metrics import FleetCollector, RequestMetrics, metrics_handler

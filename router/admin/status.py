@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from router.admin.drains import DrainHolder, DrainStore
 from router.admin.events import EventLog
 from router.config_reload import ConfigHolder
-from router.policy.inflight import InFlight
+from router.registry.drains import DrainHolder, DrainStore
+from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder, WorkerView
 from router.telemetry.window import TrafficWindow
 from worker.schema import LifecycleState

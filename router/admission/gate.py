@@ -14,12 +14,12 @@ from collections.abc import Mapping, Sequence
 
 from router.admission.gcra import Bucket, BucketState, RateDecision
 from router.admission.limiter import RateLimiter
-from router.admission.stats import SecurityStats
 from router.auth.config import AuthConfig, RateLimits
 from router.auth.keys import AuthError, Keyring, Principal
-from router.proxy.errors import ApiError
-from router.proxy.outcome import RequestRecord
-from router.proxy.parse import ParsedRequest
+from router.core.errors import ApiError
+from router.core.outcome import RequestRecord
+from router.core.parse import ParsedRequest
+from router.core.stats import SecurityStats
 
 
 class Admission:

@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 
 from router.admission.gcra import Bucket, LocalLimiter, RateDecision
 from router.admission.redis_limiter import RedisLimiter
-from router.admission.stats import SecurityStats
+from router.core.stats import SecurityStats
 from worker.redis_client import raise_if_cancelling
 
 log = logging.getLogger("globalpool.admission")

@@ -36,9 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from router.policy.inflight import InFlight
 from router.policy.predicted_ttft import effective_load
 from router.policy.request import Decision
+from router.registry.inflight import InFlight
 
 # A worker counts as having room while fewer than this many requests would wait in its
 # own queue: one waiting request keeps the engine from idling between a finished

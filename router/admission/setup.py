@@ -9,10 +9,10 @@ from collections.abc import Callable, Mapping
 from router.admission.gate import Admission
 from router.admission.limiter import RateLimiter
 from router.admission.redis_limiter import RateLimitKeys, RedisLimiter
-from router.admission.stats import SecurityStats
 from router.auth.endpoints import DEFAULT_ALLOWED_ENDPOINTS, EndpointAllowList
-from router.auth.heartbeats import HeartbeatGate, HeartbeatRules
 from router.config import GlobalConfig
+from router.core.stats import SecurityStats
+from router.registry.heartbeat_gate import HeartbeatGate, HeartbeatRules
 from worker import redis_client
 from worker.signing import KEYS_ENV, KEYS_FILE_ENV
 

@@ -1,6 +1,6 @@
 """Passive health: learn from every attempt's outcome, filter candidates before scoring.
 
-One `Health` per router. It is an observer of attempts (see router.proxy.outcome) and
+One `Health` per router. It is an observer of attempts (see router.core.outcome) and
 the health filter that `Policy.pick` applies for every policy. It never empties the
 candidate set: if every candidate is ejected it fails open and returns them all, because
 an attempt that might succeed beats a certain 503 (the ejection cap).
@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from router.core.outcome import Attempt, Failure, RequestRecord
 from router.health.breaker import Breaker, BreakerPolicy, BreakerState
-from router.proxy.outcome import Attempt, Failure, RequestRecord
 from router.registry.collector import STALL_TOLERANCE_S  # one notion of "not running"
 from router.registry.snapshot import WorkerView
 

@@ -19,8 +19,8 @@ from typing import ClassVar, TypeVar
 from router.health.tracker import Health
 from router.policy.affinity import AffinityTable
 from router.policy.filters import eligible
-from router.policy.inflight import InFlight
 from router.policy.request import Decision, RouteRequest
+from router.registry.inflight import InFlight
 from router.registry.snapshot import Snapshot, WorkerView
 
 RttTable = Callable[[str, str], float]
@@ -82,16 +82,3 @@ def two_of(items: list[T], rng: random.Random) -> tuple[T, T]:
     if second >= first:
         second += 1
     return items[first], items[second]
-
-
-def create_policy(name: str, context: RoutingContext) -> Policy:
-    """The policy registered under `name`; ValueError names the known ones otherwise."""
-    import router.policy.baselines  # registers the built-in policies
-    import router.policy.predicted_ttft  # noqa: F401
-
-    try:
-        cls = Policy.registry[name]
-    except KeyError:
-        known = ", ".join(sorted(Policy.registry))
-        raise ValueError(f"unknown policy {name!r} (known: {known})") from None
-    return cls(context)

@@ -2,30 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
+from router.registry.drained import NOTHING_DRAINED, Drained
 from router.registry.snapshot import WorkerView
-
-
-@dataclass(frozen=True, slots=True)
-class Drained:
-    """Regions and workers an operator drained: they get no new requests.
-
-    Drain flags live in Redis so that every router replica obeys them (router.admin.drains).
-    """
-
-    regions: frozenset[str] = frozenset()
-    workers: frozenset[str] = frozenset()
-
-    def __bool__(self) -> bool:
-        return bool(self.regions or self.workers)
-
-    def covers(self, view: WorkerView) -> bool:
-        return view.region in self.regions or view.worker_id in self.workers
-
-
-NOTHING_DRAINED = Drained()
 
 
 class RouteRequest(NamedTuple):

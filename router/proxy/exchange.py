@@ -16,7 +16,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from router.proxy.errors import ApiError, error_body
+from router.core.errors import ApiError, error_body
 from router.proxy.transcript import Transcript
 from router.proxy.upstream import UpstreamConnection, UpstreamError
 
@@ -39,7 +39,7 @@ def error_reply(
     param: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> Reply:
-    """An OpenAI-format JSON error, as `router.proxy.errors.error_response` writes it."""
+    """An OpenAI-format JSON error, as `router.core.errors.error_response` writes it."""
     return Reply(status, {**(headers or {}), "Content-Type": "application/json"},
                  error_body(status, message, code=code, param=param))
 

@@ -28,9 +28,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router.config import GlobalConfig, Timeouts
-from router.proxy.errors import error_body, sse_error_event
+from router.core.errors import error_body, sse_error_event
+from router.core.outcome import Attempt, Failure
 from router.proxy.exchange import Exchange, Reply
-from router.proxy.outcome import Attempt, Failure
 from router.proxy.progress import error_status
 from router.proxy.tls import client_context
 from router.proxy.transcript import ErrorEvent, TooManyEvents, Transcript

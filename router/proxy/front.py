@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import Any, ClassVar, Protocol, cast
 
-from router.proxy.errors import ApiError
-from router.proxy.exchange import error_reply
+from router.core.errors import ApiError
+from router.proxy.exchange import InferenceHandler, error_reply
 from router.proxy.transcript import Transcript, chunk_payloads, framed
 from router.proxy.upstream import (
     UNIQUE_VALUE_HEADERS,
@@ -37,9 +37,6 @@ from router.proxy.upstream import (
     UpstreamError,
     remember_line,
 )
-
-if TYPE_CHECKING:
-    from router.proxy.site import FrontSite
 
 log = logging.getLogger("globalpool.front")
 
@@ -246,10 +243,23 @@ class _Rewriting:
             self._exchange._chunk(out)
 
 
+class Listener(Protocol):
+    """What a connection needs of the site that accepted it (router.proxy.site.FrontSite)."""
+
+    handler: InferenceHandler
+    header_timeout_s: float
+    stopping: bool
+    connections: set[FrontProtocol]
+
+    def closed(self, connection: FrontProtocol) -> None: ...
+
+    def aiohttp_protocol(self) -> asyncio.Protocol: ...
+
+
 class FrontProtocol(asyncio.Protocol):
     """One client connection: keep-alive, one request at a time, pipelined ones queued."""
 
-    def __init__(self, site: FrontSite) -> None:
+    def __init__(self, site: Listener) -> None:
         self._site = site
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport = cast(asyncio.Transport, None)

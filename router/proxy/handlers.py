@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from router.admin.drains import DrainHolder
 from router.admission.gate import Admission
 from router.admission.queue import QueueFull, RouterQueue
 from router.auth.keys import Principal
 from router.config import GlobalConfig, RouterConfig
 from router.config_reload import ConfigHolder
+from router.core.errors import ApiError
+from router.core.outcome import Attempt, Failure, Observer, RequestRecord
+from router.core.parse import PREFIX_TOKENS, ParsedRequest, parse_body
 from router.health import Health, RetryBudget
 from router.policy import Decision, NoRoute, Policy, RouteRequest
-from router.policy.inflight import InFlight
 from router.proxy.continuation import FAILOVER_HEADER, Failover, Rewriter
-from router.proxy.errors import ApiError
 from router.proxy.exchange import Exchange, Reply, api_error_reply, error_reply
 from router.proxy.forward import (
     StreamBroken,
@@ -35,13 +35,13 @@ from router.proxy.forward import (
     upstream_headers,
     upstream_key,
 )
-from router.proxy.outcome import Attempt, Failure, Observer, RequestRecord
-from router.proxy.parse import PREFIX_TOKENS, ParsedRequest, parse_body
 from router.proxy.request_id import request_id_of
+from router.proxy.trace_context import continuation_span, inject_current_trace
 from router.proxy.transcript import event_limit
 from router.proxy.upstream import UpstreamPool
+from router.registry.drains import DrainHolder
+from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder
-from router.telemetry.tracing import continuation_span, inject_current_trace
 
 log = logging.getLogger("globalpool.proxy")
 

@@ -167,7 +167,7 @@ def _newest_first(candidate: tuple[tuple[float, int] | None, float, bytes]) -> t
 
 
 class HeartbeatCheck(Protocol):
-    """Decides whether a well-formed heartbeat is believed (router.auth.heartbeats)."""
+    """Decides whether a well-formed heartbeat is believed (router.registry.heartbeat_gate)."""
 
     def check(self, heartbeat: Heartbeat, *, via_pubsub: bool,
               payload: bytes | None = None) -> str | None:

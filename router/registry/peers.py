@@ -1,7 +1,7 @@
 """Router replicas tell each other what they have open on each worker.
 
 A heartbeat shows a worker's load as it was up to a heartbeat interval ago. A replica
-counts its own requests since then (router.policy.inflight), but not the other
+counts its own requests since then (router.registry.inflight), but not the other
 replicas': all of them would see the same worker as momentarily best and send to it
 together until its next heartbeat. So every replica publishes its open requests per
 worker on a Redis channel every `router.peer_interval_ms` (50 ms by default; only when
@@ -38,8 +38,8 @@ from collections.abc import Callable, Mapping
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from router.admission.stats import SecurityStats
-from router.policy.inflight import InFlight
+from router.core.stats import SecurityStats
+from router.registry.inflight import InFlight
 from router.registry.subscriber import Subscription
 from worker.redis_client import raise_if_cancelling
 from worker.signing import hmac_sha256_hex

@@ -49,7 +49,7 @@ class WorkerView:
     heartbeat.ttl_s`, or until the router's next read of the load records could take its
     next one, when that is later (`fresh_for_s`). `inflight_at_receipt` is how many
     requests this router had open on the worker at that moment, so that the policy can add
-    what changed since (see router.policy.inflight).
+    what changed since (see router.registry.inflight).
 
     A plain class with slots rather than a frozen dataclass: a router makes thousands of
     views a second at scale, and a frozen class's `object.__setattr__` per field costs

@@ -24,12 +24,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.utils import floatToGoString
 
-from router.admin.drains import DrainHolder
 from router.admission.queue import Backlog
 from router.config_reload import ConfigHolder
-from router.policy.inflight import InFlight
-from router.proxy.outcome import Attempt, RequestRecord
+from router.core.outcome import Attempt, RequestRecord
 from router.registry.collector import REFUSED_COUNT_PREFIX
+from router.registry.drains import DrainHolder
+from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder
 from router.telemetry.series import LabelledCounter, LabelledHistogram
 from router.telemetry.window import NO_REGION

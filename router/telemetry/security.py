@@ -1,4 +1,4 @@
-"""Scrape-time export of the admission's security counters (router.admission.stats)."""
+"""Scrape-time export of the admission's security counters (router.core.stats)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from router.admission.stats import SecurityStats
+from router.core.stats import SecurityStats
 
 
 def _family(name: str, documentation: str, labels: list[str],

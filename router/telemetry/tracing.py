@@ -2,8 +2,9 @@
 
 - `traced` opens a SERVER span around each inference request, as a child of the
   client's `traceparent` if it sent one, and makes it the current span.
-- `inject_current_trace` (called by the proxy when it builds the upstream headers) puts
-  that span's context in `traceparent`, so the worker's spans hang under the router's.
+- `inject_current_trace` (router.proxy.trace_context, called by the proxy when it builds
+  the upstream headers) puts that span's context in `traceparent`, so the worker's spans
+  hang under the router's.
 - `SpanAnnotator`, an observer, writes the outcome onto the current span: chosen region
   and worker, predicted and measured TTFT, attempts and retries.
 
@@ -17,23 +18,21 @@ Tests pass their own TracerProvider with an in-memory exporter.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Mapping
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from router.core.outcome import Attempt, RequestRecord
+from router.proxy import trace_context
 from router.proxy.exchange import Exchange, InferenceHandler, Reply
-from router.proxy.outcome import Attempt, RequestRecord
 
 log = logging.getLogger("globalpool.telemetry")
 
-_PROPAGATOR = TraceContextTextMapPropagator()  # stateless: W3C traceparent/tracestate
 INSTRUMENTATION = "globalpool.router"
 
 
@@ -64,17 +63,13 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     return provider
 
 
-# The tracer of `traced`, for the spans inside a request's (one provider per process).
-_tracer: trace.Tracer | None = None
-
-
 def traced(provider: trace.TracerProvider, handler: InferenceHandler) -> InferenceHandler:
     """`handler` (the proxy's inference), each request run inside its own SERVER span."""
-    global _tracer
-    tracer = _tracer = provider.get_tracer(INSTRUMENTATION)
+    tracer = provider.get_tracer(INSTRUMENTATION)
+    trace_context.set_tracer(tracer)
 
     async def trace_request(exchange: Exchange) -> Reply:
-        parent = _PROPAGATOR.extract(exchange.headers)
+        parent = trace_context.extract(exchange.headers)
         with tracer.start_as_current_span(
             f"POST {exchange.path}", context=parent, kind=SpanKind.SERVER,
             record_exception=False, set_status_on_exception=False,
@@ -97,30 +92,6 @@ def traced(provider: trace.TracerProvider, handler: InferenceHandler) -> Inferen
             return reply
 
     return trace_request
-
-
-@contextlib.contextmanager
-def continuation_span(worker_id: str, region: str) -> Iterator[None]:
-    """A child span of the request's around a mid-stream continuation (nothing when the
-    request is not traced)."""
-    if _tracer is None or not trace.get_current_span().is_recording():
-        yield
-        return
-    with _tracer.start_as_current_span(
-        "globalpool.continuation",
-        attributes={"globalpool.worker": worker_id, "globalpool.region": region},
-    ):
-        yield
-
-
-def inject_current_trace(headers: MutableMapping[str, str]) -> None:
-    """Put the current span's W3C context in `headers` (replacing the client's).
-
-    Without a current span (tracing off) the headers stay as they are, so a client's own
-    `traceparent` still reaches the worker.
-    """
-    if trace.get_current_span().get_span_context().is_valid:
-        _PROPAGATOR.inject(headers)
 
 
 class SpanAnnotator:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.proxy.outcome import Attempt, RequestRecord
+from router.core.outcome import Attempt, RequestRecord
 
 WINDOW_S = 60
 _GROWTH = 1.1  # each bin is 10% wider than the one before

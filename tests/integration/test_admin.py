@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from lab.devstack.valkey import EmbeddedValkey
-from router.admin.drains import DrainKeys
+from router.registry.drains import DrainKeys
 from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import (
     CHAT,

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 
 from lab.devstack.valkey import EmbeddedValkey
-from router.admission.stats import SecurityStats
-from router.auth.heartbeats import HeartbeatGate, HeartbeatRules
+from router.core.stats import SecurityStats
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry import collector as collector_module
+from router.registry.heartbeat_gate import HeartbeatGate, HeartbeatRules
 from router.registry.subscriber import Subscription
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect, connect_pubsub

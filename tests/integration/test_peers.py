@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Callable, Mapping
 import pytest
 
 from lab.devstack.valkey import EmbeddedValkey
-from router.admission.stats import SecurityStats
+from router.core.stats import SecurityStats
 from router.policy import RouteRequest, RoutingContext, create_policy
-from router.policy.inflight import InFlight
+from router.registry.inflight import InFlight
 from router.registry.peers import PEER_TTL_S, PeerExchange, encode_report
 from router.registry.snapshot import Snapshot, WorkerView
 from worker.redis_client import connect, connect_pubsub

@@ -19,10 +19,10 @@ from aiohttp import web
 
 from lab.devstack.valkey import free_port
 from lab.sim.server import SimServer
-from router.admission.stats import SecurityStats
 from router.app import HOLDER, SECURITY_STATS, RouterSettings, build_app, router_site
 from router.auth.keys import hash_key
 from router.config import parse_config
+from router.core.stats import SecurityStats
 from tests.integration.conftest import StartSim
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
-from router.admin.drains import DrainHolder
 from router.admin.events import EventLog
 from router.admin.status import WORKERS_PER_TURN, AdminContext, status_json
 from router.config import GlobalConfig
 from router.config_reload import ConfigHolder
-from router.policy.inflight import InFlight
+from router.registry.drains import DrainHolder
+from router.registry.inflight import InFlight
 from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView
 from router.telemetry.window import TrafficWindow
 from tests.unit.loop_turns import with_turns

@@ -21,7 +21,7 @@ from lab.bench.scenario import (
 )
 from lab.bench.trace import PromptBuilder, Trace, TraceRequest, segment_text
 from lab.bench.workload import ContentSource, arrivals, draw, generate
-from router.proxy.parse import PREFIX_CHARS, parse_body
+from router.core.parse import PREFIX_CHARS, parse_body
 
 
 def small(**changes: Any) -> dict[str, Any]:

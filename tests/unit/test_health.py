@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from router.core.outcome import Attempt, Failure
 from router.health import Breaker, BreakerPolicy, BreakerState, Health, RetryBudget
 from router.health.tracker import PENALTY_FLOOR_MS
-from router.proxy.outcome import Attempt, Failure
 from router.registry.snapshot import WorkerView
 from tests.unit.test_policy import FakeClock, view
 

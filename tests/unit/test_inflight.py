@@ -1,11 +1,11 @@
-"""Open requests per worker: a router's own and its peers' reports (router.policy.inflight),
+"""Open requests per worker: a router's own and its peers' reports (router.registry.inflight),
 and the peer reports' wire format (router.registry.peers)."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.policy.inflight import InFlight
+from router.registry.inflight import InFlight
 from router.registry.peers import (
     KEEPALIVE_S,
     MAX_OPEN_PER_WORKER,

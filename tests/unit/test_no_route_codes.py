@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.policy import NoRoute, RouteRequest
-from router.policy.request import NOTHING_DRAINED, Drained
+from router.registry.drained import NOTHING_DRAINED, Drained
 from router.registry.snapshot import (
     MODEL_MEMORY_MAX,
     MODEL_MEMORY_S,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from router.proxy.errors import ApiError
-from router.proxy.parse import PREFIX_CHARS, ParsedRequest, parse_body
+from router.core.errors import ApiError
+from router.core.parse import PREFIX_CHARS, ParsedRequest, parse_body
 
 
 def _chat(content: str, **extra: object) -> bytes:

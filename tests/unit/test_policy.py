@@ -10,8 +10,8 @@ import pytest
 from router.policy import NoRoute, Policy, RouteRequest, RoutingContext, create_policy
 from router.policy.affinity import AffinityTable
 from router.policy.base import two_of
-from router.policy.inflight import InFlight
 from router.policy.predicted_ttft import estimate_ttft
+from router.registry.inflight import InFlight
 from router.registry.snapshot import Snapshot, WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 

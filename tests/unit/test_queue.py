@@ -9,7 +9,7 @@ import pytest
 
 from router.admission.queue import ENGINE_QUEUE, Backlog, QueueFull, RouterQueue
 from router.policy import Decision, NoRoute
-from router.policy.inflight import InFlight
+from router.registry.inflight import InFlight
 from router.registry.snapshot import WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 

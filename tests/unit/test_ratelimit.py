@@ -12,9 +12,9 @@ from router.admission.gate import buckets_for, duration, rate_limit_headers
 from router.admission.gcra import Bucket, LocalLimiter
 from router.admission.limiter import RateLimiter
 from router.admission.redis_limiter import RateLimitKeys, RedisLimiter
-from router.admission.stats import SecurityStats
 from router.auth.config import RateLimits
 from router.auth.keys import Principal
+from router.core.stats import SecurityStats
 from worker.redis_client import connect
 
 

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from router.admission.setup import heartbeat_gate
-from router.admission.stats import SecurityStats
 from router.auth.endpoints import EndpointAllowList
-from router.auth.heartbeats import HeartbeatGate, HeartbeatRules
 from router.config import GlobalConfig, parse_config
+from router.core.stats import SecurityStats
+from router.registry.heartbeat_gate import HeartbeatGate, HeartbeatRules
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 from worker.signing import (
     HeartbeatSigner,

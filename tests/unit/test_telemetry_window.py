@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.proxy.outcome import Attempt, RequestRecord
+from router.core.outcome import Attempt, RequestRecord
 from router.telemetry.window import TrafficWindow, quantile_ms
 
 

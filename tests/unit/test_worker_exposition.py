@@ -12,10 +12,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.admin.drains import DrainHolder
 from router.config import GlobalConfig
 from router.config_reload import ConfigHolder
-from router.policy.inflight import InFlight
+from router.registry.drains import DrainHolder
+from router.registry.inflight import InFlight
 from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView
 from router.telemetry.metrics import WORKER_GAUGES, FleetCollector
 from tests.unit.loop_turns import with_turns

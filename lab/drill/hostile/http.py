@@ -190,7 +190,7 @@ class BodyDecoder:
 
 
 # The HTTP status behind an OpenAI error's `type`, as the router writes them
-# (router.proxy.errors; the 4xx types stand for several statuses, one is enough here);
+# (router.core.errors; the 4xx types stand for several statuses, one is enough here);
 # vLLM's errors carry the status itself as `code`. An unknown type counts as 500.
 _STATUS_BY_TYPE = {"invalid_request_error": 400, "authentication_error": 401,
                    "permission_error": 403, "rate_limit_error": 429, "server_error": 500,

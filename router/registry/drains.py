@@ -33,7 +33,7 @@ from typing import Literal
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from router.policy.request import NOTHING_DRAINED, Drained
+from router.registry.drained import NOTHING_DRAINED, Drained
 from worker.redis_client import raise_if_cancelling
 
 log = logging.getLogger("globalpool.admin")

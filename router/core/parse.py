@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from pydantic_core import from_json
 
-from router.proxy.errors import ApiError
+from router.core.errors import ApiError
 
 CHARS_PER_TOKEN = 4  # a cheap, tokenizer-free estimate; only relative sizes matter
 PREFIX_CHARS = 1024

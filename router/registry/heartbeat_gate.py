@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from router.registry.snapshot import WorkerView
 
-from router.admission.stats import SecurityStats
 from router.auth.endpoints import EndpointAllowList
+from router.core.stats import SecurityStats
 from worker.schema import Heartbeat, LoadRecord
 from worker.signing import verify_payload, verify_record, verify_signature
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 from operator import itemgetter
 from typing import ClassVar
 
@@ -21,19 +20,6 @@ from router.policy.base import Policy, two_of
 from router.policy.filters import best_of_region, region_open, skipped_workers
 from router.policy.request import Decision, RouteRequest
 from router.registry.snapshot import RegionRanking, Snapshot, WorkerView
-
-
-@dataclass(frozen=True, slots=True)
-class TtftEstimate:
-    """The terms of one prediction, each in milliseconds."""
-
-    rtt_ms: float
-    queue_ms: float
-    prefill_ms: float
-
-    @property
-    def total_ms(self) -> float:
-        return self.rtt_ms + self.queue_ms + self.prefill_ms
 
 
 def effective_load(view: WorkerView, local_inflight_now: int) -> int:
@@ -49,25 +35,25 @@ def effective_load(view: WorkerView, local_inflight_now: int) -> int:
     return max(0, view.reported_load + local_inflight_now - view.inflight_at_receipt)
 
 
-def estimate_ttft(
-    view: WorkerView,
-    request: RouteRequest,
-    rtt_ms: float,
-    local_inflight_now: int,
-    *,
-    cached_prefix_tokens: int = 0,
-) -> TtftEstimate:
-    """Predict the request's TTFT on `view`. `cached_prefix_tokens` skip prefill.
+def predicted_ms(region_ms: float, kv_pressure_ms: float, tokens: int,
+                 prefill_ms_per_token: float, queued_ahead: int,
+                 queue_ms_per_request: float) -> float:
+    """The TTFT predicted for a request on one worker, in ms: the one formula that every
+    way of scoring uses.
 
-    Queue wait: requests ahead of this one that cannot start until a batch slot frees
-    (slots free at a rate of `slots` per service time, the worker's recent E2E), plus a
-    share of a service time when the KV cache is nearly full. Prefill: the prompt's
-    uncached tokens at the worker's measured prefill rate.
+    `region_ms`: the RTT to the worker's region plus what this router measured beyond
+    its predictions there (`PredictedTtft._region_ms`). Queue wait: `queued_ahead`
+    requests that cannot start until a batch slot frees (none when it is 0 or less),
+    slots freeing at one per `queue_ms_per_request` (the worker's recent E2E over its
+    slots), plus `kv_pressure_ms`, a share of a service time when the KV cache is nearly
+    full. Prefill: the `tokens` of the prompt not in the worker's prefix cache, at its
+    measured rate. The terms are the worker view's (router.registry.snapshot.WorkerView);
+    a region's least terms give a floor that no worker of it can beat.
     """
-    queued_ahead = max(0, effective_load(view, local_inflight_now) + 1 - view.slots)
-    queue_ms = queued_ahead * view.queue_ms_per_request + view.kv_pressure_ms
-    prefill_ms = max(0, request.prompt_tokens - cached_prefix_tokens) * view.prefill_ms_per_token
-    return TtftEstimate(rtt_ms=rtt_ms, queue_ms=queue_ms, prefill_ms=prefill_ms)
+    ms = region_ms + kv_pressure_ms + tokens * prefill_ms_per_token
+    if queued_ahead > 0:
+        ms += queued_ahead * queue_ms_per_request
+    return ms
 
 
 # Affinity is followed while the remembered worker is predicted within this much of the
@@ -141,8 +127,8 @@ class PredictedTtft(Policy):
         for ranking in ranked:
             if region_open(ranking.region, request):
                 base = region_ms[ranking.region] = self._region_ms(ranking.region, request, now_s)
-                floors.append((base + ranking.min_kv_pressure_ms
-                               + tokens * ranking.min_prefill_ms_per_token, ranking))
+                floors.append((predicted_ms(base, ranking.min_kv_pressure_ms, tokens,
+                                            ranking.min_prefill_ms_per_token, 0, 0.0), ranking))
         floors.sort(key=_first)
         skip = skipped_workers(request)
         scored: list[tuple[float, WorkerView]] = []
@@ -185,10 +171,9 @@ class PredictedTtft(Policy):
             base = region_ms.get(region)
             if base is None:
                 base = region_ms[region] = self._region_ms(region, request, now_s)
-            queued = queue_base + open_requests.get(worker_id, 0)
-            score = base + kv_pressure_ms + tokens * prefill_ms_per_token
-            if queued > 0:
-                score += queued * queue_ms_per_request
+            score = predicted_ms(base, kv_pressure_ms, tokens, prefill_ms_per_token,
+                                 queue_base + open_requests.get(worker_id, 0),
+                                 queue_ms_per_request)
             scored.append((score, view))
             if score < best_ms:
                 best_ms = score
@@ -262,8 +247,7 @@ class PredictedTtft(Policy):
         self, candidates: list[WorkerView], request: RouteRequest, affine_id: str | None,
         cached_tokens: int, region_ms: dict[str, float], now_s: float,
     ) -> list[tuple[float, WorkerView]]:
-        # The same sum as estimate_ttft, inlined: this loop runs for every candidate of
-        # every request. Region terms are computed once per region (kept in `region_ms`).
+        # Region terms are computed once per region (kept in `region_ms`).
         open_requests = self.context.inflight.counts
         prompt_tokens = request.prompt_tokens
         scored: list[tuple[float, WorkerView]] = []
@@ -273,13 +257,12 @@ class PredictedTtft(Policy):
             if base is None:
                 base = region_ms[region] = self._region_ms(region, request, now_s)
             worker_id = view.worker_id
-            queued = (view.reported_load + open_requests.get(worker_id, 0)
-                      - view.inflight_at_receipt + 1 - view.slots)
             tokens = prompt_tokens
             if worker_id == affine_id:
                 tokens -= cached_tokens
-            score = (base + view.kv_pressure_ms + tokens * view.prefill_ms_per_token
-                     + (queued * view.queue_ms_per_request if queued > 0 else 0.0))
+            score = predicted_ms(base, view.kv_pressure_ms, tokens, view.prefill_ms_per_token,
+                                 view.queue_base + open_requests.get(worker_id, 0),
+                                 view.queue_ms_per_request)
             scored.append((score, view))
         return scored
 

@@ -67,7 +67,7 @@ class WorkerView:
         "expires_at_s",  # fresh while the router's clock is below it
         # Scoring terms, so that a routing decision is a few multiplications per candidate
         # (see router.policy.predicted_ttft, which documents what they mean).
-        "reported_load", "slots", "queue_ms_per_request", "kv_pressure_ms",
+        "reported_load", "slots", "queue_base", "queue_ms_per_request", "kv_pressure_ms",
         "prefill_ms_per_token",
         "utilisation",  # reported load per batch slot: what a region's ranking sorts by
     )
@@ -95,6 +95,7 @@ class WorkerView:
     expires_at_s: float
     reported_load: int
     slots: int
+    queue_base: int
     queue_ms_per_request: float
     kv_pressure_ms: float
     prefill_ms_per_token: float
@@ -150,6 +151,9 @@ class WorkerView:
             rate = MIN_PREFILL_TOKENS_PER_S
         self.expires_at_s = self.received_at_s + fresh_for_s(self.ttl_s, next_read_s)
         self.reported_load = load = self.running + self.waiting
+        # Requests ahead of a new one that wait for a batch slot, less this router's open
+        # requests on the worker when the heartbeat came (add those open now).
+        self.queue_base = load - self.inflight_at_receipt + 1 - slots
         self.utilisation = load / slots
         self.queue_ms_per_request = service_ms / slots
         self.kv_pressure_ms = pressure * service_ms
@@ -197,6 +201,7 @@ class WorkerView:
         view.decode_tokens_per_s = self.decode_tokens_per_s
         view.expires_at_s = received_at_s + fresh_for_s(self.ttl_s, next_read_s)
         view.reported_load = self.reported_load
+        view.queue_base = self.queue_base
         view.utilisation = self.utilisation
         view.queue_ms_per_request = self.queue_ms_per_request
         view.kv_pressure_ms = self.kv_pressure_ms
@@ -413,9 +418,9 @@ class Snapshot:
 
     def ready_terms(self, model: str) -> tuple[ScoringRow, ...]:
         """The model's `ready` workers, each as (view, worker id, region, expires_at_s,
-        kv_pressure_ms, prefill_ms_per_token, queue base, queue_ms_per_request), where the
-        queue base is reported load - inflight_at_receipt + 1 - slots (add this router's
-        open requests on the worker for the requests ahead of a new one). Built once per
+        kv_pressure_ms, prefill_ms_per_token, queue_base, queue_ms_per_request) (add this
+        router's open requests on the worker to queue_base for the requests ahead of a new
+        one: router.policy.predicted_ttft.predicted_ms). Built once per
         snapshot and model: a routing decision over a small pool reads one tuple per worker
         instead of eight attributes (see router.policy.predicted_ttft)."""
         rows = self._terms.get(model)
@@ -424,9 +429,7 @@ class Snapshot:
                 return ()  # not kept: clients name any model they like
             rows = self._terms[model] = tuple(
                 (view, view.worker_id, view.region, view.expires_at_s, view.kv_pressure_ms,
-                 view.prefill_ms_per_token,
-                 view.reported_load - view.inflight_at_receipt + 1 - view.slots,
-                 view.queue_ms_per_request)
+                 view.prefill_ms_per_token, view.queue_base, view.queue_ms_per_request)
                 for view in self.by_model.get(model, ()) if view.ready)
         return rows
 

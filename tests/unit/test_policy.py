@@ -10,7 +10,7 @@ import pytest
 from router.policy import NoRoute, Policy, RouteRequest, RoutingContext, create_policy
 from router.policy.affinity import AffinityTable
 from router.policy.base import two_of
-from router.policy.predicted_ttft import estimate_ttft
+from router.policy.predicted_ttft import predicted_ms
 from router.registry.inflight import InFlight
 from router.registry.snapshot import Snapshot, WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
@@ -178,15 +178,32 @@ def test_same_seed_same_choices() -> None:
     ]
 
 
-def test_estimate_terms_in_milliseconds() -> None:
-    worker = view("us-1", running=8, waiting=8, slots=8, e2e_ms=800.0, kv=0.95)
-    estimate = estimate_ttft(worker, RouteRequest(model="m", origin_region="us-east",
-                                                  prompt_tokens=5000), 80.0, 0)
-    assert estimate.rtt_ms == 80.0
-    # 9 requests ahead of a free slot at 8 slots per 800 ms, plus half the KV pressure range.
-    assert estimate.queue_ms == pytest.approx(9 * 800 / 8 + 0.5 * 800)
-    assert estimate.prefill_ms == pytest.approx(500.0)
-    assert estimate.total_ms == pytest.approx(80 + 900 + 400 + 500)
+def test_prediction_terms_in_milliseconds() -> None:
+    # 9 requests ahead of a free slot at 8 slots per 800 ms, plus half the KV pressure range
+    # of a service time, plus 5,000 tokens at the default prefill rate, plus the RTT.
+    assert predicted_ms(80.0, 0.5 * 800, 5000, 0.1, 9, 800 / 8) == pytest.approx(
+        80 + 900 + 400 + 500)
+    assert predicted_ms(80.0, 0.0, 0, 0.1, -3, 100.0) == 80.0  # free slots: no wait
+
+
+@pytest.mark.parametrize("many_workers", [False, True])
+def test_every_way_of_scoring_predicts_the_same(many_workers: bool) -> None:
+    """The general path, the small-pool pass and the ranked path (48+ workers) all give
+    the chosen worker the prediction of `predicted_ms` over its view's terms."""
+    busy = view("us-1", running=8, waiting=8, slots=8, e2e_ms=800.0, kv=0.95)
+    idle = [view(f"eu-{i}", "eu-west", running=8, waiting=8, slots=8, e2e_ms=800.0,
+                 kv=0.95) for i in range(60 if many_workers else 1)]
+    snap = snapshot(busy, *idle)
+    request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=5000)
+    expected = predicted_ms(RTT["us-east", "us-east"], busy.kv_pressure_ms, 5000,
+                            busy.prefill_ms_per_token, busy.queue_base,
+                            busy.queue_ms_per_request)
+    assert expected == pytest.approx(1 + 900 + 400 + 500)
+    decision = make_policy().pick(snap, request)
+    assert decision.worker.worker_id == "us-1"  # the same terms, 80 ms nearer
+    assert decision.predicted_ttft_ms == pytest.approx(expected)
+    general = make_policy().choose([busy, *idle], request)
+    assert general.predicted_ttft_ms == pytest.approx(expected)
 
 
 def test_round_robin_baseline_cycles() -> None:

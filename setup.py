@@ -42,6 +42,7 @@ COMPILED_MODULES = [
     "router/registry/drained.py",
     "router/registry/inflight.py",
     "router/registry/snapshot.py",
+    "router/telemetry/fleet.py",
     "router/telemetry/metrics.py",
     "router/telemetry/series.py",
     "router/telemetry/window.py",

@@ -36,7 +36,8 @@ from router.registry.drains import DrainHolder, DrainKeys, DrainRecord, DrainSto
 from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder
 from router.supervisor import Supervised
-from router.telemetry.metrics import FleetCollector, RequestMetrics, metrics_handler
+from router.telemetry.fleet import FleetCollector
+from router.telemetry.metrics import RequestMetrics, metrics_handler
 from router.telemetry.security import SecurityCollector
 from router.telemetry.tracing import SpanAnnotator, traced, tracer_provider_from_env
 from router.telemetry.window import TrafficWindow

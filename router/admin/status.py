@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,7 +19,7 @@ from router.config_reload import ConfigHolder
 from router.registry.drains import DrainHolder, DrainStore
 from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder, WorkerView
-from router.telemetry.window import TrafficWindow
+from router.telemetry.window import RegionTraffic, TrafficWindow
 from worker.schema import LifecycleState
 
 MAX_EVENTS = 50
@@ -211,6 +211,36 @@ async def fleet_status(context: AdminContext, max_workers: int | None = None
     now_s = context.clock()
     now_unix_s = time.time()
     snapshot = context.snapshots.current
+    seen = await _look_at_workers(context, now_s)
+    workers = await _describe_workers(context, _listed(seen, max_workers), now_s)
+    traffic = context.window.summary()
+    unrouted = traffic.get("none")
+    age = snapshot.view_age_s(now_s)
+    return {
+        "router": {"region": context.region,
+                   "uptime_s": round(now_unix_s - context.started_unix_s, 1),
+                   "now_unix_s": round(now_unix_s, 3),
+                   # the other replicas whose open requests this one counts: {id: open}
+                   "peers": context.inflight.peers(),
+                   "queued": len(context.queue) if context.queue is not None else 0},
+        "config": _config(context),
+        "redis": {"connected": snapshot.redis_connected,
+                  "snapshot_age_s": None if age is None else round(age, 3)},
+        "regions": _regions(context, seen, traffic, now_s),
+        "workers_total": len(seen),  # `workers` lists them all, or max_workers of them
+        "workers": workers,
+        "unrouted": None if unrouted is None else {
+            "requests": unrouted.requests, "errors": unrouted.errors, "share": unrouted.share},
+        "drains": _drains(context),
+        "events": _events(context, now_s, now_unix_s),
+        "security": {"heartbeat_signing": _signing(context)},
+    }
+
+
+async def _look_at_workers(context: AdminContext, now_s: float) -> list[_Seen]:
+    """Every worker of the snapshot, by region and id, looked at WORKERS_SEEN_PER_TURN at
+    a time."""
+    snapshot = context.snapshots.current
     freshness_now = snapshot.freshness_now(now_s)
     views = sorted(snapshot.workers.values(), key=lambda v: (v.region, v.worker_id))
     seen: list[_Seen] = []
@@ -219,23 +249,37 @@ async def fleet_status(context: AdminContext, max_workers: int | None = None
             await asyncio.sleep(0)
         seen += [_seen(context, view, freshness_now)
                  for view in views[start:start + WORKERS_SEEN_PER_TURN]]
-    listed = seen
-    if max_workers is not None and max_workers < len(seen):
-        listed = [w for w in seen if w.problem][:max_workers]
-        listed += [w for w in seen if not w.problem][:max_workers - len(listed)]
+    return seen
+
+
+def _listed(seen: list[_Seen], max_workers: int | None) -> list[_Seen]:
+    """The workers the document lists: all, or `max_workers` of them, problems first."""
+    if max_workers is None or max_workers >= len(seen):
+        return seen
+    listed = [w for w in seen if w.problem][:max_workers]
+    return listed + [w for w in seen if not w.problem][:max_workers - len(listed)]
+
+
+async def _describe_workers(context: AdminContext, listed: list[_Seen], now_s: float
+                            ) -> list[dict[str, Any]]:
     workers: list[dict[str, Any]] = []
     for start in range(0, len(listed), WORKERS_PER_TURN):
         if start:
             await asyncio.sleep(0)
         workers += [_worker(context, w, now_s) for w in listed[start:start + WORKERS_PER_TURN]]
+    return workers
+
+
+def _regions(context: AdminContext, seen: list[_Seen], traffic: Mapping[str, RegionTraffic],
+             now_s: float) -> list[dict[str, Any]]:
+    """Each region of regions.yaml, then any other that workers name: its workers'
+    summary, drain, latency penalty and the last minute's traffic."""
     in_region: dict[str, list[_Seen]] = {}
     for w in seen:
         in_region.setdefault(w.view.region, []).append(w)
-    configs = context.configs
     drained = context.drain_holder.current
-    names = list(configs.current.regions)
+    names = list(context.configs.current.regions)
     names += sorted(set(in_region) - set(names))
-    traffic = context.window.summary()
     penalties = context.health.region_penalties(now_s) if context.health is not None else {}
     regions = []
     for name in names:
@@ -249,46 +293,36 @@ async def fleet_status(context: AdminContext, max_workers: int | None = None
             "e2e_p50_ms": recent.e2e_p50_ms, "e2e_p99_ms": recent.e2e_p99_ms,
         }
         regions.append(region)
-    unrouted = traffic.get("none")
-    age = snapshot.view_age_s(now_s)
+    return regions
+
+
+def _config(context: AdminContext) -> dict[str, Any]:
+    configs = context.configs
     error = configs.last_error
     return {
-        "router": {"region": context.region,
-                   "uptime_s": round(now_unix_s - context.started_unix_s, 1),
-                   "now_unix_s": round(now_unix_s, 3),
-                   # the other replicas whose open requests this one counts: {id: open}
-                   "peers": context.inflight.peers(),
-                   "queued": len(context.queue) if context.queue is not None else 0},
-        "config": {
-            "path": str(configs.path) if configs.path else None,
-            "version": configs.version,
-            "loaded_at_unix_s": round(configs.loaded_at_unix_s, 3),
-            "reloads": configs.reloads,
-            "reload_errors": configs.reload_errors,
-            "restart_required": list(configs.restart_required),
-            "last_error": None if error is None else {
-                "at_unix_s": round(error.at_unix_s, 3), "problems": list(error.problems)},
-        },
-        "redis": {"connected": snapshot.redis_connected,
-                  "snapshot_age_s": None if age is None else round(age, 3)},
-        "regions": regions,
-        "workers_total": len(seen),  # `workers` lists them all, or max_workers of them
-        "workers": workers,
-        "unrouted": None if unrouted is None else {
-            "requests": unrouted.requests, "errors": unrouted.errors, "share": unrouted.share},
-        "drains": [
-            {"kind": r.kind, "name": r.name, "since_unix_s": r.since_unix_s,
-             "reason": r.reason, "by": r.by}
-            for r in sorted(context.drain_holder.records.values(),
-                            key=lambda r: r.since_unix_s)
-        ] + [
-            {"kind": "region", "name": name, "since_unix_s": configs.loaded_at_unix_s,
-             "reason": "drain: true in regions.yaml", "by": "config"}
-            for name in sorted(context.drain_holder.configured)
-        ],
-        "events": _events(context, now_s, now_unix_s),
-        "security": {"heartbeat_signing": _signing(context)},
+        "path": str(configs.path) if configs.path else None,
+        "version": configs.version,
+        "loaded_at_unix_s": round(configs.loaded_at_unix_s, 3),
+        "reloads": configs.reloads,
+        "reload_errors": configs.reload_errors,
+        "restart_required": list(configs.restart_required),
+        "last_error": None if error is None else {
+            "at_unix_s": round(error.at_unix_s, 3), "problems": list(error.problems)},
     }
+
+
+def _drains(context: AdminContext) -> list[dict[str, Any]]:
+    """Drains set at run time (oldest first), then the regions regions.yaml drains."""
+    holder = context.drain_holder
+    return [
+        {"kind": r.kind, "name": r.name, "since_unix_s": r.since_unix_s,
+         "reason": r.reason, "by": r.by}
+        for r in sorted(holder.records.values(), key=lambda r: r.since_unix_s)
+    ] + [
+        {"kind": "region", "name": name, "since_unix_s": context.configs.loaded_at_unix_s,
+         "reason": "drain: true in regions.yaml", "by": "config"}
+        for name in sorted(holder.configured)
+    ]
 
 
 async def status_json(context: AdminContext, max_workers: int | None = None) -> bytes:

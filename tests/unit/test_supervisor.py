@@ -24,8 +24,9 @@ import aiohttp
 import pytest
 
 from worker.agent import WorkerAgent
+from worker.engine_metrics import MetricsSample, parse_metrics
 from worker.heartbeat import EngineView, HeartbeatLoop, HeartbeatTiming, WorkerIdentity, next_state
-from worker.probe import MetricsSample, ProbeResult, ServedModels, parse_metrics
+from worker.probe import ProbeResult, ServedModels
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
 from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState

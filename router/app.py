@@ -37,7 +37,7 @@ from router.registry.inflight import InFlight
 from router.registry.peers import PeerExchange
 from router.supervisor import Supervised
 from worker import redis_client
-from worker.schema import HeartbeatKeys
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.signing import keys_from_environ
 
 log = logging.getLogger("globalpool.router")

@@ -20,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker.heartbeat import HeartbeatLoop, HeartbeatTiming, WorkerIdentity, unless_set
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.probe import EngineProber, open_engine_session
 from worker.publisher import HeartbeatPublisher, RedisUnavailableError
 from worker.redis_client import connect
-from worker.schema import HeartbeatKeys, LifecycleState
+from worker.schema import LifecycleState
 from worker.supervisor import (
     EngineCommand,
     EngineGaveUpError,

@@ -17,13 +17,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
-from worker.probe import (
-    EngineVersion,
-    MetricsSample,
-    PerformanceTracker,
-    ProbeResult,
-    ServedModels,
-)
+from worker.engine_metrics import MetricsSample
+from worker.engine_performance import PerformanceTracker
+from worker.probe import EngineVersion, ProbeResult, ServedModels
 from worker.publisher import RedisUnavailableError
 from worker.schema import Capacity, EngineInfo, Heartbeat, LifecycleState, Load, Performance
 

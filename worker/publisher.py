@@ -4,14 +4,14 @@ Every heartbeat, in one MULTI (so that a router never sees a message or record f
 that was not written):
 - the worker's key, which expires after `ttl_s` (a silent worker leaves the pool on its
   own), holding the heartbeat JSON: what a full read finds;
-- the load record (worker.schema.load_record) in its region's hash, which routers read
+- the load record (worker.load_records.load_record) in its region's hash, which routers read
   for the whole region at once;
 - a message on the routers' channel, only when something other than the load changed
   since the last heartbeat Redis took (the first one, a new state, models...): routers
   learn of those in milliseconds, and are not sent thousands of messages a second that
   only repeat a fleet's identity;
 - the same JSON on the tap channel, for people and tools watching every heartbeat.
-(see worker.schema.HeartbeatKeys)
+(see worker.heartbeat_keys.HeartbeatKeys)
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from typing import Literal
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from worker.heartbeat_keys import HeartbeatKeys
+from worker.load_records import load_record, static_digest
 from worker.redis_client import raise_if_cancelling
-from worker.schema import Heartbeat, HeartbeatKeys, load_record, static_digest
+from worker.schema import Heartbeat
 from worker.signing import HeartbeatSigner
 
 

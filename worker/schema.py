@@ -1,27 +1,27 @@
 """The versioned heartbeat: the one contract between worker agents and routers.
 
-A worker agent publishes a `Heartbeat` to Redis every interval; routers read it. This is
-the one module of `worker` that `router` imports. `HeartbeatKeys` is the one place that
-knows the Redis key and channel names.
+A worker agent publishes a `Heartbeat` to Redis every interval; routers read it. Here: the
+limits of every number it carries, the model, and why one is refused. Its Redis key and
+channel names are in worker.heartbeat_keys, the load record (what changes between two
+heartbeats) in worker.load_records.
 """
 
 from __future__ import annotations
 
-import json
-import zlib
 from collections.abc import Iterator
 from enum import StrEnum
-from typing import Annotated, Any, Literal, NamedTuple, NewType
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, GetPydanticSchema
-from pydantic_core import ErrorDetails, SchemaValidator, ValidationError, core_schema
+from pydantic_core import ErrorDetails, ValidationError, core_schema
 
 SCHEMA_VERSION: Literal[1] = 1
 
 # --- bounds ------------------------------------------------------------------------------
 # Every number a heartbeat or a load record carries has one set of limits, defined here
 # once as pydantic-core schemas and used by both: the Heartbeat model's fields and the load
-# record's tuple schema (`_RECORD`), each checked in pydantic-core's one pass over the JSON.
+# record's tuple schema (worker.load_records), each checked in pydantic-core's one pass over
+# the JSON.
 # Finite (JSON parsers accept `NaN`, `Infinity` and `1e999`; 0.0 * inf is NaN in the
 # router's scores), of their JSON type (strict: no `true` for a count, no "1.5" for a
 # figure), and in a range wide enough for any engine yet narrow enough that the router's
@@ -55,23 +55,23 @@ def _number(high: float, low: float = 0.0, *, above_low: bool = False
     return core_schema.float_schema(strict=True, allow_inf_nan=False, ge=low, le=high)
 
 
-def _version(version: int) -> core_schema.ChainSchema:
+def exact_version(version: int) -> core_schema.ChainSchema:
     """Exactly `version`, an integer (a literal alone also takes `true` and `1.0`)."""
     return core_schema.chain_schema([core_schema.int_schema(strict=True),
                                      core_schema.literal_schema([version])])
 
 
-_SEQS = _count(MAX_SEQS)
-_SLOTS = _count(MAX_SEQS, low=1)
-_KV_BLOCKS = _count(MAX_KV_BLOCKS)
-_BLOCK_SIZE = _count(MAX_BLOCK_SIZE_TOKENS, low=1)
-_ORDER = _count(MAX_SEQ)
-_DIGEST = _count(MAX_DIGEST)
-_SENT_AT = _number(MAX_SENT_AT_S)
-_TTL = _number(MAX_TTL_S, above_low=True)
-_KV_USAGE = _number(1.0)
-_LATENCY = _number(MAX_LATENCY_MS)
-_RATE = _number(MAX_TOKENS_PER_S)
+SEQS_SCHEMA = _count(MAX_SEQS)
+SLOTS_SCHEMA = _count(MAX_SEQS, low=1)
+KV_BLOCKS_SCHEMA = _count(MAX_KV_BLOCKS)
+BLOCK_SIZE_SCHEMA = _count(MAX_BLOCK_SIZE_TOKENS, low=1)
+ORDER_SCHEMA = _count(MAX_SEQ)
+DIGEST_SCHEMA = _count(MAX_DIGEST)
+SENT_AT_SCHEMA = _number(MAX_SENT_AT_S)
+TTL_SCHEMA = _number(MAX_TTL_S, above_low=True)
+KV_USAGE_SCHEMA = _number(1.0)
+LATENCY_SCHEMA = _number(MAX_LATENCY_MS)
+RATE_SCHEMA = _number(MAX_TOKENS_PER_S)
 
 
 def _checked_by(schema: core_schema.CoreSchema) -> GetPydanticSchema:
@@ -80,16 +80,16 @@ def _checked_by(schema: core_schema.CoreSchema) -> GetPydanticSchema:
     return GetPydanticSchema(lambda _source, _handler: schema)
 
 
-Seqs = Annotated[int, _checked_by(_SEQS)]
-Slots = Annotated[int, _checked_by(_SLOTS)]
-KvBlocks = Annotated[int, _checked_by(_KV_BLOCKS)]
-BlockSizeTokens = Annotated[int, _checked_by(_BLOCK_SIZE)]
-SeqNumber = Annotated[int, _checked_by(_ORDER)]
-SentAtS = Annotated[float, _checked_by(_SENT_AT)]
-TtlS = Annotated[float, _checked_by(_TTL)]
-KvUsage = Annotated[float, _checked_by(_KV_USAGE)]
-LatencyMs = Annotated[float, _checked_by(_LATENCY)]
-TokensPerS = Annotated[float, _checked_by(_RATE)]
+Seqs = Annotated[int, _checked_by(SEQS_SCHEMA)]
+Slots = Annotated[int, _checked_by(SLOTS_SCHEMA)]
+KvBlocks = Annotated[int, _checked_by(KV_BLOCKS_SCHEMA)]
+BlockSizeTokens = Annotated[int, _checked_by(BLOCK_SIZE_SCHEMA)]
+SeqNumber = Annotated[int, _checked_by(ORDER_SCHEMA)]
+SentAtS = Annotated[float, _checked_by(SENT_AT_SCHEMA)]
+TtlS = Annotated[float, _checked_by(TTL_SCHEMA)]
+KvUsage = Annotated[float, _checked_by(KV_USAGE_SCHEMA)]
+LatencyMs = Annotated[float, _checked_by(LATENCY_SCHEMA)]
+TokensPerS = Annotated[float, _checked_by(RATE_SCHEMA)]
 Names = Annotated[tuple[Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)], ...],
                   Field(max_length=MAX_NAMES)]
 
@@ -157,7 +157,8 @@ class Heartbeat(_Frozen):
     Every number is finite and within the limits above (MAX_*).
     """
 
-    schema_version: Annotated[Literal[1], _checked_by(_version(SCHEMA_VERSION))] = SCHEMA_VERSION
+    schema_version: Annotated[Literal[1], _checked_by(exact_version(SCHEMA_VERSION))] = (
+        SCHEMA_VERSION)
     worker_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")
     region: str = Field(min_length=1, max_length=64)
     endpoint: str = Field(min_length=1, max_length=500, pattern=r"^https?://")
@@ -205,8 +206,8 @@ UNKNOWN_FIELD = "unknown_field"  # a field the schema does not have
 
 
 class Refused(ValueError):
-    """A heartbeat or load record the schema refuses: `reason` is one of SCHEMA_REFUSALS,
-    the message says what is wrong (for a log)."""
+    """A heartbeat or load record the schema refuses: `reason` is one of HEARTBEAT_REFUSALS
+    or worker.load_records.RECORD_REFUSALS, the message says what is wrong (for a log)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -221,6 +222,10 @@ def _field_paths(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
 
 
 HEARTBEAT_FIELDS = frozenset(_field_paths(Heartbeat))  # "performance.ttft_ms", ...
+# Every reason a Refused from parse_heartbeat can carry.
+HEARTBEAT_REFUSALS = frozenset({
+    MALFORMED_JSON, OVERSIZE, UNKNOWN_FIELD, "invalid:heartbeat",
+    *(f"invalid:{path}" for path in HEARTBEAT_FIELDS)})
 
 
 def parse_heartbeat(payload: str | bytes) -> Heartbeat:
@@ -248,162 +253,3 @@ def _heartbeat_reason(error: ErrorDetails) -> str:
     while names and ".".join(names) not in HEARTBEAT_FIELDS:
         names.pop()
     return f"invalid:{'.'.join(names) or 'heartbeat'}"
-
-
-class HeartbeatKeys:
-    """Redis names for heartbeats under one namespace prefix.
-
-    - `worker(id)`: a string key holding the worker's latest heartbeat JSON, with a TTL of
-      `ttl_s`, rewritten every heartbeat (what a full read of the fleet finds).
-    - `loads(region)`: a hash of the region's workers' load records (`load_record`),
-      field = worker id, rewritten every heartbeat: what routers read in one go.
-    - `channel`: pub/sub channel that routers follow; a message is a heartbeat JSON when
-      anything but the load changed (a new worker, its state, models, capacity...), or
-      `gone:<worker_id>` when a worker removes itself (drain finished).
-    - `tap`: pub/sub channel with every heartbeat JSON, for people and tools watching
-      the fleet (`redis-cli subscribe <prefix>:heartbeats:all`); routers do not read it.
-    """
-
-    GONE_PREFIX = "gone:"
-
-    def __init__(self, prefix: str = "globalpool") -> None:
-        self.prefix = prefix
-        self.channel = f"{prefix}:heartbeats"
-        self.tap = f"{prefix}:heartbeats:all"
-        self.pattern = f"{prefix}:hb:*"
-        self.loads_pattern = f"{prefix}:loads:*"
-
-    def worker(self, worker_id: str) -> str:
-        return f"{self.prefix}:hb:{worker_id}"
-
-    def loads(self, region: str) -> str:
-        return f"{self.prefix}:loads:{region}"
-
-    def gone_message(self, worker_id: str) -> str:
-        return f"{self.GONE_PREFIX}{worker_id}"
-
-
-# --- load records ------------------------------------------------------------------------
-# Between two changes of anything else, what changes from one heartbeat to the next is its
-# order (seq, send time) and the engine's load and recent performance. Agents write those
-# as a load record, a JSON array routers read for a whole region at once (HeartbeatKeys.
-# loads) and parse in about two microseconds, not one full heartbeat message per worker:
-#   [1, worker_id, seq, sent_at_s, static_digest, running, waiting, kv_cache_usage,
-#    ttft_ms, itl_ms, e2e_ms, prefill_tokens_per_s, decode_tokens_per_s]
-# followed, when signed, by key_id and signature (worker.signing.HeartbeatSigner.
-# signed_record). `static_digest` names the rest of the heartbeat (`static_digest`): a
-# router applies a record only onto the full heartbeat it was taken with.
-LOAD_RECORD_VERSION = 1
-LOAD_RECORD_FIELDS = 13
-
-
-class LoadRecord(NamedTuple):
-    """A load record as read (`LoadRecord.from_json`); the items of the JSON array after
-    its version."""
-
-    worker_id: str
-    seq: int
-    sent_at_s: float
-    static_digest: int
-    running: int
-    waiting: int
-    kv_cache_usage: float | None
-    ttft_ms: float | None
-    itl_ms: float | None
-    e2e_ms: float | None
-    prefill_tokens_per_s: float | None
-    decode_tokens_per_s: float | None
-    key_id: str | None = None
-    signature: str | None = None
-
-    @classmethod
-    def from_json(cls, payload: bytes) -> LoadRecord:
-        """Parse and validate a load record; raises ValueError naming what is wrong, with
-        the same limits as the Heartbeat model's fields."""
-        return cls.of(record_items(payload))
-
-    @classmethod
-    def of(cls, items: RecordItems) -> LoadRecord:
-        """The record whose items `record_items` returned."""
-        return cls._make(items[1:] if len(items) > LOAD_RECORD_FIELDS
-                         else (*items[1:], None, None))
-
-
-# A load record's items as `record_items` returns them: the JSON array's, in its order,
-# version first (then LoadRecord's fields; key_id and signature only when signed). A type
-# of its own so that a LoadRecord (a tuple too, without the version) cannot be passed
-# where these are expected.
-RecordItems = NewType("RecordItems", tuple[Any, ...])
-
-
-def record_items(payload: bytes) -> RecordItems:
-    """Parse and validate a load record in one pass of pydantic-core, as routers do for
-    thousands a second: its items as a plain tuple (no object per record beyond it, half
-    the cost of `LoadRecord.from_json`). Raises Refused (a ValueError) naming what is
-    wrong, with the same limits as the Heartbeat model's fields."""
-    if len(payload) > MAX_RECORD_BYTES:
-        raise Refused(OVERSIZE, f"load record of {len(payload):,} bytes "
-                                f"(at most {MAX_RECORD_BYTES:,})")
-    signed = payload.endswith(b'"]')
-    try:
-        items: RecordItems = (_SIGNED_RECORD if signed else _RECORD).validate_json(payload)
-    except ValidationError as exc:
-        raise _record_refusal(exc.errors()[0]) from None
-    return items
-
-
-def _record_refusal(error: ErrorDetails) -> Refused:
-    where = error["loc"]
-    if where and isinstance(where[0], int) and where[0] < len(_RECORD_ITEM_NAMES):
-        name = _RECORD_ITEM_NAMES[where[0]]
-        return Refused(f"invalid:load_record.{name}", f"{name}: {error['msg']}")
-    reason = MALFORMED_JSON if error["type"] == "json_invalid" else "invalid:load_record"
-    return Refused(reason, f"load record: {error['msg']}")
-
-
-_RECORD_ITEMS: list[core_schema.CoreSchema] = [
-    _version(LOAD_RECORD_VERSION),
-    core_schema.str_schema(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$",
-                           strict=True),  # worker id, as in Heartbeat
-    _ORDER, _SENT_AT, _DIGEST, _SEQS, _SEQS,  # seq, sent_at_s, digest, running, waiting
-    core_schema.nullable_schema(_KV_USAGE),
-    *(core_schema.nullable_schema(_LATENCY) for _ in range(3)),  # ttft, itl, e2e (ms)
-    *(core_schema.nullable_schema(_RATE) for _ in range(2)),  # prefill, decode tokens/s
-]
-_RECORD = SchemaValidator(core_schema.tuple_schema(_RECORD_ITEMS))
-_SIGNED_RECORD = SchemaValidator(core_schema.tuple_schema([
-    *_RECORD_ITEMS,
-    core_schema.str_schema(max_length=64, pattern=r"^[A-Za-z0-9._-]+$", strict=True),  # key id
-    core_schema.str_schema(max_length=128, pattern=r"^[0-9a-f]+$", strict=True)]))  # HMAC
-_RECORD_ITEM_NAMES = ("version", *LoadRecord._fields)
-# Every reason a Refused from this module can carry.
-SCHEMA_REFUSALS = frozenset({
-    MALFORMED_JSON, OVERSIZE, UNKNOWN_FIELD, "invalid:heartbeat", "invalid:load_record",
-    *(f"invalid:{path}" for path in HEARTBEAT_FIELDS),
-    *(f"invalid:load_record.{name}" for name in _RECORD_ITEM_NAMES)})
-
-
-def static_digest(heartbeat: Heartbeat) -> int:
-    """A CRC-32 of everything in `heartbeat` a load record does not carry (identity,
-    state, models, capacity, engine, TTL, signing key): equal digests, same worker."""
-    capacity, engine = heartbeat.capacity, heartbeat.engine
-    text = "\x1f".join((
-        heartbeat.worker_id, heartbeat.region, heartbeat.endpoint,
-        "\x1e".join(heartbeat.models), "\x1e".join(heartbeat.lora_adapters),
-        heartbeat.state.value, str(capacity.max_num_seqs), str(capacity.kv_blocks_total),
-        str(capacity.block_size_tokens), engine.kind, str(engine.version),
-        str(engine.kv_usage_metric), "\x1e".join(engine.metric_names),
-        repr(heartbeat.ttl_s), str(heartbeat.key_id)))
-    return zlib.crc32(text.encode("utf-8", "surrogatepass"))
-
-
-def load_record(heartbeat: Heartbeat, digest: int | None = None) -> bytes:
-    """The load record of `heartbeat` (unsigned), as JSON bytes."""
-    load, performance = heartbeat.load, heartbeat.performance
-    return json.dumps(
-        [LOAD_RECORD_VERSION, heartbeat.worker_id, heartbeat.seq, heartbeat.sent_at_s,
-         static_digest(heartbeat) if digest is None else digest, load.running,
-         load.waiting, load.kv_cache_usage, performance.ttft_ms, performance.itl_ms,
-         performance.e2e_ms, performance.prefill_tokens_per_s,
-         performance.decode_tokens_per_s],
-        separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()

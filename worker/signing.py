@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.schema import Heartbeat, LoadRecord
+from worker.load_records import LoadRecord
+from worker.schema import Heartbeat
 
 KEYS_ENV = "GLOBALPOOL_HEARTBEAT_KEYS"
 KEYS_FILE_ENV = "GLOBALPOOL_HEARTBEAT_KEYS_FILE"
@@ -144,7 +145,7 @@ class HeartbeatSigner:
         return signed, canonical[:-1] + SIGNATURE_FIELD + signature.encode() + b'"}'
 
     def signed_record(self, record: bytes) -> bytes:
-        """A load record (worker.schema.load_record) signed: the key id appended to the
+        """A load record (worker.load_records.load_record) signed: the key id appended to the
         array, an HMAC over those bytes, and the signature as its last item."""
         body = record[:-1] + b',"' + self.key_id.encode() + b'"'
         signature = hmac_sha256_hex(self.secret, body)

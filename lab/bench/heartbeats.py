@@ -16,7 +16,8 @@ from typing import Any
 import redis.asyncio as redis
 from pydantic import ValidationError
 
-from worker.schema import Heartbeat, HeartbeatKeys
+from worker.heartbeat_keys import HeartbeatKeys
+from worker.schema import Heartbeat
 
 
 @dataclass

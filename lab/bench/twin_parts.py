@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from lab.sim.engine import Engine
 from lab.sim.sequence import Sequence as EngineSequence
-from worker.probe import prefill_busy_s
+from worker.engine_performance import prefill_busy_s
 from worker.schema import Performance
 
-HOLD_INTERVALS = 4  # as worker.probe.PerformanceTracker
+HOLD_INTERVALS = 4  # as worker.engine_performance.PerformanceTracker
 
 
 class SharedClock:
@@ -57,7 +57,7 @@ class TwinWorker:
 
     def performance(self) -> Performance:
         """As the agent reports it: means over the interval, each held for a few
-        intervals when no request finished (worker.probe.PerformanceTracker)."""
+        intervals when no request finished (worker.engine_performance.PerformanceTracker)."""
         done = [(s.arrival_s, s.scheduled_s, s.first_token_s, s.finished_s, s.prompt.num_tokens,
                  len(s.output), s.last_token_s) for s in self.finished
                 if s.scheduled_s is not None and s.first_token_s is not None

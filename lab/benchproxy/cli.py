@@ -128,7 +128,7 @@ def add_bench_instructions_arguments(parser: argparse.ArgumentParser) -> None:
 def run_bench_instructions(args: argparse.Namespace) -> int:
     from lab.benchproxy.instructions import Options, bench_instructions
     from lab.benchproxy.procs import new_event_loop
-    from lab.benchproxy.routers import Unavailable
+    from lab.benchproxy.unavailable import Unavailable
     from lab.benchproxy.workloads import workloads
 
     names = _names(args.workloads) or []

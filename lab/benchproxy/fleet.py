@@ -13,8 +13,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from worker import redis_client
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.publisher import HeartbeatPublisher, RedisUnavailableError
-from worker.schema import Capacity, Heartbeat, HeartbeatKeys, LifecycleState, Load, Performance
+from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 from worker.signing import HeartbeatSigner, parse_keys
 
 REGION = "bench"

@@ -30,7 +30,7 @@ from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
 from router.core.stats import SecurityStats
 from router.registry import HeartbeatCollector, SnapshotHolder
 from worker import redis_client
-from worker.schema import HeartbeatKeys
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.signing import parse_keys
 
 

@@ -31,7 +31,9 @@ from urllib.parse import urlparse
 
 from lab.benchproxy.decision import fleet
 from lab.benchproxy.procs import new_event_loop
-from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState, load_record
+from worker.heartbeat_keys import HeartbeatKeys
+from worker.load_records import load_record
+from worker.schema import Heartbeat, LifecycleState
 from worker.signing import SIGNATURE_FIELD, HeartbeatSigner, hmac_sha256_hex
 
 TICK_S = 0.01

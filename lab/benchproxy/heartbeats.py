@@ -92,7 +92,8 @@ def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict
     from router.admission.setup import heartbeat_gate
     from router.core.stats import SecurityStats
     from router.registry.snapshot import Snapshot, WorkerView
-    from worker.schema import Heartbeat, LoadRecord, load_record, record_items
+    from worker.load_records import LoadRecord, load_record, record_items
+    from worker.schema import Heartbeat
     from worker.signing import HeartbeatSigner
 
     secret = b"0123456789abcdef0123"

@@ -30,7 +30,6 @@ from lab.benchproxy import procs
 from lab.benchproxy.peers import PeerEnv
 from lab.benchproxy.routers import (
     Running,
-    Unavailable,
     setup_globalpool,
     vllm_router_args,
     wait_ready,
@@ -43,6 +42,7 @@ from lab.benchproxy.run import (
     _start_backends,
     _Valkey,
 )
+from lab.benchproxy.unavailable import Unavailable
 from lab.benchproxy.workloads import workloads
 
 WARMUP_REQUESTS = 200

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lab.benchproxy.unavailable import Unavailable
+
 INSTALL_TIMEOUT_S = 900.0
 
 
@@ -64,8 +66,6 @@ class PeerEnv:
         return answer.stdout.strip()
 
     def _check(self, name: str) -> None:
-        from lab.benchproxy.routers import Unavailable
-
         if name in self.problems:
             raise Unavailable(self.problems[name])
         if not (self.root / PEERS[name].entry).exists():

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from lab.benchproxy import procs
-from lab.benchproxy.routers import Context, Running, Unavailable, start_globalpool
+from lab.benchproxy.routers import Context, Running, start_globalpool
+from lab.benchproxy.unavailable import Unavailable
 from lab.benchproxy.workloads import Workload
 
 SAMPLE_RATE_HZ = 250

@@ -24,6 +24,7 @@ import yaml
 
 from lab.benchproxy import procs
 from lab.benchproxy.peers import PeerEnv
+from lab.benchproxy.unavailable import Unavailable
 from lab.benchproxy.workloads import MODEL, PACED_MODEL
 
 READY_TIMEOUT_S = 60.0
@@ -31,10 +32,6 @@ ROUTER_NAMES = ("globalpool", "globalpool-compiled", "aiohttp", "vllm-router",
                 "sglang-router", "envoy")
 # Run only when asked for by name (`--only`).
 OPTIONAL = frozenset({"globalpool-fleet", "globalpool-fleet-elsewhere"})
-
-
-class Unavailable(Exception):
-    """This contender cannot run here; the message says why."""
 
 
 @dataclass

@@ -26,7 +26,8 @@ from typing import Any
 from lab.benchproxy import procs
 from lab.benchproxy.peers import PEERS, PeerEnv
 from lab.benchproxy.profile import Profiler
-from lab.benchproxy.routers import OPTIONAL, STARTERS, Context, Running, Unavailable
+from lab.benchproxy.routers import OPTIONAL, STARTERS, Context, Running
+from lab.benchproxy.unavailable import Unavailable
 from lab.benchproxy.workloads import PACED_DELAY_MS, PACED_MODEL, Workload, workloads
 
 BACKEND_PORTS = 4

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lab.benchproxy.slow_readers import DUTY, QUIET_WAIT_PER_S, RATIO_GOAL
+from lab.benchproxy.slow_options import DUTY, QUIET_WAIT_PER_S, RATIO_GOAL
 
 
 def _ratio(b: float, a: float) -> float | None:

@@ -24,7 +24,6 @@ from typing import Any
 from lab.benchproxy import procs
 from lab.benchproxy.routers import (
     Running,
-    Unavailable,
     setup_globalpool,
     wait_ready,
     workers_seen,
@@ -38,7 +37,8 @@ from lab.benchproxy.slow_observe import (
     observe,
     probe_health,
 )
-from lab.benchproxy.slow_readers import BENCH_SETTINGS, DUTY, Options
+from lab.benchproxy.slow_options import BENCH_SETTINGS, DUTY, Options
+from lab.benchproxy.unavailable import Unavailable
 from lab.benchproxy.workloads import PACED_MODEL
 from lab.drill.run import with_overrides
 

@@ -29,34 +29,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
+from lab.devstack.netem_knobs import NetemKnobs
 from lab.devstack.netem_pipe import ClientSide, Connection, UpstreamSide
 
 log = logging.getLogger("globalpool.netem")
 
 UPSTREAM_PROBE_S = 0.05
-
-
-@dataclass
-class NetemKnobs:
-    """One region's network as the proxy emulates it; mutable at run time."""
-
-    rtt_ms: float = 0.0
-    extra_rtt_ms: float = 0.0
-    partition: bool = False
-    rtt_ms_by_source: Mapping[str, float] = field(default_factory=dict)
-
-    def one_way_s(self, source: str) -> float:
-        """Seconds one direction adds for a client at `source` (its IP address)."""
-        rtt_ms = self.rtt_ms_by_source.get(source, self.rtt_ms) + self.extra_rtt_ms
-        return max(0.0, rtt_ms) / 2000.0
-
-    def describe(self) -> dict[str, Any]:
-        return {"rtt_ms": self.rtt_ms, "extra_rtt_ms": self.extra_rtt_ms,
-                "partition": self.partition, "rtt_ms_by_source": dict(self.rtt_ms_by_source)}
 
 
 class NetemLink:
@@ -94,13 +75,13 @@ class NetemLink:
 
     async def _listen(self) -> None:
         self._server = await self.loop.create_server(
-            lambda: ClientSide(self), self.listen_host, self.listen_port,
+            lambda: ClientSide(self.accepted), self.listen_host, self.listen_port,
             reuse_address=True, backlog=1024,
         )
         self.listen_port = int(self._server.sockets[0].getsockname()[1])
 
     def accepted(self, client: asyncio.Transport) -> Connection:
-        conn = Connection(self, client)
+        conn = Connection(self.loop, self.knobs, client, self.connections)
         self.connections.add(conn)
         self.accepted_total += 1
         # The emulated handshake: the upstream is reached one RTT after the accept.

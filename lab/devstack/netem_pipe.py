@@ -12,10 +12,10 @@ import contextlib
 import socket
 import struct
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from typing import cast
 
-if TYPE_CHECKING:
-    from lab.devstack.netem import NetemLink
+from lab.devstack.netem_knobs import NetemKnobs
 
 # Bytes held in one direction before reading from its source pauses (a TCP window).
 HELD_LIMIT_BYTES = 1 << 20
@@ -152,13 +152,14 @@ class Flow:
 class Connection:
     """A client connection and its upstream twin."""
 
-    __slots__ = ("accepted_at", "client", "closed", "knobs", "link", "one_way_s", "to_client",
-                 "to_upstream", "upstream")
+    __slots__ = ("accepted_at", "client", "closed", "knobs", "link_connections", "one_way_s",
+                 "to_client", "to_upstream", "upstream")
 
-    def __init__(self, link: NetemLink, client: asyncio.Transport) -> None:
-        loop = link.loop
-        self.link = link
-        self.knobs = link.knobs
+    def __init__(self, loop: asyncio.AbstractEventLoop, knobs: NetemKnobs,
+                 client: asyncio.Transport, link_connections: set[Connection]) -> None:
+        self.knobs = knobs
+        # The open connections of this one's link (NetemLink), which it leaves when closed.
+        self.link_connections = link_connections
         self.client = client
         self.upstream: asyncio.Transport | None = None
         self.closed = False
@@ -201,18 +202,18 @@ class Connection:
                 reset_transport(transport)
             elif transport is not None:
                 transport.close()
-        self.link.connections.discard(self)
+        self.link_connections.discard(self)
 
 
 class ClientSide(asyncio.Protocol):
-    def __init__(self, link: NetemLink) -> None:
-        self._link = link
+    def __init__(self, accepted: Callable[[asyncio.Transport], Connection]) -> None:
+        self._accepted = accepted  # the link's: a Connection for a newly accepted client
         self._conn: Connection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not subclasses of asyncio.Transport, only look alike.
         set_nodelay(transport)
-        self._conn = self._link.accepted(cast(asyncio.Transport, transport))
+        self._conn = self._accepted(cast(asyncio.Transport, transport))
 
     def data_received(self, data: bytes) -> None:
         assert self._conn is not None
@@ -228,7 +229,7 @@ class ClientSide(asyncio.Protocol):
         if conn is None or conn.closed:
             return
         conn.from_client(RESET if exc is not None else CLOSE)
-        conn.link.connections.discard(conn)
+        conn.link_connections.discard(conn)
 
     def pause_writing(self) -> None:
         if self._conn is not None:

@@ -28,7 +28,8 @@ from typing import Any
 
 from aiohttp import web
 
-from lab.devstack.netem import NetemKnobs, NetemRegion
+from lab.devstack.netem import NetemRegion
+from lab.devstack.netem_knobs import NetemKnobs
 
 _REGION = web.AppKey("netem_region", NetemRegion)
 

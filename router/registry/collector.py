@@ -56,16 +56,15 @@ from redis.exceptions import RedisError
 from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
 from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView, finish
 from router.registry.subscriber import Subscription
+from worker.heartbeat_keys import HeartbeatKeys
+from worker.load_records import RECORD_REFUSALS, LoadRecord, record_items
 from worker.redis_client import raise_if_cancelling
 from worker.schema import (
-    SCHEMA_REFUSALS,
+    HEARTBEAT_REFUSALS,
     Heartbeat,
-    HeartbeatKeys,
     LifecycleState,
-    LoadRecord,
     Refused,
     parse_heartbeat,
-    record_items,
 )
 
 log = logging.getLogger("globalpool.registry")
@@ -128,13 +127,15 @@ ORPHAN_RECORD_AGE_S = 300.0
 
 GONE_PREFIX = HeartbeatKeys.GONE_PREFIX.encode()
 # Why a heartbeat or load record is refused (counted by reason, `counts`): the schema's
-# reasons (worker.schema.SCHEMA_REFUSALS: malformed_json, oversize, unknown_field,
-# invalid:<field path>), and what the collector finds once it is parsed. A bounded set,
-# never text from the input: each is a label value of globalpool_heartbeats_refused_total.
+# reasons (worker.schema.HEARTBEAT_REFUSALS and worker.load_records.RECORD_REFUSALS:
+# malformed_json, oversize, unknown_field, invalid:<field path>), and what the collector
+# finds once it is parsed. A bounded set, never text from the input: each is a label value
+# of globalpool_heartbeats_refused_total.
 WORKER_ID_MISMATCH = "worker_id_mismatch"  # not the worker its bytes or hash field name
 ORDER_MISMATCH = "order_mismatch"  # sent_at_s and seq read otherwise than they parse
 WRONG_REGION = "wrong_region"  # a load record in another region than its worker's
-REFUSAL_REASONS = SCHEMA_REFUSALS | {WORKER_ID_MISMATCH, ORDER_MISMATCH, WRONG_REGION}
+REFUSAL_REASONS = (HEARTBEAT_REFUSALS | RECORD_REFUSALS
+                   | {WORKER_ID_MISMATCH, ORDER_MISMATCH, WRONG_REGION})
 # counts() names each reason's count so (router.telemetry.metrics labels them).
 REFUSED_COUNT_PREFIX = "heartbeats_refused:"
 # How a heartbeat's JSON (pydantic's model_dump_json) names its worker: read without parsing.

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 from router.auth.endpoints import EndpointAllowList
 from router.core.stats import SecurityStats
-from worker.schema import Heartbeat, LoadRecord
+from worker.load_records import LoadRecord
+from worker.schema import Heartbeat
 from worker.signing import verify_payload, verify_record, verify_signature
 
 log = logging.getLogger("globalpool.registry")

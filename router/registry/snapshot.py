@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TypeVar
 
-from worker.schema import MAX_LATENCY_MS, Heartbeat, LifecycleState, RecordItems, static_digest
+from worker.load_records import RecordItems, static_digest
+from worker.schema import MAX_LATENCY_MS, Heartbeat, LifecycleState
 
 # A model no worker serves any more is remembered this long after its last worker left
 # (a request for it then gets 503 and Retry-After, not 404: a crashed engine is restarted

@@ -21,9 +21,10 @@ from lab.sim.server import SimServer
 from router.app import HOLDER, RouterSettings, build_app, router_site
 from router.config import load_config
 from tests.integration.conftest import StartSim
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
-from worker.schema import Capacity, Heartbeat, HeartbeatKeys, LifecycleState, Load
+from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 
 TOKEN = "test-admin-token-7f3a"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}

@@ -20,16 +20,11 @@ from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry import collector as collector_module
 from router.registry.heartbeat_gate import HeartbeatGate, HeartbeatRules
 from router.registry.subscriber import Subscription
+from worker.heartbeat_keys import HeartbeatKeys
+from worker.load_records import load_record
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect, connect_pubsub
-from worker.schema import (
-    Capacity,
-    Heartbeat,
-    HeartbeatKeys,
-    LifecycleState,
-    Load,
-    load_record,
-)
+from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 from worker.signing import HeartbeatSigner
 
 TTL_S = 1.0

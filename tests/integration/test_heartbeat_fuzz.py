@@ -42,9 +42,11 @@ from tests.unit.test_heartbeat_fuzz import (
     record_reason,
     render,
 )
+from worker.heartbeat_keys import HeartbeatKeys
+from worker.load_records import load_record, static_digest
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
-from worker.schema import Heartbeat, HeartbeatKeys, load_record, static_digest
+from worker.schema import Heartbeat
 
 pytestmark = pytest.mark.integration
 

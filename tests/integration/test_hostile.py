@@ -42,9 +42,9 @@ from tests.integration.test_security_fleet import (
     heartbeat_for,
     secure_fleet,
 )
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
-from worker.schema import HeartbeatKeys
 
 __all__ = ["secure_fleet"]
 pytestmark = pytest.mark.integration

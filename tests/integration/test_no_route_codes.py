@@ -10,8 +10,9 @@ from router.app import HOLDER
 from tests.integration import test_security_fleet as harness
 from tests.integration.test_security import error_of
 from tests.integration.test_security_fleet import SecureFleet, secure_fleet, wait_for
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.redis_client import connect
-from worker.schema import HeartbeatKeys, LifecycleState
+from worker.schema import LifecycleState
 
 __all__ = ["secure_fleet"]
 pytestmark = pytest.mark.integration

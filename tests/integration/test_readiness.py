@@ -21,9 +21,10 @@ from router.app import COLLECTOR, RouterSettings, build_app, router_site
 from router.config import parse_config
 from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import scrape, value
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
-from worker.schema import Capacity, Heartbeat, HeartbeatKeys, LifecycleState, Load
+from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,9 @@ from aiohttp import web
 from lab.devstack.valkey import free_port
 from tests.integration.operators_fleet import scrape, value
 from tests.integration.stack import RunningUp, pid_alive, start_up
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.redis_client import connect
-from worker.schema import Capacity, Heartbeat, HeartbeatKeys, LifecycleState, Load
+from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 from worker.signing import HeartbeatSigner
 
 pytestmark = pytest.mark.integration

@@ -36,8 +36,9 @@ from tests.integration.test_security_fleet import (
     secure_fleet,
     wait_for,
 )
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.redis_client import connect
-from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
+from worker.schema import Heartbeat, LifecycleState
 from worker.signing import HeartbeatSigner, verify_signature
 
 __all__ = ["secure_fleet"]

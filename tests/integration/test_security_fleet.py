@@ -24,9 +24,10 @@ from router.auth.keys import hash_key
 from router.config import parse_config
 from router.core.stats import SecurityStats
 from tests.integration.conftest import StartSim
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
-from worker.schema import Capacity, Heartbeat, HeartbeatKeys, LifecycleState, Load
+from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 from worker.signing import HeartbeatSigner
 
 API_KEYS = {

@@ -30,10 +30,11 @@ from redis.asyncio.client import PubSub
 from lab.devstack.valkey import EmbeddedValkey
 from worker.agent import WorkerAgent
 from worker.heartbeat import HeartbeatLoop, HeartbeatTiming, WorkerIdentity
+from worker.heartbeat_keys import HeartbeatKeys
 from worker.probe import EngineProber, open_engine_session
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect, connect_pubsub
-from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
+from worker.schema import Heartbeat, LifecycleState
 
 pytestmark = pytest.mark.integration
 

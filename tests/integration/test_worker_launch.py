@@ -21,7 +21,8 @@ from tests.integration.test_worker_agent import (
     is_state,
     subscribed,
 )
-from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
+from worker.heartbeat_keys import HeartbeatKeys
+from worker.schema import Heartbeat, LifecycleState
 
 pytestmark = pytest.mark.integration
 

@@ -109,7 +109,8 @@ def test_top_functions_counts_own_time_at_the_leaf() -> None:
 
 def test_the_heartbeat_bench_publishes_what_an_agent_would() -> None:
     from lab.benchproxy.hbpublish import Template, worker_heartbeat
-    from worker.schema import HeartbeatKeys, load_record
+    from worker.heartbeat_keys import HeartbeatKeys
+    from worker.load_records import load_record
     from worker.signing import HeartbeatSigner
 
     heartbeat = worker_heartbeat(42, 10, 1.0)

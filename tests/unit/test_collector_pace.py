@@ -15,7 +15,7 @@ from router.registry.collector import (
     MIN_REBUILD_INTERVAL_S,
 )
 from router.registry.snapshot import Snapshot
-from worker.schema import HeartbeatKeys
+from worker.heartbeat_keys import HeartbeatKeys
 
 
 def test_the_interval_keeps_the_views_upkeep_within_its_share_of_a_core() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from worker.engine_metrics import parse_metrics
 from worker.heartbeat import (
     EngineView,
     WorkerIdentity,
@@ -15,7 +16,7 @@ from worker.heartbeat import (
     jittered,
     next_state,
 )
-from worker.probe import EngineVersion, ProbeResult, ServedModels, parse_metrics
+from worker.probe import EngineVersion, ProbeResult, ServedModels
 from worker.schema import Heartbeat, LifecycleState, Performance
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

@@ -32,16 +32,11 @@ from router.policy import NoRoute, RouteRequest
 from router.registry.collector import REFUSAL_REASONS
 from router.registry.snapshot import Snapshot, WorkerView
 from tests.unit.test_policy import make_policy, view
+from worker.engine_metrics import MetricsFormatError, parse_metrics
+from worker.engine_performance import PerformanceTracker
 from worker.heartbeat import EngineView, WorkerIdentity, build_heartbeat
-from worker.probe import (
-    EngineVersion,
-    MetricsFormatError,
-    PerformanceTracker,
-    ServedModels,
-    parse_metrics,
-    parse_models,
-    parse_version,
-)
+from worker.load_records import load_record, record_items
+from worker.probe import EngineVersion, ServedModels, parse_models, parse_version
 from worker.schema import (
     Capacity,
     EngineInfo,
@@ -50,9 +45,7 @@ from worker.schema import (
     Load,
     Performance,
     Refused,
-    load_record,
     parse_heartbeat,
-    record_items,
 )
 from worker.signing import HeartbeatSigner, canonical_bytes
 

@@ -10,18 +10,8 @@ import types
 import pytest
 
 from router.registry.snapshot import WorkerView
-from worker.schema import (
-    Capacity,
-    EngineInfo,
-    Heartbeat,
-    LifecycleState,
-    Load,
-    LoadRecord,
-    Performance,
-    load_record,
-    record_items,
-    static_digest,
-)
+from worker.load_records import LoadRecord, load_record, record_items, static_digest
+from worker.schema import Capacity, EngineInfo, Heartbeat, LifecycleState, Load, Performance
 from worker.signing import HeartbeatSigner, Verdict, hmac_sha256_hex, verify_record
 
 SECRET = b"a-test-secret-of-at-least-32-bytes!!"

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from lab.devstack.netem import NetemKnobs, NetemRegion
+from lab.devstack.netem import NetemRegion
+from lab.devstack.netem_knobs import NetemKnobs
 from lab.devstack.valkey import free_port
 
 HOST = "127.0.0.1"

@@ -9,14 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.probe import (
-    MetricsFormatError,
-    MetricsSample,
-    PerformanceTracker,
-    parse_metrics,
-    performance_between,
-    prefill_busy_s,
-)
+from worker.engine_metrics import MetricsFormatError, MetricsSample, parse_metrics
+from worker.engine_performance import PerformanceTracker, performance_between, prefill_busy_s
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CAPTURE = (FIXTURES / "vllm-0.32-cpu-metrics.txt").read_text()

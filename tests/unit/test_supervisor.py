@@ -24,11 +24,13 @@ import aiohttp
 import pytest
 
 from worker.agent import WorkerAgent
+from worker.engine_metrics import MetricsSample, parse_metrics
 from worker.heartbeat import EngineView, HeartbeatLoop, HeartbeatTiming, WorkerIdentity, next_state
-from worker.probe import MetricsSample, ProbeResult, ServedModels, parse_metrics
+from worker.heartbeat_keys import HeartbeatKeys
+from worker.probe import ProbeResult, ServedModels
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
-from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
+from worker.schema import Heartbeat, LifecycleState
 from worker.supervisor import (
     EngineCommand,
     EngineGaveUpError,

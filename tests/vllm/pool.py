@@ -26,7 +26,8 @@ import redis
 import yaml
 
 from lab.devstack.valkey import free_port
-from worker.schema import Heartbeat, HeartbeatKeys, LifecycleState
+from worker.heartbeat_keys import HeartbeatKeys
+from worker.schema import Heartbeat, LifecycleState
 from worker.signing import KEYS_ENV
 from worker.supervisor import die_with_parent
 

@@ -15,8 +15,8 @@ import sys
 from setuptools import setup
 
 # The request path: what a proxied request executes between its head arriving and its
-# answer leaving, and the fleet view it reads (`router/registry/snapshot.py`: the views a
-# router makes from 10,000 workers' load records, and the snapshots built of them).
+# answer leaving, and the fleet view it reads (`router/registry/worker_view.py`: the views a
+# router makes from 10,000 workers' load records; `snapshot.py`: the snapshots built of them).
 # `router/core/errors.py` (an aiohttp middleware) and `site.py` (an aiohttp subclass) are
 # not compilable as they are and not per request. `router/registry/collector.py` compiles,
 # but the compiled tier's first router test then crashed (a segmentation fault: a task
@@ -42,6 +42,7 @@ COMPILED_MODULES = [
     "router/registry/drained.py",
     "router/registry/inflight.py",
     "router/registry/snapshot.py",
+    "router/registry/worker_view.py",
     "router/telemetry/metrics.py",
     "router/telemetry/series.py",
     "router/telemetry/window.py",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from router.core.outcome import Attempt, Failure, RequestRecord
 from router.health.breaker import Breaker, BreakerPolicy, BreakerState
 from router.registry.collector import STALL_TOLERANCE_S  # one notion of "not running"
-from router.registry.snapshot import WorkerView
+from router.registry.worker_view import WorkerView
 
 log = logging.getLogger("globalpool.health")
 

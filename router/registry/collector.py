@@ -54,8 +54,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
-from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView, finish
+from router.registry.snapshot import Snapshot, SnapshotHolder, finish
 from router.registry.subscriber import Subscription
+from router.registry.worker_view import WorkerView
 from worker.redis_client import raise_if_cancelling
 from worker.schema import (
     SCHEMA_REFUSALS,

@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 
 from router.policy import NoRoute, RouteRequest
 from router.registry.collector import REFUSAL_REASONS
-from router.registry.snapshot import Snapshot, WorkerView
+from router.registry.snapshot import Snapshot
+from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import make_policy, view
 from worker.heartbeat import EngineView, WorkerIdentity, build_heartbeat
 from worker.probe import (

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from router.registry.snapshot import WorkerView
+from router.registry.worker_view import WorkerView
 from worker.schema import (
     Capacity,
     EngineInfo,

@@ -25,6 +25,8 @@ COMPILED_MODULES = [
     "router/config_reload.py",
     "router/core/outcome.py",
     "router/core/parse.py",
+    "router/health/penalties.py",
+    "router/health/stalls.py",
     "router/health/tracker.py",
     "router/policy/__init__.py",
     "router/policy/affinity.py",

@@ -20,7 +20,9 @@ from setuptools import setup
 # `router/core/errors.py` (an aiohttp middleware) and `site.py` (an aiohttp subclass) are
 # not compilable as they are and not per request. `router/registry/collector.py` compiles,
 # but the compiled tier's first router test then crashed (a segmentation fault: a task
-# woken by a future whose result had been freed; mypy 2.4's mypyc), so it stays Python.
+# woken by a future whose result had been freed; mypy 2.4's mypyc), so it stays Python, and
+# so do the parts it holds (`router/registry/`: worker_table, messages, load_records,
+# full_read, publishing, pace, refusals).
 COMPILED_MODULES = [
     "router/config_reload.py",
     "router/core/outcome.py",

@@ -141,7 +141,7 @@ class StreamFailoverConfig(_Strict):
         "with an error event when their worker fails, as without failover")
 
 
-# router.fleet_view_cpu_share's default (router.registry.collector paces itself by it).
+# router.fleet_view_cpu_share's default (router.registry.pace paces the collector by it).
 DEFAULT_FLEET_VIEW_CPU_SHARE = 0.1
 
 

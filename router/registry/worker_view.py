@@ -20,7 +20,7 @@ def fresh_for_s(ttl_s: float, next_read_s: float) -> float:
     """How long a worker stays fresh after the router last heard of it: its TTL, or, when
     the router reads the load records only every so often, until the next read could take
     the worker's next record (`next_read_s`: the longest until then, ~3 s for 10,000
-    workers; router.registry.collector). A live agent writes a record at least every half
+    workers; router.registry.pace). A live agent writes a record at least every half
     TTL (worker.cli checks), so reads that far apart always find a newer one: a live
     worker must not go stale between two of them."""
     return max(ttl_s, next_read_s)

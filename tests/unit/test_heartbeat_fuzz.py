@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.policy import NoRoute, RouteRequest
-from router.registry.collector import REFUSAL_REASONS
+from router.registry.refusals import REFUSAL_REASONS
 from router.registry.snapshot import Snapshot
 from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import make_policy, view

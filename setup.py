@@ -15,16 +15,20 @@ import sys
 from setuptools import setup
 
 # The request path: what a proxied request executes between its head arriving and its
-# answer leaving, and the fleet view it reads (`router/registry/snapshot.py`: the views a
-# router makes from 10,000 workers' load records, and the snapshots built of them).
+# answer leaving, and the fleet view it reads (`router/registry/worker_view.py`: the views a
+# router makes from 10,000 workers' load records; `snapshot.py`: the snapshots built of them).
 # `router/core/errors.py` (an aiohttp middleware) and `site.py` (an aiohttp subclass) are
 # not compilable as they are and not per request. `router/registry/collector.py` compiles,
 # but the compiled tier's first router test then crashed (a segmentation fault: a task
-# woken by a future whose result had been freed; mypy 2.4's mypyc), so it stays Python.
+# woken by a future whose result had been freed; mypy 2.4's mypyc), so it stays Python, and
+# so do the parts it holds (`router/registry/`: worker_table, messages, load_records,
+# full_read, publishing, pace, refusals).
 COMPILED_MODULES = [
     "router/config_reload.py",
     "router/core/outcome.py",
     "router/core/parse.py",
+    "router/health/penalties.py",
+    "router/health/stalls.py",
     "router/health/tracker.py",
     "router/policy/__init__.py",
     "router/policy/affinity.py",
@@ -42,6 +46,7 @@ COMPILED_MODULES = [
     "router/registry/drained.py",
     "router/registry/inflight.py",
     "router/registry/snapshot.py",
+    "router/registry/worker_view.py",
     "router/telemetry/fleet.py",
     "router/telemetry/metrics.py",
     "router/telemetry/series.py",

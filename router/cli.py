@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from router import lab_commands
-from router.config import ConfigError, GlobalConfig, load_config, redis_url_problem
+from router.config import GlobalConfig, redis_url_problem
+from router.config_loader import ConfigError, load_config
 
 DEFAULT_CONFIG = "regions.yaml"
 

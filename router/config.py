@@ -1,28 +1,17 @@
-"""`regions.yaml`: typed, versioned, and errors that name the file, the path and the reason.
+"""`regions.yaml` as typed, versioned, frozen models: `GlobalConfig` and its parts.
 
-    regions.yaml: regions.eu-west.rtt_ms.us-east: must be >= 0
-
-`load_config(path)` returns a frozen `GlobalConfig` or raises `ConfigError` carrying every
-problem found, so an operator fixes the file in one pass.
+Reading and validating a file into them, with errors that name the file, the path and the
+reason, is router.config_loader's.
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from router.auth.config import AuthConfig, KeysFileError, merge_keys_file
+from router.auth.config import AuthConfig
 from router.auth.endpoints import entry_problem
 
 API_VERSION = "globalpool/v1"
@@ -152,7 +141,7 @@ class StreamFailoverConfig(_Strict):
         "with an error event when their worker fails, as without failover")
 
 
-# router.fleet_view_cpu_share's default (router.registry.collector paces itself by it).
+# router.fleet_view_cpu_share's default (router.registry.pace paces the collector by it).
 DEFAULT_FLEET_VIEW_CPU_SHARE = 0.1
 
 
@@ -320,7 +309,7 @@ class GlobalConfig(_Strict):
             problems.append(f"router.region: no region named {self.router.region!r}")
         problems.extend(self.auth.problems(names))
         if problems:
-            raise _ReferenceErrors(problems)
+            raise ReferenceErrors(problems)
         return self
 
     def cost_per_gpu_hour(self, region: str) -> float:
@@ -345,16 +334,11 @@ class GlobalConfig(_Strict):
         return list(seen)
 
 
-class ConfigError(Exception):
-    """A config file that cannot be used; `problems` lists every error as `file: path: reason`."""
+class ReferenceErrors(ValueError):
+    """What the whole document's check finds (region names, RTTs between regions, regions
+    and tenants that other fields name), each with its path: router.config_loader
+    reports every one as its own problem."""
 
-    def __init__(self, source: str, problems: list[str]) -> None:
-        self.source = source
-        self.problems = [f"{source}: {p}" for p in problems]
-        super().__init__("\n".join(self.problems))
-
-
-class _ReferenceErrors(ValueError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
         super().__init__("; ".join(problems))
@@ -362,75 +346,3 @@ class _ReferenceErrors(ValueError):
 
 def _valid_region_name(name: str) -> bool:
     return re.fullmatch(_REGION_NAME, name) is not None
-
-
-_MESSAGES = {
-    "greater_than_equal": "must be >= {ge}",
-    "greater_than": "must be > {gt}",
-    "less_than_equal": "must be <= {le}",
-    "less_than": "must be < {lt}",
-    "missing": "is required",
-    "extra_forbidden": "unknown field",
-    "too_short": "must not be empty",
-}
-
-
-def _describe(error: Any) -> list[str]:
-    ctx = error.get("ctx") or {}
-    inner = ctx.get("error")
-    if isinstance(inner, _ReferenceErrors):
-        return inner.problems
-    path = ".".join(str(part) for part in error["loc"]) or "(document)"
-    template = _MESSAGES.get(error["type"])
-    if template is not None:
-        try:
-            return [f"{path}: {template.format(**ctx)}"]
-        except KeyError:
-            pass
-    message = str(error["msg"]).removeprefix("Value error, ")
-    return [f"{path}: {message}"]
-
-
-def parse_config(document: Any, source: str = "regions.yaml") -> GlobalConfig:
-    """Validate an already-parsed document. Raises ConfigError naming `source`."""
-    if not isinstance(document, dict):
-        raise ConfigError(source, ["(document): must be a mapping with apiVersion and regions"])
-    if document.get("apiVersion") not in (None, API_VERSION):
-        raise ConfigError(
-            source,
-            [f"apiVersion: unsupported {document['apiVersion']!r}, expected {API_VERSION!r}"],
-        )
-    try:
-        # A keys file named by auth.keys_file is relative to the file being read.
-        document = merge_keys_file(document, Path(source).parent)
-    except KeysFileError as exc:
-        raise ConfigError(exc.source, exc.problems) from None
-    try:
-        return GlobalConfig.model_validate(document)
-    except ValidationError as exc:
-        problems: list[str] = []
-        for error in exc.errors():
-            problems.extend(_describe(error))
-        raise ConfigError(source, problems) from None
-
-
-def load_config(path: str | Path) -> GlobalConfig:
-    """Read and validate a regions.yaml. Raises ConfigError on any problem."""
-    source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(source, [f"(file): cannot read: {exc.strerror or exc}"]) from None
-    return parse_config_text(text, source)
-
-
-def parse_config_text(text: str | bytes, source: str = "regions.yaml") -> GlobalConfig:
-    """Parse and validate the YAML text of a regions.yaml. Raises ConfigError naming `source`."""
-    try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(document)"
-        reason = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(source, [f"{where}: invalid YAML: {reason}"]) from None
-    return parse_config(document, source)

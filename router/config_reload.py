@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.config import ConfigError, GlobalConfig, parse_config_text
+from router.config import GlobalConfig
+from router.config_loader import ConfigError, parse_config_text
 
 log = logging.getLogger("globalpool.config")
 

@@ -25,7 +25,7 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
 def config_schema() -> dict[str, Any]:
-    """The schema of the document `router.config.parse_config` accepts."""
+    """The schema of the document `router.config_loader.parse_config` accepts."""
     schema = GlobalConfig.model_json_schema(mode="validation")
     schema = {"$schema": DIALECT, "title": "globalpool regions.yaml",
               **{k: v for k, v in schema.items() if k != "title"}}

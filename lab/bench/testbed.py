@@ -36,7 +36,7 @@ from lab.bench.scenario import Scenario
 from lab.devstack.children import Child, StackError
 from lab.devstack.stack import LocalStack, region_address
 from lab.devstack.valkey import free_port
-from router.config import load_config
+from router.config_loader import load_config
 
 Say = Callable[[str], None]
 KEY_PREFIX = "gp-bench"

@@ -41,7 +41,8 @@ from router.core.parse import PREFIX_TOKENS, ParsedRequest, parse_body
 from router.policy import Decision, Policy, RouteRequest, RoutingContext, create_policy
 from router.policy.affinity import AffinityTable
 from router.registry.inflight import InFlight
-from router.registry.snapshot import Snapshot, WorkerView
+from router.registry.snapshot import Snapshot
+from router.registry.worker_view import WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 
 ORACLE = "oracle"

@@ -20,7 +20,8 @@ from router.config import GlobalConfig
 from router.health import Health
 from router.policy import RouteRequest, RoutingContext, create_policy
 from router.registry.inflight import InFlight
-from router.registry.snapshot import Snapshot, WorkerView
+from router.registry.snapshot import Snapshot
+from router.registry.worker_view import WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 
 REGIONS = [f"region-{i}" for i in range(10)]

@@ -91,7 +91,8 @@ def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict
     from lab.benchproxy.hbpublish import worker_heartbeat
     from router.admission.setup import heartbeat_gate
     from router.core.stats import SecurityStats
-    from router.registry.snapshot import Snapshot, WorkerView
+    from router.registry.snapshot import Snapshot
+    from router.registry.worker_view import WorkerView
     from worker.load_records import LoadRecord, load_record, record_items
     from worker.schema import Heartbeat
     from worker.signing import HeartbeatSigner

@@ -37,7 +37,7 @@ from lab.drill import analysis
 from lab.drill.analysis import Timeline
 from lab.drill.report import DrillFacts, build_report, write_outputs
 from lab.drill.scenarios import DrillContext, FaultSettings, Scenario
-from router.config import load_config
+from router.config_loader import load_config
 
 _POLL = aiohttp.ClientTimeout(total=1.0)
 

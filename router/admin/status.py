@@ -18,7 +18,8 @@ from router.admin.events import EventLog
 from router.config_reload import ConfigHolder
 from router.registry.drains import DrainHolder, DrainStore
 from router.registry.inflight import InFlight
-from router.registry.snapshot import SnapshotHolder, WorkerView
+from router.registry.snapshot import SnapshotHolder
+from router.registry.worker_view import WorkerView
 from router.telemetry.window import RegionTraffic, TrafficWindow
 from worker.schema import LifecycleState
 

@@ -21,7 +21,8 @@ from router.policy.affinity import AffinityTable
 from router.policy.filters import eligible
 from router.policy.request import Decision, RouteRequest
 from router.registry.inflight import InFlight
-from router.registry.snapshot import Snapshot, WorkerView
+from router.registry.snapshot import Snapshot
+from router.registry.worker_view import WorkerView
 
 RttTable = Callable[[str, str], float]
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 from router.policy.base import Policy, RoutingContext, two_of
 from router.policy.predicted_ttft import effective_load
 from router.policy.request import Decision, NoRoute, RouteRequest
-from router.registry.snapshot import WorkerView
+from router.registry.worker_view import WorkerView
 
 
 def _decision(view: WorkerView, request: RouteRequest, reason: str, count: int) -> Decision:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from router.policy.request import NoRoute, RouteRequest
-from router.registry.snapshot import RegionRanking, Snapshot, WorkerView
+from router.registry.snapshot import RegionRanking, Snapshot
+from router.registry.worker_view import WorkerView
 from worker.schema import LifecycleState
 
 

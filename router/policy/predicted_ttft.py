@@ -19,7 +19,8 @@ from typing import ClassVar
 from router.policy.base import Policy, two_of
 from router.policy.filters import best_of_region, region_open, skipped_workers
 from router.policy.request import Decision, RouteRequest
-from router.registry.snapshot import RegionRanking, Snapshot, WorkerView
+from router.registry.snapshot import RegionRanking, Snapshot
+from router.registry.worker_view import WorkerView
 
 
 def effective_load(view: WorkerView, local_inflight_now: int) -> int:

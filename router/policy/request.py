@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from router.registry.drained import NOTHING_DRAINED, Drained
-from router.registry.snapshot import WorkerView
+from router.registry.worker_view import WorkerView
 
 
 class RouteRequest(NamedTuple):

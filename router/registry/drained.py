@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.registry.snapshot import WorkerView
+from router.registry.worker_view import WorkerView
 
 
 @dataclass(frozen=True, slots=True)

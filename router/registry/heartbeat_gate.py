@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from router.registry.snapshot import WorkerView
+    from router.registry.worker_view import WorkerView
 
 from router.auth.endpoints import EndpointAllowList
 from router.core.stats import SecurityStats

@@ -17,9 +17,9 @@ from prometheus_client.utils import floatToGoString
 
 from router.admission.queue import Backlog
 from router.config_reload import ConfigHolder
-from router.registry.collector import REFUSED_COUNT_PREFIX
 from router.registry.drains import DrainHolder
 from router.registry.inflight import InFlight
+from router.registry.refusals import REFUSED_COUNT_PREFIX
 from router.registry.snapshot import SnapshotHolder
 
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lab.devstack.valkey import free_port
 from lab.sim.server import SimServer
 from router.app import HOLDER, RouterSettings, build_app, router_site
-from router.config import load_config
+from router.config_loader import load_config
 from tests.integration.conftest import StartSim
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.publisher import HeartbeatPublisher

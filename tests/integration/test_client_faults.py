@@ -20,7 +20,7 @@ import pytest
 from router.compiled import compiled_modules
 from router.policy import Decision, RouteRequest
 from router.policy.base import Policy
-from router.registry.snapshot import WorkerView
+from router.registry.worker_view import WorkerView
 from tests.integration.operators_fleet import scrape, value
 from tests.integration.test_proxy import CHAT, FleetFactory, fleet_factory
 

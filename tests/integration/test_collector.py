@@ -18,6 +18,7 @@ from lab.devstack.valkey import EmbeddedValkey
 from router.core.stats import SecurityStats
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry import collector as collector_module
+from router.registry import pace as pace_module
 from router.registry.heartbeat_gate import HeartbeatGate, HeartbeatRules
 from router.registry.subscriber import Subscription
 from worker.heartbeat_keys import HeartbeatKeys
@@ -460,10 +461,10 @@ async def test_load_records_of_long_gone_workers_are_deleted(valkey: EmbeddedVal
         # fleet reads them all so) is no longer an orphan once the worker is: not looked
         # at again at every read.
         collector = fleet.collector
-        assert collector is not None and b"recent" in collector._orphans
+        assert collector is not None and b"recent" in collector._loads.orphans
         await fleet.publish("recent")
         await until(lambda: "recent" in fleet.fresh())
-        await until(lambda: b"recent" not in collector._orphans, timeout_s=2.0)
+        await until(lambda: b"recent" not in collector._loads.orphans, timeout_s=2.0)
     await admin.aclose()
 
 
@@ -512,7 +513,7 @@ async def test_records_read_less_often_than_a_ttl_keep_live_workers_and_age_out_
     while messages of other workers move the router's clock on in between (it is never
     dropped from the table, to be read back from its key); a silent one still goes
     stale."""
-    monkeypatch.setattr(collector_module, "MIN_REBUILD_INTERVAL_S", 1.5)  # > TTL_S
+    monkeypatch.setattr(pace_module, "MIN_REBUILD_INTERVAL_S", 1.5)  # > TTL_S
     # The scans for expired workers fall between two reads, more than a TTL after the first.
     monkeypatch.setattr(collector_module, "EXPIRY_CHECK_S", 1.2)
     async with following(valkey.url) as fleet:
@@ -535,7 +536,7 @@ async def test_records_read_less_often_than_a_ttl_keep_live_workers_and_age_out_
             quiet_gone_s = None
             while time.monotonic() - started < 8.0:
                 fresh = fleet.fresh()
-                assert "a" in fresh and "a" in collector._views, time.monotonic() - started
+                assert "a" in fresh and "a" in collector._table.views, time.monotonic() - started
                 if quiet_gone_s is None and "quiet" not in fresh:
                     quiet_gone_s = time.monotonic() - started
                 await asyncio.sleep(0.05)

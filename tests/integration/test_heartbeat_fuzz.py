@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from redis.asyncio.client import Pipeline
 
 from router.app import COLLECTOR, HOLDER
-from router.registry.collector import WORKER_ID_FIELD
+from router.registry.messages import WORKER_ID_FIELD
 from tests.integration.operators_fleet import OpsFleet, Samples, chat, scrape, wait_for
 from tests.unit.test_heartbeat_fuzz import (
     BASE_ITEMS,

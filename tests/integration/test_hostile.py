@@ -31,7 +31,7 @@ from lab.devstack.valkey import free_port
 from lab.sim.config import SimConfig
 from lab.sim.server import SimServer
 from router.app import HOLDER, RouterSettings, build_app, router_site
-from router.config import parse_config
+from router.config_loader import parse_config
 from tests.conftest import ROOT
 from tests.integration.conftest import FAST
 from tests.integration.test_security_fleet import (

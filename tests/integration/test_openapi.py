@@ -18,7 +18,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from router.app import RouterSettings, build_app
-from router.config import parse_config
+from router.config_loader import parse_config
 from tests.conftest import ROOT
 from tests.integration.test_hostile import LiveRouter
 from tests.integration.test_security_fleet import API_KEYS, auth_section

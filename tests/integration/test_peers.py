@@ -15,7 +15,8 @@ from router.core.stats import SecurityStats
 from router.policy import RouteRequest, RoutingContext, create_policy
 from router.registry.inflight import InFlight
 from router.registry.peers import PEER_TTL_S, PeerExchange, encode_report
-from router.registry.snapshot import Snapshot, WorkerView
+from router.registry.snapshot import Snapshot
+from router.registry.worker_view import WorkerView
 from worker.redis_client import connect, connect_pubsub
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 

@@ -22,7 +22,7 @@ from aiohttp import web
 from lab.devstack.valkey import EmbeddedValkey, free_port
 from lab.sim.server import SimServer
 from router.app import HOLDER, RouterSettings, build_app, router_site
-from router.config import parse_config
+from router.config_loader import parse_config
 from tests.integration.conftest import StartSim
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.publisher import HeartbeatPublisher

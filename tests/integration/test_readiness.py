@@ -18,7 +18,7 @@ from aiohttp import web
 
 from lab.devstack.valkey import EmbeddedValkey, free_port
 from router.app import COLLECTOR, RouterSettings, build_app, router_site
-from router.config import parse_config
+from router.config_loader import parse_config
 from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import scrape, value
 from worker.heartbeat_keys import HeartbeatKeys

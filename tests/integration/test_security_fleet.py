@@ -21,7 +21,7 @@ from lab.devstack.valkey import free_port
 from lab.sim.server import SimServer
 from router.app import HOLDER, SECURITY_STATS, RouterSettings, build_app, router_site
 from router.auth.keys import hash_key
-from router.config import parse_config
+from router.config_loader import parse_config
 from router.core.stats import SecurityStats
 from tests.integration.conftest import StartSim
 from worker.heartbeat_keys import HeartbeatKeys

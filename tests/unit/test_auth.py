@@ -13,7 +13,7 @@ import yaml
 from router.auth.config import RateLimits
 from router.auth.endpoints import EndpointAllowList, entry_problem
 from router.auth.keys import AuthError, Keyring, hash_key, main
-from router.config import ConfigError, load_config, parse_config
+from router.config_loader import ConfigError, load_config, parse_config
 
 
 def document(auth: dict[str, Any], **regions: Any) -> dict[str, Any]:

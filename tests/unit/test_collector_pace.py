@@ -7,31 +7,27 @@ import itertools
 
 import pytest
 
-from router.registry import HeartbeatCollector, SnapshotHolder
-from router.registry.collector import (
+from router.registry.pace import (
     MAX_INTERVAL_GROWTH,
     MAX_REBUILD_INTERVAL_S,
     MEASURED_SHARE,
     MIN_REBUILD_INTERVAL_S,
+    Pace,
 )
-from router.registry.snapshot import Snapshot
-from worker.heartbeat_keys import HeartbeatKeys
 
 
 def test_the_interval_keeps_the_views_upkeep_within_its_share_of_a_core() -> None:
     share = [0.1]
-    collector = HeartbeatCollector(redis=None, pubsub_redis=None,  # type: ignore[arg-type]
-                                   keys=HeartbeatKeys("pace"), holder=SnapshotHolder(),
-                                   cpu_share=lambda: share[0])
+    pace = Pace(cpu_share=lambda: share[0], agent_interval_s=lambda: 0.0,
+                full_read_interval_s=2.0)
 
     def intervals_after(cost_s: float, builds: int = 15) -> list[float]:
         """The interval after each of `builds` builds whose cycle cost `cost_s` of
-        measured CPU (what _publish_in_turns passes)."""
+        measured CPU (what SnapshotPublisher.publish_in_turns passes to Pace.built)."""
         seen = []
         for _ in range(builds):
-            collector._replace(Snapshot.build([], built_at_s=0.0, redis_connected=True,
-                                              last_redis_ok_at_s=0.0), cost_s)
-            seen.append(collector.upkeep()["rebuild_interval_seconds"])
+            pace.built(cost_s)
+            seen.append(pace.upkeep()["rebuild_interval_seconds"])
         return seen
 
     # 10,000 workers cost ~75 ms a cycle: a read every second at a tenth of a core (the

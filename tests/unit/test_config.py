@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from router.cli import main
-from router.config import ConfigError, load_config, parse_config
+from router.config_loader import ConfigError, load_config, parse_config
 from tests.conftest import ROOT
 
 GOOD = {

@@ -8,8 +8,8 @@ import pytest
 
 from router.core.outcome import Attempt, Failure
 from router.health import Breaker, BreakerPolicy, BreakerState, Health, RetryBudget
-from router.health.tracker import PENALTY_FLOOR_MS
-from router.registry.snapshot import WorkerView
+from router.health.penalties import PENALTY_FLOOR_MS
+from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import FakeClock, view
 
 FLOOR = PENALTY_FLOOR_MS

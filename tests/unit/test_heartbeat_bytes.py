@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.registry.collector import WORKER_ID_FIELD, _order_of
+from router.registry.messages import WORKER_ID_FIELD, _order_of
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 from worker.signing import HeartbeatSigner
 

@@ -29,8 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.policy import NoRoute, RouteRequest
-from router.registry.collector import REFUSAL_REASONS
-from router.registry.snapshot import Snapshot, WorkerView
+from router.registry.refusals import REFUSAL_REASONS
+from router.registry.snapshot import Snapshot
+from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import make_policy, view
 from worker.engine_metrics import MetricsFormatError, parse_metrics
 from worker.engine_performance import PerformanceTracker

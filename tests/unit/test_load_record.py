@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from router.registry.snapshot import WorkerView
+from router.registry.worker_view import WorkerView
 from worker.load_records import LoadRecord, load_record, record_items, static_digest
 from worker.schema import Capacity, EngineInfo, Heartbeat, LifecycleState, Load, Performance
 from worker.signing import HeartbeatSigner, Verdict, hmac_sha256_hex, verify_record

@@ -15,8 +15,8 @@ from router.registry.snapshot import (
     RANK_ABOVE_WORKERS,
     Snapshot,
     SnapshotHolder,
-    WorkerView,
 )
+from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import FakeClock, make_policy, snapshot, view
 from worker.schema import LifecycleState
 

@@ -12,7 +12,8 @@ from router.policy.affinity import AffinityTable
 from router.policy.base import two_of
 from router.policy.predicted_ttft import predicted_ms
 from router.registry.inflight import InFlight
-from router.registry.snapshot import Snapshot, WorkerView
+from router.registry.snapshot import Snapshot
+from router.registry.worker_view import WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 
 RTT = {("us-east", "us-east"): 1.0, ("us-east", "eu-west"): 80.0, ("eu-west", "eu-west"): 1.0}

@@ -10,7 +10,7 @@ import pytest
 from router.admission.queue import ENGINE_QUEUE, Backlog, QueueFull, RouterQueue
 from router.policy import Decision, NoRoute
 from router.registry.inflight import InFlight
-from router.registry.snapshot import WorkerView
+from router.registry.worker_view import WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 
 SLOTS = 4

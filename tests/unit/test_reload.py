@@ -7,7 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from router.config import GlobalConfig, load_config
+from router.config import GlobalConfig
+from router.config_loader import load_config
 from router.config_reload import ConfigHolder, ConfigWatcher, ReloadError, initial_holder
 
 GOOD = {

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from router.config import ConfigError, parse_config
+from router.config_loader import ConfigError, parse_config
 from router.config_schema import SCHEMA_FILE, config_schema
 from tests.conftest import ROOT
 

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from router.admission.setup import heartbeat_gate
 from router.auth.endpoints import EndpointAllowList
-from router.config import GlobalConfig, parse_config
+from router.config import GlobalConfig
+from router.config_loader import parse_config
 from router.core.stats import SecurityStats
 from router.registry.heartbeat_gate import HeartbeatGate, HeartbeatRules
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load

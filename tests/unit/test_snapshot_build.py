@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from router.registry.snapshot import VIEWS_PER_STEP, Snapshot, WorkerView
+from router.registry.snapshot import VIEWS_PER_STEP, Snapshot
+from router.registry.worker_view import WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 
 STATE: dict[str, Any] = {"built_at_s": 5.0, "redis_connected": True, "last_redis_ok_at_s": 5.0}

@@ -16,7 +16,8 @@ from router.config import GlobalConfig
 from router.config_reload import ConfigHolder
 from router.registry.drains import DrainHolder
 from router.registry.inflight import InFlight
-from router.registry.snapshot import Snapshot, SnapshotHolder, WorkerView
+from router.registry.snapshot import Snapshot, SnapshotHolder
+from router.registry.worker_view import WorkerView
 from router.telemetry.fleet import WORKER_GAUGES, FleetCollector
 from tests.unit.loop_turns import with_turns
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance

@@ -26,7 +26,7 @@ from lab.devstack.children import Child, StackError, terminate
 from lab.devstack.stack import LocalStack
 from lab.drill.hostile.http import Endpoint
 from lab.drill.run import with_overrides
-from router.config import load_config
+from router.config_loader import load_config
 
 REGION = "lab"
 MODEL = "tiny-llama"

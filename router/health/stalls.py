@@ -1,0 +1,189 @@
+"""Stall detection: a worker that answers nobody while the others answer.
+
+`StallWatch` keeps the attempts waiting for their first byte (a non-streaming answer's
+first byte is its whole body) and finds the workers that have stopped answering them
+(`find`); router.health.tracker.Health ejects those and abandons their attempts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from router.core.outcome import Attempt
+from router.registry.worker_view import WorkerView
+
+# A heartbeat received this long after a request was sent should count it (s).
+HEARTBEAT_SLACK_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """A worker found stalled: the attempts waiting on it, and why (for the event)."""
+
+    worker_id: str
+    region: str  # of the attempt that shows it
+    detail: str
+    attempts: list[Attempt]
+
+
+class StallWatch:
+    """The attempts waiting for their first byte, what this router saw of its workers'
+    first bytes, and how long it was not running meanwhile: `find` judges by them."""
+
+    def __init__(self, *, stall_after_s: float, stall_factor: float,
+                 views: Callable[[], Mapping[str, WorkerView]]) -> None:
+        self._stall_after_s = stall_after_s
+        self._stall_factor = stall_factor
+        self._views = views  # the current snapshot's workers, for their own reports
+        self._awaiting: dict[int, Attempt] = {}  # attempts before their first byte
+        # Answers on their way (Attempt.answering): the read count last seen, and when.
+        self._silence: dict[int, tuple[int, float]] = {}
+        self._paused_s: dict[int, float] = {}  # waiting time the router was not running
+        self._last_first_byte_s: dict[str, float] = {}
+        self._last_any_first_byte_s = -1e18
+
+    @property
+    def waiting(self) -> bool:
+        """Whether any attempt waits for its first byte."""
+        return bool(self._awaiting)
+
+    def dispatched(self, attempt: Attempt) -> None:
+        """`attempt` waits for its first byte from now (see `find`)."""
+        self._awaiting[id(attempt)] = attempt
+
+    def finished(self, attempt: Attempt) -> None:
+        if self._awaiting.pop(id(attempt), None) is not None:
+            self._saw_first_byte(attempt)
+
+    def paused(self, paused_s: float) -> None:
+        """This process was not running for `paused_s` (its host stalled): the attempts
+        waiting now did not wait meanwhile, since nobody could answer them."""
+        paused = self._paused_s
+        self._paused_s = {key: paused.get(key, 0.0) + paused_s for key in self._awaiting}
+
+    def find(self, now_s: float) -> list[Stall]:
+        """The workers that have stopped answering, with the attempts waiting on them.
+
+        A worker is stalled when an attempt there has waited `stall_after_s` (streams:
+        also `stall_factor` x their predicted TTFT), the worker has answered nothing since
+        that attempt was sent, and there is evidence that the fault is the worker's:
+        - for a stream, other workers delivered first bytes meanwhile;
+        - for any attempt that has received nothing for `stall_after_s` (a long
+          generation is not silence: its engine counts it), the worker's own heartbeat,
+          taken after those requests were sent, counts fewer sequences than this router
+          has waiting there (they never reached its engine: a hung API server, a
+          partition of the data path), or the worker has left the fleet view (its
+          heartbeats stopped; the view drops a worker only while Redis answers, so an
+          outage of Redis is not taken for one). A non-streaming answer whose head came
+          `stall_after_s` ago and whose body has not ended counts as silent too (an
+          engine writes a whole answer at once: a body that never ends).
+        """
+        # Only attempts sent `stall_after_s` ago or earlier can show a stall (every rule
+        # needs that long a wait): the usual check, with every request young, stops here.
+        sent_before_s = now_s - self._stall_after_s
+        waiting: dict[str, list[Attempt]] = {}
+        for key, attempt in list(self._awaiting.items()):
+            if attempt.first_byte_s is not None:
+                del self._awaiting[key]
+                self._saw_first_byte(attempt)
+            elif attempt.started_s <= sent_before_s:
+                waiting.setdefault(attempt.worker_id, []).append(attempt)
+        if self._silence:
+            for key in [key for key in self._silence if key not in self._awaiting]:
+                del self._silence[key]
+        if not waiting:
+            return []
+        views = self._views()
+        stalls: list[Stall] = []
+        for worker_id, old in waiting.items():
+            found = self._evidence(worker_id, old, views, now_s)
+            if found is None:
+                continue
+            evidence, oldest = found
+            attempts = [a for a in self._awaiting.values() if a.worker_id == worker_id]
+            waited_s = self._waited_s(oldest, now_s)
+            detail = (f"stalled: no answer for {waited_s:.1f} s ({len(attempts)} "
+                      f"waiting) {evidence}")
+            stalls.append(Stall(worker_id, oldest.region, detail, attempts))
+        return stalls
+
+    def _evidence(self, worker_id: str, attempts: list[Attempt],
+                  views: Mapping[str, WorkerView], now_s: float
+                  ) -> tuple[str, Attempt] | None:
+        """(why, the attempt that shows it) if `worker_id` is stalled (see `find`)."""
+        answered_s = self._last_first_byte_s.get(worker_id, -1e18)
+        streams = [a for a in attempts if a.streamed and a.started_s > answered_s]
+        if streams:
+            oldest = min(streams, key=_started)
+            limit_s = max(self._stall_after_s,
+                          self._stall_factor * oldest.predicted_ttft_ms / 1000)
+            if (self._waited_s(oldest, now_s) >= limit_s
+                    and self._last_any_first_byte_s > oldest.started_s):
+                return "while other workers answer", oldest
+        # An unending whole answer counts whatever else the worker answered meanwhile (a
+        # worker whose streams start well may still never finish a body).
+        silent = [a for a in attempts if self._waited_s(a, now_s) >= self._stall_after_s
+                  and (self._unending(a, now_s)
+                       or (a.started_s > answered_s
+                           and self._silent_s(a, now_s) >= self._stall_after_s))]
+        if not silent:
+            return None
+        oldest = min(silent, key=_started)
+        view = views.get(worker_id)
+        if view is None:
+            # Out of the fleet view: its heartbeats stopped or it said it is gone. (An
+            # empty view says nothing: the router has not read the fleet yet.)
+            return ("after its heartbeats stopped", oldest) if views else None
+        sent_before = sum(1 for a in silent if a.started_s + HEARTBEAT_SLACK_S < view.received_at_s)
+        if sent_before == 0 or view.reported_load >= sent_before:
+            return None
+        return (f"while its heartbeat counts {view.reported_load} sequences of the "
+                f"{sent_before} sent there before it"), oldest
+
+    def _waited_s(self, attempt: Attempt, now_s: float) -> float:
+        """How long `attempt` has waited, less the time this process was not running."""
+        return now_s - attempt.started_s - self._paused_s.get(id(attempt), 0.0)
+
+    def _unending(self, attempt: Attempt, now_s: float) -> bool:
+        """A non-streaming answer whose head came `stall_after_s` ago and whose body has
+        not ended: an engine writes a whole answer at once, when generation is done (a
+        body that never ends, or trickles). With the heartbeat evidence (the engine no
+        longer counts the request) it is a stall, however the body still moves."""
+        head = attempt.answer_head
+        return head is not None and now_s - head[1] >= self._stall_after_s
+
+    def _silent_s(self, attempt: Attempt, now_s: float) -> float:
+        """How long nothing has arrived for `attempt`: since it was sent, or since its
+        answer's body last moved (a non-streaming answer on its way: `answering`)."""
+        answering = attempt.answering
+        if answering is None:
+            return self._waited_s(attempt, now_s)
+        key = id(attempt)
+        reads = answering.reads
+        seen = self._silence.get(key) or attempt.answer_head  # (silent since its head?)
+        if seen is None or seen[0] != reads:
+            self._silence[key] = (reads, now_s)
+            return 0.0
+        self._silence[key] = seen
+        return now_s - seen[1]
+
+    def prune(self, now_s: float) -> None:
+        """Forget first bytes older than every waiting attempt: `find` only compares
+        answers with attempts sent before them."""
+        oldest_s = min((a.started_s for a in self._awaiting.values()), default=now_s)
+        self._last_first_byte_s = {worker: at_s for worker, at_s
+                                   in self._last_first_byte_s.items() if at_s >= oldest_s}
+
+    def _saw_first_byte(self, attempt: Attempt) -> None:
+        self._paused_s.pop(id(attempt), None)
+        first_byte_s = attempt.first_byte_s
+        if first_byte_s is None:
+            return
+        if first_byte_s > self._last_first_byte_s.get(attempt.worker_id, -1e18):
+            self._last_first_byte_s[attempt.worker_id] = first_byte_s
+        self._last_any_first_byte_s = max(self._last_any_first_byte_s, first_byte_s)
+
+
+def _started(attempt: Attempt) -> float:
+    return attempt.started_s

@@ -1,0 +1,219 @@
+"""One worker as this router last heard of it: a `WorkerView`, with the scoring terms the
+request path reads for every candidate, made once per heartbeat or load record."""
+
+from __future__ import annotations
+
+from worker.load_records import RecordItems, static_digest
+from worker.schema import MAX_LATENCY_MS, Heartbeat, LifecycleState
+
+# Used until a worker has reported its own figures (no traffic yet).
+DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
+DEFAULT_SERVICE_MS = 2000.0
+# Above this KV usage new sequences start to wait for blocks even with free batch slots.
+KV_PRESSURE_START = 0.9
+# A prefill rate below this (tokens/s) is read as this: 1,000 s a token. The schema lets
+# any rate in 0..MAX_TOKENS_PER_S through, and 1000 / 5e-324 is inf (then 0 tokens x inf
+# is NaN, and a NaN score is never among the best: the pick found no candidate).
+MIN_PREFILL_TOKENS_PER_S = 1e-3
+
+
+def fresh_for_s(ttl_s: float, next_read_s: float) -> float:
+    """How long a worker stays fresh after the router last heard of it: its TTL, or, when
+    the router reads the load records only every so often, until the next read could take
+    the worker's next record (`next_read_s`: the longest until then, ~3 s for 10,000
+    workers; router.registry.pace). A live agent writes a record at least every half
+    TTL (worker.cli checks), so reads that far apart always find a newer one: a live
+    worker must not go stale between two of them."""
+    return max(ttl_s, next_read_s)
+
+
+class WorkerView:
+    """One worker as this router last heard of it. Never changed once made: a new
+    heartbeat or load record makes a new view (`with_load`).
+
+    `heartbeat` is the last full heartbeat: the worker's identity, state, models and
+    capacity. Its order (`seq`, `sent_at_s`) and load figures are the view's own
+    attributes, from that heartbeat or from a newer load record (worker.schema.
+    load_record) taken with it. `received_at_s` is the router's monotonic clock when the
+    latest of those arrived; the worker counts as fresh until `received_at_s +
+    heartbeat.ttl_s`, or until the router's next read of the load records could take its
+    next one, when that is later (`fresh_for_s`). `inflight_at_receipt` is how many
+    requests this router had open on the worker at that moment, so that the policy can add
+    what changed since (see router.registry.inflight).
+
+    A plain class with slots rather than a frozen dataclass: a router makes thousands of
+    views a second at scale, and a frozen class's `object.__setattr__` per field costs
+    6x plain assignment.
+    """
+
+    __slots__ = (  # noqa: RUF023 (grouped by what they are, as documented)
+        "heartbeat", "received_at_s", "inflight_at_receipt",
+        # Read off the heartbeat once, as plain attributes: a routing decision reads them
+        # for every candidate.
+        "worker_id", "region", "endpoint", "ready", "ttl_s", "_digest",
+        "served",  # the models and LoRA adapters it serves
+        "seq", "sent_at_s", "running", "waiting", "kv_cache_usage", "ttft_ms", "itl_ms",
+        "e2e_ms", "prefill_tokens_per_s", "decode_tokens_per_s",
+        "expires_at_s",  # fresh while the router's clock is below it
+        # Scoring terms, so that a routing decision is a few multiplications per candidate
+        # (see router.policy.predicted_ttft, which documents what they mean).
+        "reported_load", "slots", "queue_base", "queue_ms_per_request", "kv_pressure_ms",
+        "prefill_ms_per_token",
+        "utilisation",  # reported load per batch slot: what a region's ranking sorts by
+    )
+
+    heartbeat: Heartbeat
+    received_at_s: float
+    inflight_at_receipt: int
+    worker_id: str
+    region: str
+    endpoint: str
+    ready: bool
+    ttl_s: float
+    _digest: int | None
+    served: tuple[str, ...]
+    seq: int
+    sent_at_s: float
+    running: int
+    waiting: int
+    kv_cache_usage: float | None
+    ttft_ms: float | None
+    itl_ms: float | None
+    e2e_ms: float | None
+    prefill_tokens_per_s: float | None
+    decode_tokens_per_s: float | None
+    expires_at_s: float
+    reported_load: int
+    slots: int
+    queue_base: int
+    queue_ms_per_request: float
+    kv_pressure_ms: float
+    prefill_ms_per_token: float
+    utilisation: float
+
+    def __init__(self, heartbeat: Heartbeat | None, received_at_s: float,
+                 inflight_at_receipt: int = 0, next_read_s: float = 0.0) -> None:
+        """The view of `heartbeat`; None makes a blank that `_same_worker` fills (the
+        compiled build refuses `object.__new__` on this class, and its `__new__` runs
+        `__init__`)."""
+        self.received_at_s = received_at_s
+        self.inflight_at_receipt = inflight_at_receipt
+        if heartbeat is None:
+            return
+        self.heartbeat = heartbeat
+        self.worker_id = heartbeat.worker_id
+        self.region = heartbeat.region
+        self.endpoint = heartbeat.endpoint
+        self.ready = heartbeat.state is LifecycleState.READY
+        self.ttl_s = heartbeat.ttl_s
+        self._digest = None
+        self.served = (*heartbeat.models, *heartbeat.lora_adapters)
+        self.seq = heartbeat.seq
+        self.sent_at_s = heartbeat.sent_at_s
+        load, performance = heartbeat.load, heartbeat.performance
+        self.running = load.running
+        self.waiting = load.waiting
+        self.kv_cache_usage = load.kv_cache_usage
+        self.ttft_ms = performance.ttft_ms
+        self.itl_ms = performance.itl_ms
+        self.e2e_ms = performance.e2e_ms
+        self.prefill_tokens_per_s = performance.prefill_tokens_per_s
+        self.decode_tokens_per_s = performance.decode_tokens_per_s
+        self.slots = heartbeat.capacity.max_num_seqs
+        self._derive(next_read_s)
+
+    def _derive(self, next_read_s: float) -> None:
+        """The scoring terms. Finite whatever the figures (the schema's limits keep them
+        so; the comparisons here keep them so even for a view of a heartbeat that skipped
+        validation): a NaN or infinite term would make every score NaN or inf."""
+        slots = self.slots
+        service_ms = self.e2e_ms
+        if service_ms is None or not 0.0 < service_ms <= MAX_LATENCY_MS:  # NaN too
+            service_ms = DEFAULT_SERVICE_MS
+        kv_usage = self.kv_cache_usage
+        pressure = 0.0
+        if kv_usage is not None and kv_usage > KV_PRESSURE_START:
+            pressure = min(1.0, (kv_usage - KV_PRESSURE_START) / (1.0 - KV_PRESSURE_START))
+        rate = self.prefill_tokens_per_s
+        if rate is None or not rate > 0.0:  # not measured yet (or NaN)
+            rate = DEFAULT_PREFILL_TOKENS_PER_S
+        elif rate < MIN_PREFILL_TOKENS_PER_S:
+            rate = MIN_PREFILL_TOKENS_PER_S
+        self.expires_at_s = self.received_at_s + fresh_for_s(self.ttl_s, next_read_s)
+        self.reported_load = load = self.running + self.waiting
+        # Requests ahead of a new one that wait for a batch slot, less this router's open
+        # requests on the worker when the heartbeat came (add those open now).
+        self.queue_base = load - self.inflight_at_receipt + 1 - slots
+        self.utilisation = load / slots
+        self.queue_ms_per_request = service_ms / slots
+        self.kv_pressure_ms = pressure * service_ms
+        self.prefill_ms_per_token = 1000.0 / rate
+
+    def _same_worker(self, received_at_s: float, inflight_at_receipt: int) -> WorkerView:
+        """A new view of this worker with what its heartbeat says of it (identity, models,
+        capacity), received at `received_at_s`; the caller sets the rest."""
+        view = WorkerView(None, received_at_s, inflight_at_receipt)
+        view.heartbeat = self.heartbeat
+        view.worker_id = self.worker_id
+        view.region = self.region
+        view.endpoint = self.endpoint
+        view.ready = self.ready
+        view.ttl_s = self.ttl_s
+        view._digest = self._digest
+        view.served = self.served
+        view.slots = self.slots
+        return view
+
+    def with_load(self, record: RecordItems, received_at_s: float,
+                  inflight_at_receipt: int, next_read_s: float = 0.0) -> WorkerView:
+        """This worker as a newer load record of the same heartbeat describes it
+        (`record`: its items, as worker.schema.record_items returns them), read at
+        `received_at_s`; `next_read_s`: see `fresh_for_s`."""
+        view = self._same_worker(received_at_s, inflight_at_receipt)
+        (_, _, view.seq, view.sent_at_s, _, view.running, view.waiting, view.kv_cache_usage,
+         view.ttft_ms, view.itl_ms, view.e2e_ms, view.prefill_tokens_per_s,
+         view.decode_tokens_per_s, *_) = record
+        view._derive(next_read_s)
+        return view
+
+    def received_again(self, received_at_s: float, next_read_s: float = 0.0) -> WorkerView:
+        """The same report, as if received at `received_at_s` (see the collector)."""
+        view = self._same_worker(received_at_s, self.inflight_at_receipt)
+        view.seq = self.seq
+        view.sent_at_s = self.sent_at_s
+        view.running = self.running
+        view.waiting = self.waiting
+        view.kv_cache_usage = self.kv_cache_usage
+        view.ttft_ms = self.ttft_ms
+        view.itl_ms = self.itl_ms
+        view.e2e_ms = self.e2e_ms
+        view.prefill_tokens_per_s = self.prefill_tokens_per_s
+        view.decode_tokens_per_s = self.decode_tokens_per_s
+        view.expires_at_s = received_at_s + fresh_for_s(self.ttl_s, next_read_s)
+        view.reported_load = self.reported_load
+        view.queue_base = self.queue_base
+        view.utilisation = self.utilisation
+        view.queue_ms_per_request = self.queue_ms_per_request
+        view.kv_pressure_ms = self.kv_pressure_ms
+        view.prefill_ms_per_token = self.prefill_ms_per_token
+        return view
+
+    @property
+    def static_digest(self) -> int:
+        """worker.schema.static_digest of the heartbeat (computed once, when first asked)."""
+        digest = self._digest
+        if digest is None:
+            digest = self._digest = static_digest(self.heartbeat)
+        return digest
+
+    def fresh(self, now_s: float) -> bool:
+        return now_s < self.expires_at_s
+
+    def newer_than(self, other: WorkerView) -> bool:
+        """Whether this report supersedes `other` (same worker): later send time, then seq."""
+        return (self.sent_at_s, self.seq) > (other.sent_at_s, other.seq)
+
+    def __repr__(self) -> str:
+        return (f"WorkerView({self.worker_id!r}, {self.region!r}, seq={self.seq}, "
+                f"load={self.running}+{self.waiting}/{self.slots}, "
+                f"received_at_s={self.received_at_s:.3f})")

@@ -25,7 +25,7 @@ SCHEMA_VERSION: Literal[1] = 1
 # Finite (JSON parsers accept `NaN`, `Infinity` and `1e999`; 0.0 * inf is NaN in the
 # router's scores), of their JSON type (strict: no `true` for a count, no "1.5" for a
 # figure), and in a range wide enough for any engine yet narrow enough that the router's
-# arithmetic on them (router.registry.snapshot, router.policy) stays finite.
+# arithmetic on them (router.registry.worker_view, router.policy) stays finite.
 MAX_SEQS = 10_000_000  # running, waiting, max_num_seqs
 MAX_KV_BLOCKS = 1_000_000_000
 MAX_BLOCK_SIZE_TOKENS = 1 << 20
@@ -190,7 +190,7 @@ class Heartbeat(_Frozen):
 
 # --- refusals ----------------------------------------------------------------------------
 # Why the schema refuses a heartbeat or a load record, as a bounded set of names fit for a
-# metric label (router.registry.collector counts refusals by them): the path of the field
+# metric label (router.registry.refusals counts refusals by them): the path of the field
 # at fault among the schema's own field names, never text taken from the input.
 #
 # A key given twice is not refused. A load record is an array: it has no keys. Of a

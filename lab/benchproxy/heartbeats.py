@@ -132,7 +132,8 @@ def unit_costs_us(signed: bool, batches: int = 5, per_batch: int = 2000) -> dict
         "snapshot_build_10k_ms": build_ms,
         "payload_bytes": len(payload),
         "record_parse_us": median_us(lambda: record_items(record)),
-        # The collector asks the gate about records only when it signs (collector.py).
+        # The collector asks the gate about records only when it signs
+        # (router/registry/load_records.py).
         "record_gate_us": median_us(lambda: gate.check_record(LoadRecord.of(items), record,
                                                               view)) if signed else 0.0,
         "record_view_us": median_us(lambda: view.with_load(items, 1.0, 0)),

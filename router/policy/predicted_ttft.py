@@ -48,7 +48,7 @@ def predicted_ms(region_ms: float, kv_pressure_ms: float, tokens: int,
     slots freeing at one per `queue_ms_per_request` (the worker's recent E2E over its
     slots), plus `kv_pressure_ms`, a share of a service time when the KV cache is nearly
     full. Prefill: the `tokens` of the prompt not in the worker's prefix cache, at its
-    measured rate. The terms are the worker view's (router.registry.snapshot.WorkerView);
+    measured rate. The terms are the worker view's (router.registry.worker_view.WorkerView);
     a region's least terms give a floor that no worker of it can beat.
     """
     ms = region_ms + kv_pressure_ms + tokens * prefill_ms_per_token

@@ -1,6 +1,6 @@
 """Follows heartbeats in Redis and replaces the router's Snapshot as they arrive.
 
-Three paths feed one table of worker views (worker.schema.HeartbeatKeys names them):
+Three paths feed one table of worker views (worker.heartbeat_keys.HeartbeatKeys names them):
 - pub/sub on the heartbeat channel: full heartbeats, which agents publish when anything
   but their load changed (a new worker, a state, models...), within milliseconds;
 - the regions' load records (router.registry.load_records), read in one round trip as

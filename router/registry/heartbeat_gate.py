@@ -102,7 +102,7 @@ class HeartbeatGate:
         return reason
 
     def check_record(self, record: LoadRecord, payload: bytes, view: WorkerView) -> str | None:
-        """None to accept a load record (worker.schema.load_record, parsed from `payload`)
+        """None to accept a load record (worker.load_records.load_record, parsed from `payload`)
         that the collector found newer than `view`, the worker's current view, and taken
         with the same heartbeat; else the reason it is dropped (counted/logged as for
         heartbeats). With signing keys: signed by one of them, and its send time within

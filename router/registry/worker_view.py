@@ -167,7 +167,7 @@ class WorkerView:
     def with_load(self, record: RecordItems, received_at_s: float,
                   inflight_at_receipt: int, next_read_s: float = 0.0) -> WorkerView:
         """This worker as a newer load record of the same heartbeat describes it
-        (`record`: its items, as worker.schema.record_items returns them), read at
+        (`record`: its items, as worker.load_records.record_items returns them), read at
         `received_at_s`; `next_read_s`: see `fresh_for_s`."""
         view = self._same_worker(received_at_s, inflight_at_receipt)
         (_, _, view.seq, view.sent_at_s, _, view.running, view.waiting, view.kv_cache_usage,
@@ -200,7 +200,7 @@ class WorkerView:
 
     @property
     def static_digest(self) -> int:
-        """worker.schema.static_digest of the heartbeat (computed once, when first asked)."""
+        """worker.load_records.static_digest of the heartbeat (computed once, when first asked)."""
         digest = self._digest
         if digest is None:
             digest = self._digest = static_digest(self.heartbeat)

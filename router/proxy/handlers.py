@@ -23,22 +23,15 @@ from router.health import Health, RetryBudget
 from router.policy import Decision, NoRoute, Policy, RouteRequest
 from router.proxy.continuation import FAILOVER_HEADER, Failover, Rewriter
 from router.proxy.exchange import Exchange, Reply, api_error_reply, error_reply
-from router.proxy.forward import (
-    StreamBroken,
-    Target,
-    UpstreamFailure,
-    continue_stream,
-    end_broken_stream,
-    forward_stream,
-    forward_unary,
-    target_of,
-    upstream_headers,
-    upstream_key,
-)
+from router.proxy.failures import StreamBroken, UpstreamFailure
 from router.proxy.request_id import request_id_of
+from router.proxy.stream import continue_stream, end_broken_stream, forward_stream
+from router.proxy.targets import Target, target_of, upstream_headers
 from router.proxy.trace_context import continuation_span, inject_current_trace
 from router.proxy.transcript import event_limit
+from router.proxy.unary import forward_unary
 from router.proxy.upstream import UpstreamPool
+from router.proxy.worker_auth import WorkerAuth
 from router.registry.drains import DrainHolder
 from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder
@@ -56,8 +49,6 @@ TTFT_BUDGET_HEADER = "x-globalpool-ttft-budget-ms"
 TRAFFIC_CLASSES = ("interactive", "batch")
 
 REQUEST_ID_HEADER = "x-request-id"  # the client's own (if sane), else the router's
-
-_UNREAD = "\x00unread"  # not a header value (a NUL cannot be in one)
 
 _KIND_BY_PATH = {
     "/v1/chat/completions": "chat",
@@ -85,9 +76,7 @@ class Proxy:
     propagate_trace: bool = False  # tracing on: workers continue the router's span
 
     def __post_init__(self) -> None:
-        # `_authorize`'s "Bearer <key>" per region, for the config it was read from.
-        self._keys: dict[str, str | None] = {}
-        self._keys_config: GlobalConfig | None = None
+        self._worker_auth = WorkerAuth()
 
     @property
     def config(self) -> GlobalConfig:
@@ -244,7 +233,7 @@ class Proxy:
                 reply_headers.update(rate_headers)
             if decision.budget_met is not None:
                 reply_headers[BUDGET_HEADER] = "met" if decision.budget_met else "missed"
-            self._authorize(headers, config, worker.region)
+            self._worker_auth.authorize(headers, config, worker.region)
             if not counted:
                 self.inflight.started(worker.worker_id)
             self.health.dispatched(attempt)
@@ -353,21 +342,6 @@ class Proxy:
         record.finished_s = time.monotonic()
         for observer in self.observers:
             observer.request_finished(record)
-
-    def _authorize(self, headers: dict[str, str], config: GlobalConfig, region: str) -> None:
-        """`Authorization: Bearer <key>` in `headers` for `region`'s workers, or none (the
-        client's own never goes upstream). The key is read once per region and config."""
-        if config is not self._keys_config:
-            self._keys_config = config
-            self._keys.clear()
-        value = self._keys.get(region, _UNREAD)
-        if value is _UNREAD:
-            key = upstream_key(config, region)
-            value = self._keys[region] = None if key is None else f"Bearer {key}"
-        if value is None:
-            headers.pop("authorization", None)
-        else:
-            headers["authorization"] = value
 
     def _pick(self, route: RouteRequest) -> Decision:
         """Route on the fleet view of this moment (a waiting request is routed again)."""

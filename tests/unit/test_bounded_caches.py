@@ -12,8 +12,8 @@ from email.utils import formatdate
 import pytest
 
 from router.proxy import front, upstream
-from router.proxy.forward import Target, target_of
 from router.proxy.front import FrontProtocol
+from router.proxy.targets import Target, target_of
 from router.proxy.tls import client_context
 
 COMMON_ANSWER_LINES = ("server: uvicorn", "content-type: application/json")

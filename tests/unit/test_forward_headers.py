@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.proxy.forward import FORWARDED_REQUEST_HEADERS, target_of, upstream_headers
 from router.proxy.front import FrontProtocol
+from router.proxy.targets import FORWARDED_REQUEST_HEADERS, target_of, upstream_headers
 
 HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: router:8080\r\n"
         b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"

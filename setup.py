@@ -36,6 +36,8 @@ COMPILED_MODULES = [
     "router/proxy/exchange.py",
     "router/proxy/failures.py",
     "router/proxy/front.py",
+    "router/proxy/front_exchange.py",
+    "router/proxy/front_head.py",
     "router/proxy/handlers.py",
     "router/proxy/send.py",
     "router/proxy/stream.py",

@@ -1,10 +1,8 @@
 """The OpenAI-compatible endpoints: validate, route, forward, retry before the first byte.
 
-`Proxy.inference` admits and validates a request, then runs the routing-and-retry loop
-(`Proxy._route_and_forward`): each attempt is routed, counted, forwarded (`unary`,
-`stream`) and, when it fails, retried elsewhere (`retries`) or, a stream broken off,
-continued on another worker (`stream_failover`). The headers the client gets and the
-router's own replies are `replies`'.
+`Proxy.inference` admits a request, then the routing-and-retry loop routes, counts and
+forwards each attempt (`unary`, `stream`), retries a failed one elsewhere (`retries`) and
+continues a stream that broke off (`stream_failover`); `replies` makes what it answers.
 """
 
 from __future__ import annotations
@@ -13,8 +11,9 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -43,7 +42,7 @@ from router.proxy.retries import Retries, gave_up, note_failure
 from router.proxy.routing_hints import origin_region, route_request, routing_hints
 from router.proxy.stream import forward_stream
 from router.proxy.stream_failover import continue_broken_stream, failover_for, stream_ended
-from router.proxy.targets import target_of, upstream_headers
+from router.proxy.targets import Target, target_of, upstream_headers
 from router.proxy.trace_context import inject_current_trace
 from router.proxy.unary import forward_unary
 from router.proxy.upstream import UpstreamPool
@@ -151,26 +150,28 @@ class Proxy:
         record: RequestRecord, principal: Principal | None,
         hints: tuple[str | None, str, float | None], rate_headers: Mapping[str, str] | None,
     ) -> Reply:
-        """The routing-and-retry loop: up to `max_attempts` attempts, each on a worker
-        not tried yet; a stream that broke off is continued on the next one."""
+        """The routing-and-retry loop: each attempt on a worker not tried yet, at most
+        `max_attempts`; a stream that broke off is continued on the next."""
         router_config = config.router
         headers = self._worker_headers(exchange, record)
         record.traffic_class = hints[1]
-        allowed = None if principal is None else principal.allowed_regions  # data residency
-        route = route_request(parsed, record, self.drains.current, allowed, hints)
+        route = route_request(parsed, record, self.drains.current, principal, hints)
         failover = failover_for(router_config, exchange, parsed, body, record.kind)
-        retries = Retries()
+        retries: Retries | None = None  # made when an attempt fails
         self.retry_budget.request_arrived()
-        for attempt_number in range(router_config.max_attempts):
-            if attempt_number > 0:
+        for _ in range(router_config.max_attempts):
+            if retries is not None:
                 if not retries.free and not self.retry_budget.try_spend():
                     log.warning("retry budget exhausted; not retrying %s", parsed.model)
                     break
                 route = retries.next_route(route, self.drains.current)
+            queue = self.queue if retries is None else None  # a first attempt may wait
             try:
-                decision, counted = await self._decide(route, record, attempt_number == 0)
+                decision = self.policy.pick(self.holder.current, route)
+                if queue is not None and not queue.goes_now(route.model, decision):
+                    decision = await self._wait_turn(queue, decision, route, record)
             except NoRoute as no_route:
-                if retries.failure is not None:
+                if retries is not None:
                     log.warning("no retry for %s: %s", parsed.model, no_route.reason)
                     break  # report the upstream failure, not "nothing left to try"
                 record.error = no_route.reason
@@ -178,9 +179,9 @@ class Proxy:
             except QueueFull as full:
                 record.error = str(full)
                 return queue_full_reply(full)
-            continuing = retries.broken_stream is not None
-            attempt = self._dispatched(decision, record, route, headers, config, counted,
-                                       continuing)
+            continuing = retries is not None and retries.broken_stream is not None
+            attempt = self._dispatched(decision, record, route, headers, config,
+                                       queue is not None, continuing)
             try:
                 if failover is not None and continuing:
                     return await continue_broken_stream(
@@ -195,30 +196,27 @@ class Proxy:
                 assert failover is not None  # (only a kept transcript raises it)
                 if await stream_ended(exchange, failover, broken, record):
                     return Reply(200, {}, streamed=True)
+                retries = retries or Retries()
                 retries.broke(attempt, broken)
             except UpstreamFailure as failed:
                 log.warning("request %s: attempt on %s (%s) failed before first byte: %s",
                             record.request_id, attempt.worker_id, attempt.region, failed.detail)
                 note_failure(attempt, failed)
+                retries = retries or Retries()
                 retries.failed(attempt, failed)
             finally:
                 self._attempt_finished(attempt)
         return await gave_up(exchange, failover, retries, record)
 
-    async def _decide(self, route: RouteRequest, record: RequestRecord,
-                      first: bool) -> tuple[Decision, bool]:
-        """The worker for the next attempt, and whether the queue counted the request in
-        flight there already (a first attempt waits in it for a worker with room)."""
-        decision = self.policy.pick(self.holder.current, route)
-        queue = self.queue
-        if not first or queue is None:
-            return decision, False
-        if not queue.goes_now(route.model, decision):
-            decision, record.queued_s = await queue.turn(
-                decision, functools.partial(self._pick, route),
-                model=route.model, traffic_class=route.traffic_class,
-                arrived_s=record.received_s, budget_ms=route.ttft_budget_ms)
-        return decision, True
+    async def _wait_turn(self, queue: RouterQueue, decision: Decision, route: RouteRequest,
+                         record: RequestRecord) -> Decision:
+        """Wait in the router's queue for a worker with room (the queue counts the request
+        in flight there), routed again when its turn comes."""
+        decision, record.queued_s = await queue.turn(
+            decision, functools.partial(self._pick, route),
+            model=route.model, traffic_class=route.traffic_class,
+            arrived_s=record.received_s, budget_ms=route.ttft_budget_ms)
+        return decision
 
     def _pick(self, route: RouteRequest) -> Decision:
         """Route on the fleet view of this moment (a waiting request is routed again)."""
@@ -228,8 +226,8 @@ class Proxy:
                     headers: dict[str, str], config: GlobalConfig, counted: bool,
                     continuing: bool) -> Attempt:
         """A new attempt on `decision`'s worker, in the request's record and counted as
-        sent: in flight (unless `counted`), by health, by cache affinity; `headers` get
-        the key of the worker's region."""
+        sent: in flight (unless `counted`: the queue did it), by health, by cache
+        affinity; `headers` get the key of the worker's region."""
         worker = decision.worker
         now = time.monotonic()
         if record.routed_s is None:
@@ -254,18 +252,26 @@ class Proxy:
                 prompt_tokens=route.prompt_tokens, prefix_tokens=route.prefix_tokens)
         return attempt
 
-    async def _forward(self, config: RouterConfig, exchange: Exchange, decision: Decision,
-                       attempt: Attempt, record: RequestRecord, headers: dict[str, str],
-                       body: bytes, failover: Failover | None,
-                       rate_headers: Mapping[str, str] | None) -> Reply:
-        """Send `attempt` to its worker and pass the answer on: a stream as it arrives
-        (kept in `failover`'s transcript, if any), else the whole answer."""
+    def _forward(self, config: RouterConfig, exchange: Exchange, decision: Decision,
+                 attempt: Attempt, record: RequestRecord, headers: dict[str, str], body: bytes,
+                 failover: Failover | None, rate_headers: Mapping[str, str] | None
+                 ) -> Coroutine[Any, Any, Reply]:
+        """Send `attempt` to its worker and pass the answer on (awaited by the caller: one
+        coroutine less): a stream as it arrives, else the whole answer."""
         target = target_of(decision.worker.endpoint)
         payload = target.request(exchange.path, headers, body)
         answer_headers = reply_headers(record, attempt, decision, rate_headers)
         if not attempt.streamed:
-            return await forward_unary(self.upstreams, target, payload, config.timeouts,
-                                       answer_headers, attempt)
+            return forward_unary(self.upstreams, target, payload, config.timeouts,
+                                 answer_headers, attempt)
+        return self._forward_stream(config, exchange, target, payload, answer_headers, attempt,
+                                    record, failover)
+
+    async def _forward_stream(self, config: RouterConfig, exchange: Exchange, target: Target,
+                              payload: bytes, answer_headers: dict[str, str], attempt: Attempt,
+                              record: RequestRecord, failover: Failover | None) -> Reply:
+        """A stream passed on as it arrives, kept in `failover`'s transcript if any; one
+        that ended early (with an error event) is the request's error."""
         reply = await forward_stream(
             exchange, self.upstreams, target, payload, config.timeouts, answer_headers,
             attempt, config.client_timeouts.stall_s,

@@ -67,12 +67,12 @@ def note_failure(attempt: Attempt, failed: UpstreamFailure) -> None:
     attempt.retry_after_s = failed.retry_after_s
 
 
-async def gave_up(exchange: Exchange, failover: Failover | None, retries: Retries,
+async def gave_up(exchange: Exchange, failover: Failover | None, retries: Retries | None,
                   record: RequestRecord) -> Reply:
-    """The answer when no attempt is left: the last failure's error, or the end of a
-    stream whose client has part of the answer."""
+    """The answer when no attempt is left (each failed: `retries` holds them): the last
+    failure's error, or the end of a stream whose client has part of the answer."""
+    assert retries is not None and retries.failure is not None
     failure = retries.failure
-    assert failure is not None
     record.error = failure.detail
     if retries.broken_stream is not None:  # the client has part of the answer: end it
         record.failover = "failed"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from router.auth.keys import Principal
 from router.config import GlobalConfig
 from router.core.errors import ApiError
 from router.core.outcome import RequestRecord
@@ -51,11 +52,11 @@ def routing_hints(headers: Mapping[str, str]) -> tuple[str | None, str, float | 
 
 
 def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained,
-                  allowed_regions: frozenset[str] | None,
+                  principal: Principal | None,
                   hints: tuple[str | None, str, float | None]) -> RouteRequest:
-    """What routing knows of the request, for its first attempt (`allowed_regions`: the
-    caller's data residency, None for any)."""
+    """What routing knows of the request, for its first attempt."""
     session_id, traffic_class, budget_ms = hints
+    allowed = None if principal is None else principal.allowed_regions  # data residency
     # `__new__` called directly: `RouteRequest(...)` costs twice as much, as the type's
     # call turns the keywords into a dict for a named tuple's Python `__new__`.
     return RouteRequest.__new__(
@@ -65,7 +66,7 @@ def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained
         prompt_tokens=parsed.prompt_tokens,
         stream=parsed.stream,
         drained=drained,
-        allowed_regions=allowed_regions,
+        allowed_regions=allowed,
         session_id=session_id,
         prefix_key=parsed.prefix_key,
         prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,

@@ -10,7 +10,7 @@ commit before a change as another tree to compare):
   request are read after a warm-up and after each tenth of the run: what grows with time
   shows as RSS that keeps climbing, a cache that stopped working as CPU that rises.
 - https: `--https-endpoints` worker Targets for https endpoints, made by the tree's
-  `router.proxy.forward` in a process of its own (`memory_https`), then one request
+  `router.proxy.targets` in a process of its own (`memory_https`), then one request
   through each to a TLS server on loopback (4 ports, a self-signed certificate made with
   the openssl CLI): the memory per Target, the TLS contexts made, the connections opened.
 

@@ -1,5 +1,5 @@
 """The child of `globalpool bench-memory` that measures https endpoints: the memory of
-`endpoints` worker Targets (router.proxy.forward.target_of) and of one request through
+`endpoints` worker Targets (router.proxy.targets.target_of) and of one request through
 each to a real TLS server on loopback, with the router's own upstream pool.
 
     python -c "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')" \
@@ -7,7 +7,9 @@ each to a real TLS server on loopback, with the router's own upstream pool.
 
 Run from the source tree under test (cwd and PYTHONPATH), so it imports nothing of this
 package: only the standard library, uvloop and `router.proxy`, whose API these two
-modules have had since before the shared TLS context. The server's certificate must be
+modules have had since before the shared TLS context (`target_of` lived in
+`router.proxy.forward` before it had a module of its own: a tree from before is found
+there). The server's certificate must be
 trusted through SSL_CERT_FILE (a bundle of the system's CAs and it, so each context loads
 as many CAs as a router's would). Stops creating Targets once the process grew by
 `limit_bytes` (a shared machine), and says so. Prints one JSON document.
@@ -16,6 +18,7 @@ as many CAs as a router's would). Stops creating Targets once the process grew b
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import sys
 from typing import Any
@@ -35,8 +38,7 @@ def vmrss_bytes(pid: int | str = "self") -> int:
 
 def make_targets(spec: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
     """`spec["endpoints"]` https Targets spread over the ports, or fewer at the limit."""
-    from router.proxy.forward import target_of
-
+    target_of = _target_of()
     ports, host, limit_bytes = spec["ports"], spec["host"], int(spec["limit_bytes"])
     start_bytes = vmrss_bytes()
     targets = []
@@ -49,6 +51,15 @@ def make_targets(spec: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         "targets": len(targets), "stopped_at_limit": len(targets) < int(spec["endpoints"]),
         "tls_contexts": len({id(target.ssl) for target in targets}),
         "targets_bytes": grown_bytes, "bytes_per_target": grown_bytes / len(targets)}
+
+
+def _target_of() -> Any:
+    """The tree's `target_of`, where it lives in that tree."""
+    try:
+        module = importlib.import_module("router.proxy.targets")
+    except ImportError:  # a tree from before router.proxy.targets
+        module = importlib.import_module("router.proxy.forward")
+    return module.target_of
 
 
 async def request_each(targets: list[Any], concurrency: int) -> dict[str, Any]:
@@ -83,7 +94,7 @@ async def request_each(targets: list[Any], concurrency: int) -> dict[str, Any]:
 
 
 async def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    import router.proxy.forward  # noqa: F401  (imported before the baseline is read)
+    _target_of()  # its module imported before the baseline is read
 
     baseline_bytes = vmrss_bytes()
     targets, made = make_targets(spec)

@@ -37,13 +37,13 @@ def py_spy() -> str | None:
 
 
 def _function(frame: str) -> str:
-    """`handler (router/proxy/forward.py:123)` -> `handler (router/proxy/forward.py)`."""
+    """`handler (router/proxy/stream.py:123)` -> `handler (router/proxy/stream.py)`."""
     name, _, where = frame.partition(" (")
     return f"{name} ({where.rsplit(':', 1)[0]})" if where else name
 
 
 def _file(function: str) -> str:
-    """`handler (router/proxy/forward.py)` -> `router/proxy/forward.py`."""
+    """`handler (router/proxy/stream.py)` -> `router/proxy/stream.py`."""
     return function.rpartition(" (")[2].rstrip(")") or function
 
 

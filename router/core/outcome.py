@@ -14,7 +14,7 @@ from typing import Protocol
 
 
 class Reschedulable(Protocol):
-    """A deadline that can be moved (`asyncio.Timeout`, `router.proxy.forward.Deadline`)."""
+    """A deadline that can be moved (`asyncio.Timeout`, `router.proxy.timeouts.Deadline`)."""
 
     def reschedule(self, when: float | None) -> None: ...
 

@@ -3,8 +3,9 @@
 aiohttp's server costs more per request than a whole compiled router (BENCHMARKS.md,
 "Proxy cost"), so the request path does not go through it. `FrontSite`
 (`router.proxy.site`) listens in its place; each connection is a `FrontProtocol` that
-parses request heads itself, hands `POST /v1/chat/completions`, `/v1/completions` and
-`/v1/embeddings` to the proxy as an `Exchange`, writes whole answers with one
+parses request heads itself (`router.proxy.front_head`), hands `POST
+/v1/chat/completions`, `/v1/completions` and `/v1/embeddings` to the proxy as an
+`Exchange` (`router.proxy.front_exchange.FrontExchange`), writes whole answers with one
 `transport.write`, and relays streams from the upstream connection's `data_received`
 straight to the client's transport (no task wake-up per chunk; the client's flow control
 pauses the upstream).
@@ -21,29 +22,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
-from collections.abc import Callable, Coroutine, Mapping
-from email.utils import formatdate
-from http import HTTPStatus
-from typing import Any, ClassVar, Protocol, cast
+from typing import Protocol, cast
 
 from router.core.errors import ApiError
 from router.proxy.exchange import InferenceHandler, error_reply
-from router.proxy.transcript import Transcript, chunk_payloads, framed
-from router.proxy.upstream import (
-    UNIQUE_VALUE_HEADERS,
-    Sink,
-    UpstreamConnection,
-    UpstreamError,
-    remember_line,
-)
+from router.proxy.front_exchange import FrontExchange, answer_head
+from router.proxy.front_head import parse_head
+from router.proxy.upstream import UpstreamConnection
 
 log = logging.getLogger("globalpool.front")
 
-INFERENCE_PATHS = {path: path for path in
-                   ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")}
-# Headers that may appear once: a repeated one goes to aiohttp's stricter parser.
-_SINGLE_HEADERS = frozenset({"content-length", "host", "authorization"})
 # A request head longer than this goes to aiohttp, whose limits answer it.
 MAX_HEAD_BYTES = 16 * 1024
 # A connection whose head is late is closed this long after header_s, once the loop has
@@ -57,190 +45,6 @@ READ_AHEAD_BYTES = 256 * 1024
 # bytes, the router reads and drops before it closes (see FrontProtocol._linger).
 LINGER_S = 5.0
 LINGER_MAX_BYTES = 64 * 1024 * 1024
-
-# The request lines the front serves, and the path each asks for.
-_REQUEST_LINES = {f"POST {path} HTTP/1.1": path for path in INFERENCE_PATHS}
-# Header lines seen before, parsed: (lower-case name, value). Clients repeat most of
-# theirs request after request (Host, Content-Type, Accept, User-Agent, Content-Length of
-# a common size), and a lookup costs a third of parsing one. Bounded as the answers'
-# table is (router.proxy.upstream.remember_line: 1 MB at worst, whatever clients send);
-# lines that carry credentials, or a value new in every request, are never kept.
-_HEADER_LINES: dict[str, tuple[str, str]] = {}
-_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key",
-                             "api-key"})
-_NOT_KEPT = _SECRET_HEADERS | UNIQUE_VALUE_HEADERS
-
-
-def _header_field(line: str) -> tuple[str, str] | None:
-    """(lower-case name, value) of a header line; None if it is malformed or folded."""
-    name, colon, value = line.partition(":")
-    if not colon or not name or name[0] in " \t" or name[-1] in " \t":
-        return None
-    field = (name.lower(), value.strip(" \t"))
-    if field[0] not in _NOT_KEPT:
-        remember_line(_HEADER_LINES, line, field)
-    return field
-
-
-# "HTTP/1.1 200 OK\r\n" for every status Python names; others are "Unknown".
-_STATUS_LINES = {status.value: f"HTTP/1.1 {status.value} {status.phrase}\r\n"
-                 for status in HTTPStatus}
-_LAST_CHUNK = b"0\r\n\r\n"
-_CRLF = "\r\n"
-
-
-class _Clock:
-    """The `Date` header, with the `Server` header after it, formatted once per second."""
-
-    second: ClassVar[int] = 0
-    value: ClassVar[str] = ""
-
-    @classmethod
-    def date(cls) -> str:
-        """`Date: ...\r\nServer: globalpool\r\n` for the current second."""
-        now = int(time.time())
-        if now != cls.second:
-            cls.second = now
-            cls.value = f"Date: {formatdate(now, usegmt=True)}\r\nServer: globalpool\r\n"
-        return cls.value
-
-
-def _head(status: int, headers: Mapping[str, str], framing: str, close: bool) -> bytes:
-    status_line = _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n"
-    lines = "\r\n".join(map(": ".join, headers.items()))  # the loop in C
-    connection = "Connection: close\r\n" if close else ""
-    return (f"{status_line}{lines}{_CRLF if lines else ''}{_Clock.date()}{framing}{connection}"
-            "\r\n").encode("latin-1", "replace")
-
-
-class FrontExchange:
-    """One inference request on a front connection (see `router.proxy.exchange`)."""
-
-    __slots__ = ("_protocol", "_transcript", "content_length", "headers", "path", "started")
-
-    def __init__(self, protocol: FrontProtocol, path: str, headers: dict[str, str],
-                 content_length: int) -> None:
-        self._protocol = protocol
-        self.path = path
-        self.headers = headers
-        self.content_length = content_length
-        self.started = False  # the answer's head has been written
-        self._transcript: Transcript | None = None  # kept while relaying (see `relay`)
-
-    def body_if_here(self) -> bytes | None:
-        return self._protocol.body_if_here(self.content_length)
-
-    def read_body(self, timeout_s: float) -> Coroutine[Any, Any, bytes]:
-        return self._protocol.read_body(self.content_length, timeout_s)  # one await less
-
-    async def relay(
-        self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection,
-        transcript: Transcript | None = None,
-    ) -> UpstreamError | None:
-        protocol = self._protocol
-        transport = protocol.transport
-        if transport.is_closing():
-            raise ConnectionResetError("the client went away")
-        self.started = True
-        head = _head(200, headers, "Transfer-Encoding: chunked\r\n", protocol.closing)
-        if transcript is None:
-            transport.write(head + framed(first) if first else head)
-        else:
-            try:
-                transport.write(head + transcript.admit_framed(first))
-            except UpstreamError as exc:  # an error event right after the first
-                transport.write(head)
-                return exc
-        self._transcript = transcript
-        try:
-            return await self._pipe(upstream, self)
-        finally:
-            self._transcript = None
-
-    async def relay_more(
-        self, first: bytes, upstream: UpstreamConnection, rewrite: Callable[[bytes], bytes]
-    ) -> UpstreamError | None:
-        if self._protocol.transport.is_closing():
-            raise ConnectionResetError("the client went away")
-        sink = _Rewriting(self, rewrite)
-        try:
-            sink.write(first)
-        except UpstreamError as exc:
-            return exc
-        return await self._pipe(upstream, sink)
-
-    async def _pipe(self, upstream: UpstreamConnection, sink: Sink) -> UpstreamError | None:
-        protocol = self._protocol
-        protocol.relaying = upstream
-        if protocol.writing_paused:
-            upstream.pause_reading()
-        try:
-            await upstream.pipe(sink)
-        except UpstreamError as exc:
-            return exc
-        finally:
-            protocol.relaying = None
-        transcript = self._transcript
-        if transcript is not None:
-            tail = transcript.take_held()
-            if tail:
-                self._chunk(tail)
-        return None
-
-    def write(self, data: bytes) -> None:
-        """The upstream's next body bytes, as one HTTP chunk (called by the upstream)."""
-        transcript = self._transcript
-        # Whole events only (raises: the stream breaks), framed once for both.
-        chunk = framed(data) if transcript is None else transcript.admit_framed(data)
-        transport = self._protocol.transport
-        if chunk and not transport.is_closing():
-            transport.write(chunk)
-
-    def _chunk(self, data: bytes) -> None:
-        transport = self._protocol.transport
-        if not transport.is_closing():
-            transport.write(framed(data))
-
-    def write_frame(self, frame: bytes) -> None:
-        """One whole HTTP chunk of the upstream's, passed on as it came."""
-        transcript = self._transcript
-        if transcript is not None and not transcript.admit_frame(frame):
-            for payload in chunk_payloads(frame):
-                self.write(payload)
-            return
-        transport = self._protocol.transport
-        if not transport.is_closing():
-            transport.write(frame)
-
-    def client_pending_bytes(self) -> int:
-        return self._protocol.transport.get_write_buffer_size()
-
-    def abort_client(self) -> None:
-        self._protocol.transport.abort()
-
-    async def end_stream(self, tail: bytes, server_timing: str | None = None) -> None:
-        transport = self._protocol.transport
-        last = _LAST_CHUNK if server_timing is None else (
-            b"0\r\nserver-timing: " + server_timing.encode("latin-1", "replace") + b"\r\n\r\n")
-        if tail:
-            transport.write(b"%x\r\n" % len(tail) + tail + b"\r\n" + last)
-        else:
-            transport.write(last)
-
-
-class _Rewriting:
-    """A sink that passes a continuation's body through `rewrite` to the client."""
-
-    __slots__ = ("_exchange", "_rewrite")
-
-    def __init__(self, exchange: FrontExchange, rewrite: Callable[[bytes], bytes]) -> None:
-        self._exchange = exchange
-        self._rewrite = rewrite
-
-    def write(self, data: bytes) -> None:
-        out = self._rewrite(data)
-        if out:
-            self._exchange._chunk(out)
 
 
 class Listener(Protocol):
@@ -339,7 +143,7 @@ class FrontProtocol(asyncio.Protocol):
             if len(buffer) > MAX_HEAD_BYTES:
                 self._hand_over()
             return
-        request = self._parse_head(bytes(buffer[:end]))
+        request = parse_head(bytes(buffer[:end]))
         if request is None:
             self._hand_over()
             return
@@ -352,40 +156,6 @@ class FrontProtocol(asyncio.Protocol):
             self._task = self._loop.create_task(self._serve_requests(), name=TASK_NAME)
         else:
             self._wake_task()  # unless it is the task itself, at a request's end
-
-    @staticmethod
-    def _parse_head(head: bytes) -> tuple[str, dict[str, str], int, bool] | None:
-        """(path, headers, body length, close) of a request the front serves; None for
-        anything else (aiohttp takes it)."""
-        text = head.decode("latin-1")
-        lines = text.split("\r\n")
-        breaks = len(lines) - 1
-        if text.count("\n") != breaks or text.count("\r") != breaks or "\x00" in text:
-            return None  # a bare CR or LF, or a NUL: not ours to interpret
-        path = _REQUEST_LINES.get(lines[0])  # POST, an inference path, HTTP/1.1
-        if path is None:
-            return None
-        headers: dict[str, str] = {}
-        known = _HEADER_LINES
-        for line in lines[1:]:
-            field = known.get(line)
-            if field is None:
-                field = _header_field(line)
-                if field is None:
-                    return None
-            key, value = field
-            if key in headers:
-                if key in _SINGLE_HEADERS:
-                    return None
-                value = f"{headers[key]}, {value}"
-            headers[key] = value
-        if "transfer-encoding" in headers or "expect" in headers or "upgrade" in headers:
-            return None
-        raw_length = headers.get("content-length", "0")
-        if not raw_length.isdigit() or not raw_length.isascii() or len(raw_length) > 12:
-            return None
-        close = "close" in headers.get("connection", "").lower()
-        return path, headers, int(raw_length), close
 
     def body_if_here(self, length: int) -> bytes | None:
         buffer = self._buffer
@@ -460,8 +230,8 @@ class FrontProtocol(asyncio.Protocol):
         transport = self.transport
         if not reply.streamed:
             body = reply.body
-            transport.write(_head(reply.status, reply.headers,
-                                  f"Content-Length: {len(body)}\r\n", self.closing) + body)
+            transport.write(answer_head(reply.status, reply.headers,
+                                        f"Content-Length: {len(body)}\r\n", self.closing) + body)
         if unread and not transport.is_closing():
             self._linger(unread)
             return

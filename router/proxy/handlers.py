@@ -1,4 +1,9 @@
-"""The OpenAI-compatible endpoints: validate, route, forward, retry before the first byte."""
+"""The OpenAI-compatible endpoints: validate, route, forward, retry before the first byte.
+
+`Proxy.inference` admits a request, then the routing-and-retry loop routes, counts and
+forwards each attempt (`unary`, `stream`), retries a failed one elsewhere (`retries`) and
+continues a stream that broke off (`stream_failover`); `replies` makes what it answers.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,9 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -17,47 +23,35 @@ from router.auth.keys import Principal
 from router.config import GlobalConfig, RouterConfig
 from router.config_reload import ConfigHolder
 from router.core.errors import ApiError
-from router.core.outcome import Attempt, Failure, Observer, RequestRecord
-from router.core.parse import PREFIX_TOKENS, ParsedRequest, parse_body
+from router.core.outcome import Attempt, Observer, RequestRecord
+from router.core.parse import ParsedRequest, parse_body
 from router.health import Health, RetryBudget
 from router.policy import Decision, NoRoute, Policy, RouteRequest
-from router.proxy.continuation import FAILOVER_HEADER, Failover, Rewriter
-from router.proxy.exchange import Exchange, Reply, api_error_reply, error_reply
-from router.proxy.forward import (
-    StreamBroken,
-    Target,
-    UpstreamFailure,
-    continue_stream,
-    end_broken_stream,
-    forward_stream,
-    forward_unary,
-    target_of,
-    upstream_headers,
-    upstream_key,
+from router.proxy.continuation import Failover
+from router.proxy.exchange import Exchange, Reply, api_error_reply
+from router.proxy.failures import StreamBroken, UpstreamFailure
+from router.proxy.replies import (
+    internal_error,
+    no_route_reply,
+    queue_full_reply,
+    reply_headers,
+    with_headers,
 )
 from router.proxy.request_id import request_id_of
-from router.proxy.trace_context import continuation_span, inject_current_trace
-from router.proxy.transcript import event_limit
+from router.proxy.retries import Retries, gave_up, note_failure
+from router.proxy.routing_hints import origin_region, route_request, routing_hints
+from router.proxy.stream import forward_stream
+from router.proxy.stream_failover import continue_broken_stream, failover_for, stream_ended
+from router.proxy.targets import Target, target_of, upstream_headers
+from router.proxy.trace_context import inject_current_trace
+from router.proxy.unary import forward_unary
 from router.proxy.upstream import UpstreamPool
+from router.proxy.worker_auth import WorkerAuth
 from router.registry.drains import DrainHolder
 from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder
 
 log = logging.getLogger("globalpool.proxy")
-
-REGION_HEADER = "x-globalpool-region"
-WORKER_HEADER = "x-globalpool-worker"
-CLIENT_REGION_HEADER = "x-globalpool-client-region"
-ROUTE_HEADER = "x-globalpool-route"  # why this worker: local, spillover, affinity, batch...
-BUDGET_HEADER = "x-globalpool-budget"  # met | missed, when the request sent a TTFT budget
-SESSION_HEADER = "x-globalpool-session-id"
-CLASS_HEADER = "x-globalpool-class"  # interactive (default) | batch
-TTFT_BUDGET_HEADER = "x-globalpool-ttft-budget-ms"
-TRAFFIC_CLASSES = ("interactive", "batch")
-
-REQUEST_ID_HEADER = "x-request-id"  # the client's own (if sane), else the router's
-
-_UNREAD = "\x00unread"  # not a header value (a NUL cannot be in one)
 
 _KIND_BY_PATH = {
     "/v1/chat/completions": "chat",
@@ -85,9 +79,7 @@ class Proxy:
     propagate_trace: bool = False  # tracing on: workers continue the router's span
 
     def __post_init__(self) -> None:
-        # `_authorize`'s "Bearer <key>" per region, for the config it was read from.
-        self._keys: dict[str, str | None] = {}
-        self._keys_config: GlobalConfig | None = None
+        self._worker_auth = WorkerAuth()
 
     @property
     def config(self) -> GlobalConfig:
@@ -119,15 +111,15 @@ class Proxy:
             parsed = parse_body(body, kind, router_config.max_json_depth)
             if admission is not None and principal is not None:  # else nothing to check
                 rate_headers = await admission.admit(principal, parsed, config.auth)  # 403, 429
-            origin = self._origin_region(exchange.headers)
-            hints = _routing_hints(exchange.headers)
+            origin = origin_region(exchange.headers, self.region, self.config)
+            hints = routing_hints(exchange.headers)
         except ApiError as exc:
-            return _with_headers(api_error_reply(exc), rate_headers, request_id)
+            return with_headers(api_error_reply(exc), rate_headers, request_id)
         except Exception as exc:
             log.exception("request %s (%s): internal error in the router before routing",
                           request_id, exchange.path)
             self._count_unrouted(exchange.path, received_s, request_id, exc)
-            return _internal_error(request_id, rate_headers)
+            return internal_error(request_id, rate_headers)
         record = RequestRecord(model=parsed.model, kind=kind, stream=parsed.stream,
                                origin_region=origin, received_s=received_s,
                                request_id=request_id)
@@ -146,202 +138,179 @@ class Proxy:
                           exchange.path, parsed.model)
             if record.stream and record.served_by is not None:
                 raise  # the stream had started: its server cuts the connection
-            return _internal_error(request_id, rate_headers)
+            return internal_error(request_id, rate_headers)
         else:
             record.status = reply.status
-            return _with_headers(reply, rate_headers, request_id)
+            return with_headers(reply, rate_headers, request_id)
         finally:
-            record.finished_s = time.monotonic()
-            if admission is not None and principal is not None:
-                admission.record_residency(principal, record)
-            for observer in self.observers:
-                observer.request_finished(record)
+            self._request_finished(record, principal)
 
     async def _route_and_forward(
         self, config: GlobalConfig, exchange: Exchange, body: bytes, parsed: ParsedRequest,
         record: RequestRecord, principal: Principal | None,
         hints: tuple[str | None, str, float | None], rate_headers: Mapping[str, str] | None,
     ) -> Reply:
+        """The routing-and-retry loop: each attempt on a worker not tried yet, at most
+        `max_attempts`; a stream that broke off is continued on the next."""
         router_config = config.router
+        headers = self._worker_headers(exchange, record)
+        record.traffic_class = hints[1]
+        route = route_request(parsed, record, self.drains.current, principal, hints)
+        failover = failover_for(router_config, exchange, parsed, body, record.kind)
+        retries: Retries | None = None  # made when an attempt fails
+        self.retry_budget.request_arrived()
+        for _ in range(router_config.max_attempts):
+            if retries is not None:
+                if not retries.free and not self.retry_budget.try_spend():
+                    log.warning("retry budget exhausted; not retrying %s", parsed.model)
+                    break
+                route = retries.next_route(route, self.drains.current)
+            queue = self.queue if retries is None else None  # a first attempt may wait
+            try:
+                decision = self.policy.pick(self.holder.current, route)
+                if queue is not None and not queue.goes_now(route.model, decision):
+                    decision = await self._wait_turn(queue, decision, route, record)
+            except NoRoute as no_route:
+                if retries is not None:
+                    log.warning("no retry for %s: %s", parsed.model, no_route.reason)
+                    break  # report the upstream failure, not "nothing left to try"
+                record.error = no_route.reason
+                return no_route_reply(no_route, configured=parsed.model in config.models)
+            except QueueFull as full:
+                record.error = str(full)
+                return queue_full_reply(full)
+            continuing = retries is not None and retries.broken_stream is not None
+            attempt = self._dispatched(decision, record, route, headers, config,
+                                       queue is not None, continuing)
+            try:
+                if failover is not None and continuing:
+                    return await continue_broken_stream(
+                        exchange, self.upstreams, self.config.router, failover,
+                        target_of(decision.worker.endpoint), headers, attempt, record)
+                return await self._forward(router_config, exchange, decision, attempt, record,
+                                           headers, body, failover, rate_headers)
+            except StreamBroken as broken:
+                note_failure(attempt, broken)
+                log.warning("request %s: stream from %s (%s) broke off: %s", record.request_id,
+                            attempt.worker_id, attempt.region, broken.detail)
+                assert failover is not None  # (only a kept transcript raises it)
+                if await stream_ended(exchange, failover, broken, record):
+                    return Reply(200, {}, streamed=True)
+                retries = retries or Retries()
+                retries.broke(attempt, broken)
+            except UpstreamFailure as failed:
+                log.warning("request %s: attempt on %s (%s) failed before first byte: %s",
+                            record.request_id, attempt.worker_id, attempt.region, failed.detail)
+                note_failure(attempt, failed)
+                retries = retries or Retries()
+                retries.failed(attempt, failed)
+            finally:
+                self._attempt_finished(attempt)
+        return await gave_up(exchange, failover, retries, record)
+
+    async def _wait_turn(self, queue: RouterQueue, decision: Decision, route: RouteRequest,
+                         record: RequestRecord) -> Decision:
+        """Wait in the router's queue for a worker with room (the queue counts the request
+        in flight there), routed again when its turn comes."""
+        decision, record.queued_s = await queue.turn(
+            decision, functools.partial(self._pick, route),
+            model=route.model, traffic_class=route.traffic_class,
+            arrived_s=record.received_s, budget_ms=route.ttft_budget_ms)
+        return decision
+
+    def _pick(self, route: RouteRequest) -> Decision:
+        """Route on the fleet view of this moment (a waiting request is routed again)."""
+        return self.policy.pick(self.holder.current, route)
+
+    def _dispatched(self, decision: Decision, record: RequestRecord, route: RouteRequest,
+                    headers: dict[str, str], config: GlobalConfig, counted: bool,
+                    continuing: bool) -> Attempt:
+        """A new attempt on `decision`'s worker, in the request's record and counted as
+        sent: in flight (unless `counted`: the queue did it), by health, by cache
+        affinity; `headers` get the key of the worker's region."""
+        worker = decision.worker
+        now = time.monotonic()
+        if record.routed_s is None:
+            record.routed_s = now
+        attempt = Attempt(worker_id=worker.worker_id, region=worker.region,
+                          predicted_ttft_ms=decision.predicted_ttft_ms,
+                          reason=("continuation" if continuing else
+                                  decision.reason if not record.attempts else "retry"),
+                          started_s=now, streamed=route.stream)
+        record.attempts.append(attempt)
+        self._worker_auth.authorize(headers, config, worker.region)
+        if not counted:
+            self.inflight.started(worker.worker_id)
+        self.health.dispatched(attempt)
+        if route.session_id or route.prefix_key is not None:
+            # Remembered as it is sent, not when it ends: the worker holds the prompt
+            # once prefilled, and requests sharing the prefix that arrive meanwhile
+            # should find it there (twin: prefix hits +1.8 points over six traces, +4.5
+            # on the quick one). A failed attempt's retry is remembered in its place.
+            self.policy.context.affinity.remember(
+                route.session_id, route.prefix_key, worker.worker_id,
+                prompt_tokens=route.prompt_tokens, prefix_tokens=route.prefix_tokens)
+        return attempt
+
+    def _forward(self, config: RouterConfig, exchange: Exchange, decision: Decision,
+                 attempt: Attempt, record: RequestRecord, headers: dict[str, str], body: bytes,
+                 failover: Failover | None, rate_headers: Mapping[str, str] | None
+                 ) -> Coroutine[Any, Any, Reply]:
+        """Send `attempt` to its worker and pass the answer on (awaited by the caller: one
+        coroutine less): a stream as it arrives, else the whole answer."""
+        target = target_of(decision.worker.endpoint)
+        payload = target.request(exchange.path, headers, body)
+        answer_headers = reply_headers(record, attempt, decision, rate_headers)
+        if not attempt.streamed:
+            return forward_unary(self.upstreams, target, payload, config.timeouts,
+                                 answer_headers, attempt)
+        return self._forward_stream(config, exchange, target, payload, answer_headers, attempt,
+                                    record, failover)
+
+    async def _forward_stream(self, config: RouterConfig, exchange: Exchange, target: Target,
+                              payload: bytes, answer_headers: dict[str, str], attempt: Attempt,
+                              record: RequestRecord, failover: Failover | None) -> Reply:
+        """A stream passed on as it arrives, kept in `failover`'s transcript if any; one
+        that ended early (with an error event) is the request's error."""
+        reply = await forward_stream(
+            exchange, self.upstreams, target, payload, config.timeouts, answer_headers,
+            attempt, config.client_timeouts.stall_s,
+            None if failover is None else failover.transcript)
+        if attempt.error is not None:
+            record.error = attempt.error
+            log.warning("request %s: stream from %s (%s) ended early: %s",
+                        record.request_id, attempt.worker_id, attempt.region, attempt.error)
+        return reply
+
+    def _attempt_finished(self, attempt: Attempt) -> None:
+        """However `attempt` ended: out of the in-flight counts, its room offered to a
+        waiting request, and its outcome to health and the observers."""
+        self.inflight.finished(attempt.worker_id)
+        if self.queue is not None:
+            self.queue.capacity_freed()
+        attempt.finished_s = time.monotonic()
+        self.health.attempt_finished(attempt)
+        for observer in self.observers:
+            observer.attempt_finished(attempt)
+
+    def _request_finished(self, record: RequestRecord, principal: Principal | None) -> None:
+        """However the request ended: its residency to admission, its record to the
+        observers."""
+        record.finished_s = time.monotonic()
+        admission = self.admission
+        if admission is not None and principal is not None:
+            admission.record_residency(principal, record)
+        for observer in self.observers:
+            observer.request_finished(record)
+
+    def _worker_headers(self, exchange: Exchange, record: RequestRecord) -> dict[str, str]:
+        """The request's headers as its workers get them (each attempt adds its region's
+        key): the client's that pass, the request id, the router's trace context."""
         headers = upstream_headers(exchange.headers)
         headers["x-request-id"] = record.request_id  # the worker's logs name it too
         if self.propagate_trace:
             inject_current_trace(headers)  # the worker continues this router's span
-        session_id, traffic_class, budget_ms = hints
-        record.traffic_class = traffic_class
-        allowed = None if principal is None else principal.allowed_regions  # data residency
-        failover = _failover_for(router_config, exchange, parsed, body, record.kind)
-        broken_stream: StreamBroken | None = None
-        tried: set[str] = set()
-        avoid_regions: set[str] = set()
-        failure: UpstreamFailure | None = None
-        self.retry_budget.request_arrived()
-        free_retry = False
-        # `__new__` called directly: `RouteRequest(...)` costs twice as much, as the type's
-        # call turns the keywords into a dict for a named tuple's Python `__new__`.
-        route = RouteRequest.__new__(
-            RouteRequest,
-            model=parsed.model,
-            origin_region=record.origin_region,
-            prompt_tokens=parsed.prompt_tokens,
-            stream=parsed.stream,
-            drained=self.drains.current,
-            allowed_regions=allowed,
-            session_id=session_id,
-            prefix_key=parsed.prefix_key,
-            prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,
-            traffic_class=traffic_class,
-            ttft_budget_ms=budget_ms,
-        )
-        for attempt_number in range(router_config.max_attempts):
-            if attempt_number > 0:
-                if not free_retry and not self.retry_budget.try_spend():
-                    log.warning("retry budget exhausted; not retrying %s", parsed.model)
-                    break
-                route = route._replace(exclude=frozenset(tried), drained=self.drains.current,
-                                       avoid_regions=frozenset(avoid_regions))
-            counted = False  # in the open-request counts already (the queue did it)
-            try:
-                decision = self.policy.pick(self.holder.current, route)
-                queue = self.queue
-                if attempt_number == 0 and queue is not None:
-                    counted = True
-                    if not queue.goes_now(parsed.model, decision):
-                        decision, record.queued_s = await queue.turn(
-                            decision, functools.partial(self._pick, route),
-                            model=parsed.model, traffic_class=traffic_class,
-                            arrived_s=record.received_s, budget_ms=budget_ms)
-            except NoRoute as no_route:
-                if failure is not None:
-                    log.warning("no retry for %s: %s", parsed.model, no_route.reason)
-                    break  # report the upstream failure, not "nothing left to try"
-                record.error = no_route.reason
-                return _no_route(no_route, configured=parsed.model in config.models)
-            except QueueFull as full:
-                record.error = str(full)
-                return error_reply(503, f"no capacity: every worker is busy and {full}",
-                                   code="queue_full", headers={"Retry-After": "1"})
-            worker = decision.worker
-            tried.add(worker.worker_id)
-            now = time.monotonic()
-            if record.routed_s is None:
-                record.routed_s = now
-            continuing = broken_stream is not None
-            attempt = Attempt(worker_id=worker.worker_id, region=worker.region,
-                              predicted_ttft_ms=decision.predicted_ttft_ms,
-                              reason=("continuation" if continuing else
-                                      decision.reason if not record.attempts else "retry"),
-                              started_s=now, streamed=parsed.stream)
-            record.attempts.append(attempt)
-            reply_headers = {
-                REGION_HEADER: worker.region,
-                WORKER_HEADER: worker.worker_id,
-                ROUTE_HEADER: attempt.reason,
-                REQUEST_ID_HEADER: record.request_id,
-                "server-timing": _server_timing(record, attempt),
-            }
-            if rate_headers:
-                reply_headers.update(rate_headers)
-            if decision.budget_met is not None:
-                reply_headers[BUDGET_HEADER] = "met" if decision.budget_met else "missed"
-            self._authorize(headers, config, worker.region)
-            if not counted:
-                self.inflight.started(worker.worker_id)
-            self.health.dispatched(attempt)
-            if session_id or parsed.prefix_key is not None:
-                # Remembered as it is sent, not when it ends: the worker holds the prompt
-                # once prefilled, and requests sharing the prefix that arrive meanwhile
-                # should find it there (twin: prefix hits +1.8 points over six traces, +4.5
-                # on the quick one). A failed attempt's retry is remembered in its place.
-                self.policy.context.affinity.remember(
-                    session_id, parsed.prefix_key, worker.worker_id,
-                    prompt_tokens=parsed.prompt_tokens, prefix_tokens=route.prefix_tokens)
-            try:
-                target = target_of(worker.endpoint)
-                if failover is not None and continuing:
-                    return await self._continue(exchange, failover, target, headers, attempt,
-                                                record)
-                payload = target.request(exchange.path, headers, body)
-                if parsed.stream:
-                    reply = await forward_stream(
-                        exchange, self.upstreams, target, payload, router_config.timeouts,
-                        reply_headers, attempt, router_config.client_timeouts.stall_s,
-                        None if failover is None else failover.transcript)
-                    if attempt.error is not None:
-                        record.error = attempt.error
-                        log.warning("request %s: stream from %s (%s) ended early: %s",
-                                    record.request_id, worker.worker_id, worker.region,
-                                    attempt.error)
-                else:
-                    reply = await forward_unary(self.upstreams, target, payload,
-                                                router_config.timeouts, reply_headers, attempt)
-                return reply
-            except StreamBroken as broken:
-                _note_failure(attempt, broken)
-                log.warning("request %s: stream from %s (%s) broke off: %s", record.request_id,
-                            worker.worker_id, worker.region, broken.detail)
-                assert failover is not None  # (only a kept transcript raises it)
-                if await _stream_ended(exchange, failover, broken, record):
-                    return Reply(200, {}, streamed=True)
-                broken_stream = failure = broken
-                free_retry = True  # failover: the budget guards against amplification
-            except UpstreamFailure as failed:
-                log.warning("request %s: attempt on %s (%s) failed before first byte: %s",
-                            record.request_id, worker.worker_id, worker.region, failed.detail)
-                _note_failure(attempt, failed)
-                # A retry costs no budget when the failed attempt did no work anywhere: a
-                # refused connection, or a wait abandoned on a stalled worker (ejected, so
-                # its requests move once; the budget guards against amplification, and
-                # this is failover).
-                free_retry = (failed.kind is Failure.CONNECT or attempt.abandoned is not None
-                              or continuing)
-                if failed.kind in _PATH_FAILURES:
-                    # The path to the region may be down (refused, or a blackhole that
-                    # only times out): the retry prefers another region. A reset is
-                    # usually one stale pooled connection, not the region.
-                    avoid_regions.add(worker.region)
-                failure = failed
-            finally:
-                self.inflight.finished(worker.worker_id)
-                if self.queue is not None:
-                    self.queue.capacity_freed()
-                attempt.finished_s = time.monotonic()
-                self.health.attempt_finished(attempt)
-                for observer in self.observers:
-                    observer.attempt_finished(attempt)
-        assert failure is not None
-        record.error = failure.detail
-        if broken_stream is not None:  # the client has part of the answer: end it
-            record.failover = "failed"
-            await end_broken_stream(exchange, None if failover is None else failover.transcript,
-                                    broken_stream)
-            return Reply(200, {}, streamed=True)
-        status = failure.status if failure.status in (502, 503, 504) else 502
-        return error_reply(
-            status,
-            f"the request failed on {len(tried)} worker(s); last error: {failure.message}",
-            code="upstream_failed",
-            headers={"Retry-After": "1"},
-        )
-
-    async def _continue(self, exchange: Exchange, failover: Failover, target: Target,
-                        headers: dict[str, str], attempt: Attempt, record: RequestRecord
-                        ) -> Reply:
-        """Ask `target` for the rest of a broken stream and pass it on (raises
-        UpstreamFailure when it does not start, StreamBroken when it breaks off too)."""
-        router_config = self.config.router
-        payload = target.request(exchange.path, headers, failover.next_body())
-        record.continuations += 1
-        with continuation_span(attempt.worker_id, attempt.region):
-            await continue_stream(exchange, self.upstreams, target, payload,
-                                  router_config.timeouts, attempt,
-                                  router_config.client_timeouts.stall_s, failover.transcript,
-                                  Rewriter(failover.transcript),
-                                  functools.partial(_continuation_timing, record))
-        record.failover = "continued"
-        log.info("request %s: stream continued on %s (%s)", record.request_id,
-                 attempt.worker_id, attempt.region)
-        return Reply(200, {}, streamed=True)
+        return headers
 
     def _count_unrouted(self, path: str, received_s: float, request_id: str,
                         exc: Exception) -> None:
@@ -353,33 +322,6 @@ class Proxy:
         record.finished_s = time.monotonic()
         for observer in self.observers:
             observer.request_finished(record)
-
-    def _authorize(self, headers: dict[str, str], config: GlobalConfig, region: str) -> None:
-        """`Authorization: Bearer <key>` in `headers` for `region`'s workers, or none (the
-        client's own never goes upstream). The key is read once per region and config."""
-        if config is not self._keys_config:
-            self._keys_config = config
-            self._keys.clear()
-        value = self._keys.get(region, _UNREAD)
-        if value is _UNREAD:
-            key = upstream_key(config, region)
-            value = self._keys[region] = None if key is None else f"Bearer {key}"
-        if value is None:
-            headers.pop("authorization", None)
-        else:
-            headers["authorization"] = value
-
-    def _pick(self, route: RouteRequest) -> Decision:
-        """Route on the fleet view of this moment (a waiting request is routed again)."""
-        return self.policy.pick(self.holder.current, route)
-
-    def _origin_region(self, headers: Mapping[str, str]) -> str | None:
-        named = headers.get(CLIENT_REGION_HEADER)
-        if named is None:
-            return self.region
-        if named not in self.config.regions:
-            raise ApiError(400, f"{CLIENT_REGION_HEADER}: no region named {named!r}")
-        return named
 
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: the union of models served by live workers in every region
@@ -407,122 +349,3 @@ class Proxy:
             "redis_connected": snapshot.redis_connected,
             "view_age_s": None if age is None else round(age, 3),
         })
-
-
-_PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
-
-
-def _continuation_timing(record: RequestRecord) -> str:
-    """The `server-timing` trailer of a continued stream: how long its client waited
-    between the first break and the continuation's first byte, and how many there were."""
-    broke_s = next((a.finished_s for a in record.attempts
-                    if a.failure is not None and a.first_byte_s is not None), None)
-    served = record.attempts[-1]
-    wait_ms = 0.0
-    if broke_s is not None and served.first_byte_s is not None:
-        wait_ms = (served.first_byte_s - broke_s) * 1000
-    return f'continuation;dur={wait_ms:.3f};desc="{record.continuations}"'
-
-
-def _note_failure(attempt: Attempt, failed: UpstreamFailure) -> None:
-    attempt.error = failed.detail
-    attempt.failure = failed.kind
-    attempt.status = failed.status
-    attempt.retry_after_s = failed.retry_after_s
-
-
-def _failover_for(config: RouterConfig, exchange: Exchange, parsed: ParsedRequest,
-                  body: bytes, kind: str) -> Failover | None:
-    """The failover state of a stream that may be continued elsewhere, else None (not a
-    stream, switched off for the model or by the client)."""
-    if not parsed.stream or kind == "embeddings":
-        return None
-    settings = config.stream_failover
-    if (not settings.enabled or parsed.model in settings.disabled_models
-            or exchange.headers.get(FAILOVER_HEADER, "").lower() == "off"):
-        return None
-    return Failover(body, kind, event_limit(parsed.completion_tokens, parsed.choices))
-
-
-async def _stream_ended(exchange: Exchange, failover: Failover, broken: StreamBroken,
-                        record: RequestRecord) -> bool:
-    """After a stream broke off: end it here if it cannot or need not be continued (True),
-    else False (the caller continues it on another worker)."""
-    if failover.finished():
-        record.failover = "finished"  # nothing left to generate: only its end was missing
-        await exchange.end_stream(failover.closing_events())
-        return True
-    reason = failover.refusal()
-    if reason is None:
-        return False
-    record.failover, record.failover_reason = "not_continued", reason
-    record.error = broken.detail
-    log.warning("request %s: stream not continued elsewhere: %s", record.request_id, reason)
-    await end_broken_stream(exchange, failover.transcript, broken)
-    return True
-
-
-def _no_route(exc: NoRoute, *, configured: bool) -> Reply:
-    """The answer when routing found no worker: 404 `model_not_found` for a model that no
-    worker serves or served lately and regions.yaml does not list (`configured`); else
-    503 with Retry-After and the cause's own code (see NoRoute)."""
-    if not exc.model_known and not configured:
-        return error_reply(404, f"The model does not exist or is not served: {exc.reason}",
-                              code="model_not_found", param="model")
-    return error_reply(503, exc.reason, code=exc.code, headers={"Retry-After": "1"})
-
-
-def _server_timing(record: RequestRecord, attempt: Attempt) -> str:
-    """`server-timing` before the answer starts: router time so far, by phase, in ms.
-
-    `route` is arrival -> first routing decision (body read, validation, policy), less
-    `queue`, the time it waited at the router for a worker with room;
-    `retry` is time spent on earlier failed attempts. The upstream's own time shows in
-    the client's TTFB minus these.
-    """
-    routed = record.routed_s if record.routed_s is not None else attempt.started_s
-    route = f"route;dur={(routed - record.received_s - record.queued_s) * 1000:.3f}"
-    if not record.queued_s and len(record.attempts) < 2:
-        return route  # the usual request: routed at once, first attempt
-    parts = [route]
-    if record.queued_s:
-        parts.append(f"queue;dur={record.queued_s * 1000:.3f}")
-    if len(record.attempts) > 1:
-        parts.append(f"retry;dur={(attempt.started_s - routed) * 1000:.3f}")
-    return ", ".join(parts)
-
-
-def _internal_error(request_id: str, headers: Mapping[str, str] | None) -> Reply:
-    return _with_headers(
-        error_reply(500, f"internal error in the router (request {request_id}; the router's "
-                    "log has the details)", code="internal_error"), headers, request_id)
-
-
-def _with_headers(reply: Reply, headers: Mapping[str, str] | None, request_id: str) -> Reply:
-    """`reply` with the caller's rate-limit `headers` and the request id (every answer
-    carries it; a forwarded one has it already, set with the others)."""
-    if headers:
-        reply.headers = {**headers, **reply.headers}
-    if REQUEST_ID_HEADER not in reply.headers:
-        reply.headers[REQUEST_ID_HEADER] = request_id
-    return reply
-
-
-def _routing_hints(headers: Mapping[str, str]) -> tuple[str | None, str, float | None]:
-    """Session id, traffic class and TTFT budget (ms) from the request's headers."""
-    session_id = headers.get(SESSION_HEADER) or None
-    if session_id is not None and len(session_id) > 256:
-        raise ApiError(400, f"{SESSION_HEADER}: at most 256 characters")
-    traffic_class = headers.get(CLASS_HEADER, "interactive")
-    if traffic_class not in TRAFFIC_CLASSES:
-        raise ApiError(400, f"{CLASS_HEADER}: one of {', '.join(TRAFFIC_CLASSES)}")
-    raw_budget = headers.get(TTFT_BUDGET_HEADER)
-    budget_ms: float | None = None
-    if raw_budget is not None:
-        try:
-            budget_ms = float(raw_budget)
-        except ValueError:
-            budget_ms = -1.0
-        if not 0 < budget_ms < 86_400_000:
-            raise ApiError(400, f"{TTFT_BUDGET_HEADER}: a positive number of milliseconds")
-    return session_id, traffic_class, budget_ms

@@ -1,7 +1,7 @@
 """What a stream's client has been sent, kept so that another worker can finish the answer.
 
 A stream is passed through as it arrives, without parsing its events (see
-`router.proxy.forward`). To carry it across a worker that dies mid-stream, the relay also
+`router.proxy.stream`). To carry it across a worker that dies mid-stream, the relay also
 hands every piece to a `Transcript`, which
 - passes on whole SSE events only, holding back the start of an event split across
   reads until its end arrives, so a client never holds half an event when its worker dies;

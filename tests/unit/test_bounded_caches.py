@@ -11,9 +11,9 @@ from email.utils import formatdate
 
 import pytest
 
-from router.proxy import front, upstream
-from router.proxy.forward import Target, target_of
-from router.proxy.front import FrontProtocol
+from router.proxy import front_head, upstream
+from router.proxy.front_head import parse_head
+from router.proxy.targets import Target, target_of
 from router.proxy.tls import client_context
 
 COMMON_ANSWER_LINES = ("server: uvicorn", "content-type: application/json")
@@ -35,7 +35,7 @@ def answer_lines(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, str]]:
 @pytest.fixture
 def request_lines(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, str]]:
     table: dict[str, tuple[str, str]] = {}
-    monkeypatch.setattr(front, "_HEADER_LINES", table)
+    monkeypatch.setattr(front_head, "_HEADER_LINES", table)
     return table
 
 
@@ -96,7 +96,7 @@ def test_the_requests_table_stays_bounded_and_useful(
     for number in range(requests):
         parsed_again += "Host: router:8080" not in request_lines
         before = len(request_lines)
-        parsed = FrontProtocol._parse_head(_request(
+        parsed = parse_head(_request(
             f"X-Request-Id: client-{number}", f"X-Client-Seq: {number}",
             f"Content-Length: {number % 5000}"))
         assert parsed is not None and parsed[1]["x-client-seq"] == str(number)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.proxy.forward import FORWARDED_REQUEST_HEADERS, target_of, upstream_headers
-from router.proxy.front import FrontProtocol
+from router.proxy.front_head import parse_head
+from router.proxy.targets import FORWARDED_REQUEST_HEADERS, target_of, upstream_headers
 
 HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: router:8080\r\n"
         b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
@@ -16,7 +16,7 @@ EXPECTED = {"content-type": "application/json", "accept": "text/event-stream",
 
 
 def test_the_fronts_headers_and_aiohttps_forward_the_same() -> None:
-    parsed = FrontProtocol._parse_head(HEAD)
+    parsed = parse_head(HEAD)
     assert parsed is not None
     from_front = upstream_headers(parsed[1])
     raw: CIMultiDict[str] = CIMultiDict(
@@ -27,7 +27,7 @@ def test_the_fronts_headers_and_aiohttps_forward_the_same() -> None:
 
 
 def test_the_request_a_worker_gets_carries_no_credential_of_the_client() -> None:
-    parsed = FrontProtocol._parse_head(HEAD)
+    parsed = parse_head(HEAD)
     assert parsed is not None
     payload = target_of("http://10.0.0.1:8000/base").request(
         "/v1/chat/completions", upstream_headers(parsed[1]), b"{}")

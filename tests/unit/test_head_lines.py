@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.proxy import front, upstream
-from router.proxy.front import FrontProtocol
+from router.proxy import front_head, upstream
+from router.proxy.front_head import parse_head
 
 
 def _request(*lines: str) -> bytes:
@@ -16,9 +16,9 @@ def _request(*lines: str) -> bytes:
 def test_a_known_line_parses_as_it_did_the_first_time() -> None:
     head = _request("Host: router:8080", "Content-Type:  application/json \t",
                     "X-Request-Id: abc", "Content-Length: 42")
-    first = FrontProtocol._parse_head(head)
-    assert "Content-Type:  application/json \t" in front._HEADER_LINES
-    assert FrontProtocol._parse_head(head) == first == (
+    first = parse_head(head)
+    assert "Content-Type:  application/json \t" in front_head._HEADER_LINES
+    assert parse_head(head) == first == (
         "/v1/chat/completions",
         {"host": "router:8080", "content-type": "application/json",
          "x-request-id": "abc", "content-length": "42"},
@@ -28,45 +28,45 @@ def test_a_known_line_parses_as_it_did_the_first_time() -> None:
 @pytest.mark.parametrize("line", ["Authorization: Bearer sk-secret", "Cookie: a=b",
                                   "X-Api-Key: sk-secret", "Proxy-Authorization: Basic eA=="])
 def test_lines_with_credentials_are_not_kept(line: str) -> None:
-    parsed = FrontProtocol._parse_head(_request("Host: r", line))
+    parsed = parse_head(_request("Host: r", line))
     assert parsed is not None
     assert line.partition(":")[2].strip() in parsed[1].values()
-    assert line not in front._HEADER_LINES
+    assert line not in front_head._HEADER_LINES
 
 
 def test_repeated_single_headers_are_refused_even_when_known() -> None:
-    FrontProtocol._parse_head(_request("Host: r", "Content-Length: 7"))
-    assert FrontProtocol._parse_head(
+    parse_head(_request("Host: r", "Content-Length: 7"))
+    assert parse_head(
         _request("Host: r", "Content-Length: 7", "Content-Length: 7")) is None
     # repeatable ones are joined, as before
-    parsed = FrontProtocol._parse_head(_request("Host: r", "Accept: a", "Accept: a"))
+    parsed = parse_head(_request("Host: r", "Accept: a", "Accept: a"))
     assert parsed is not None and parsed[1]["accept"] == "a, a"
 
 
 @pytest.mark.parametrize("line", [" Folded: yes", "NoColon", ": empty name", "Name : v"])
 def test_malformed_lines_are_refused_and_not_kept(line: str) -> None:
-    assert FrontProtocol._parse_head(_request("Host: r", line)) is None
-    assert line not in front._HEADER_LINES
+    assert parse_head(_request("Host: r", line)) is None
+    assert line not in front_head._HEADER_LINES
 
 
 def test_other_request_lines_go_elsewhere() -> None:
     for request_line in ("GET /v1/chat/completions HTTP/1.1", "POST /v1/models HTTP/1.1",
                          "POST /v1/chat/completions HTTP/1.0",
                          "POST  /v1/chat/completions HTTP/1.1"):
-        assert FrontProtocol._parse_head(f"{request_line}\r\nHost: r".encode()) is None
+        assert parse_head(f"{request_line}\r\nHost: r".encode()) is None
 
 
 def test_the_table_of_known_lines_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(front, "_HEADER_LINES", {})
+    monkeypatch.setattr(front_head, "_HEADER_LINES", {})
     monkeypatch.setattr(upstream, "MAX_KNOWN_HEADER_LINES", 3)  # both tables' bound
     long_line = "X-Long: " + "v" * upstream.MAX_KNOWN_LINE_CHARS
-    parsed = FrontProtocol._parse_head(_request("Host: r", long_line))
+    parsed = parse_head(_request("Host: r", long_line))
     assert parsed is not None and parsed[1]["x-long"] == "v" * upstream.MAX_KNOWN_LINE_CHARS
-    assert long_line not in front._HEADER_LINES  # long lines are parsed, never kept
+    assert long_line not in front_head._HEADER_LINES  # long lines are parsed, never kept
     for number in range(10):
-        parsed = FrontProtocol._parse_head(_request("Host: r", f"X-Trace: {number}"))
+        parsed = parse_head(_request("Host: r", f"X-Trace: {number}"))
         assert parsed is not None and parsed[1]["x-trace"] == str(number)
-    assert len(front._HEADER_LINES) <= 3  # emptied when full (test_bounded_caches)
+    assert len(front_head._HEADER_LINES) <= 3  # emptied when full (test_bounded_caches)
 
 
 def test_an_answers_known_lines_parse_as_before_and_cookies_are_not_kept(

@@ -1,0 +1,133 @@
+"""How an attempt's failures are told: `UpstreamFailure`, and what a worker's refusal means.
+
+A worker's refusal (a status, a first event that is an error) is either worth a retry
+elsewhere (`retryable`: busy, or a server error) or passed to the client in OpenAI's
+error format (`client_error_body`). A wait that ran out, or a connection that broke
+before the answer, is a failure worth a retry too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from http import HTTPStatus
+
+from router.config import Timeouts
+from router.core.errors import error_body
+from router.core.outcome import Attempt, Failure
+from router.proxy.progress import error_status
+from router.proxy.upstream import ConnectionBroken
+
+
+class UpstreamFailure(Exception):
+    """An attempt failed before anything reached the client; safe to retry elsewhere.
+
+    `message` may be shown to the client: it names no address and quotes nothing the
+    worker sent. `detail` (for logs and traces) adds what the worker or the socket said.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        kind: Failure,
+        *,
+        status: int = 502,
+        retry_after_s: float | None = None,
+        detail: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+        self.status = status
+        self.retry_after_s = retry_after_s
+        self.detail = detail if detail is not None else message
+
+
+class StreamBroken(UpstreamFailure):
+    """A started stream broke off (its client has had some of it): the caller may
+    continue it on another worker (`router.proxy.continuation`) or end it with
+    `router.proxy.stream.end_broken_stream`. `status` and `message` are the error event's."""
+
+
+def retryable(status: int) -> Failure | None:
+    """What a worker's refusal with `status` counts as, if it is worth a retry elsewhere:
+    429/503 "engine busy" (BUSY, not a failure of the worker), other 5xx SERVER_ERROR."""
+    if status in (429, 503):
+        return Failure.BUSY
+    return Failure.SERVER_ERROR if status >= 500 else None
+
+
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    value = headers.get("retry-after")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def first_byte_timeout(attempt: Attempt, timeouts: Timeouts) -> UpstreamFailure:
+    return _timed_out(attempt, f"no first byte within {timeouts.first_byte_s:g} s")
+
+
+def unary_timeout(attempt: Attempt, timeouts: Timeouts) -> UpstreamFailure:
+    return _timed_out(attempt, f"no answer within {timeouts.total_s:g} s")
+
+
+def _timed_out(attempt: Attempt, message: str) -> UpstreamFailure:
+    """The attempt's wait ended: abandoned by passive health (a stalled worker), or
+    `message` (its own deadline)."""
+    if attempt.abandoned is not None:
+        return UpstreamFailure("the worker stopped answering", Failure.TIMEOUT, status=504,
+                               detail=f"abandoned before its first byte: {attempt.abandoned}")
+    return UpstreamFailure(message, Failure.TIMEOUT, status=504)
+
+
+def broken_before_answer(exc: ConnectionBroken) -> UpstreamFailure:
+    return UpstreamFailure("the connection to the worker broke before its answer",
+                           Failure.RESET, detail=f"worker connection failed: {exc}")
+
+
+def client_error_body(status: int, body: bytes) -> bytes:
+    """A worker's 4xx (or other non-retried) error as the client gets it: OpenAI-format
+    JSON. vLLM's own errors (`{"error": {...}}`) pass as they are; an older vLLM's flat
+    `{"object": "error", "message": ...}` keeps its message and code; anything else (a
+    `text/plain` "404: Not Found", HTML from a proxy in front of the worker) is replaced
+    by a message that quotes none of it."""
+    try:
+        document = json.loads(body)
+    except ValueError:
+        document = None
+    if isinstance(document, dict):
+        error = document.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return body
+        message = document.get("message")
+        if isinstance(message, str):
+            code = document.get("code")
+            return error_body(status, message[:1000],
+                              code=code if isinstance(code, str) else "upstream_error")
+    phrase = _PHRASES.get(status, "error")
+    return error_body(status, f"the worker answered {status} {phrase}", code="upstream_error")
+
+
+_PHRASES = {status.value: status.phrase for status in HTTPStatus}
+
+
+def error_event(first: bytes) -> tuple[int, str] | None:
+    """(status, message) when a stream's first bytes are an error event, as vLLM writes
+    one (`data: {"error": {"message": ..., "code": 503, ...}}`); None for anything else.
+    Costs a prefix test per stream: only an event that starts like an error is decoded."""
+    if not first.startswith(_ERROR_EVENT_PREFIXES):
+        return None
+    line = first[5:].split(b"\n", 1)[0]
+    try:
+        document = json.loads(line)
+    except ValueError:
+        return None  # not one whole JSON event: passed through as it is
+    error = document.get("error") if isinstance(document, dict) else None
+    if not isinstance(error, dict):
+        return None
+    return error_status(error)
+
+
+_ERROR_EVENT_PREFIXES = (b'data: {"error"', b'data:{"error"')

@@ -1,0 +1,82 @@
+"""One request's retries: what its failed attempts mean for the next.
+
+A failure before the first byte is retried on a worker not tried yet; after a failure of
+the path to a region the retry prefers another region. A retry spends the retry budget
+unless it is failover (`free`). When no attempt is left, `gave_up` answers the client.
+"""
+
+from __future__ import annotations
+
+from router.core.outcome import Attempt, Failure, RequestRecord
+from router.policy import RouteRequest
+from router.proxy.continuation import Failover
+from router.proxy.exchange import Exchange, Reply
+from router.proxy.failures import StreamBroken, UpstreamFailure
+from router.proxy.replies import upstream_failed_reply
+from router.proxy.stream import end_broken_stream
+from router.registry.drained import Drained
+
+_PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
+
+
+class Retries:
+    """The attempts of one request so far, as they bear on the next one."""
+
+    __slots__ = ("avoid_regions", "broken_stream", "failure", "free", "tried")
+
+    def __init__(self) -> None:
+        self.tried: set[str] = set()  # workers that failed it: never tried again
+        self.avoid_regions: set[str] = set()
+        self.failure: UpstreamFailure | None = None  # the last attempt's
+        self.broken_stream: StreamBroken | None = None  # its client has part of the answer
+        self.free = False  # the next retry costs no budget
+
+    def next_route(self, route: RouteRequest, drained: Drained) -> RouteRequest:
+        """`route` for the next attempt: not to the workers tried, away from the regions
+        to avoid, with what is drained now."""
+        return route._replace(exclude=frozenset(self.tried), drained=drained,
+                              avoid_regions=frozenset(self.avoid_regions))
+
+    def failed(self, attempt: Attempt, failed: UpstreamFailure) -> None:
+        """`attempt` failed before its first byte (`note_failure` noted why)."""
+        self.tried.add(attempt.worker_id)
+        # A retry costs no budget when the failed attempt did no work anywhere: a
+        # refused connection, or a wait abandoned on a stalled worker (ejected, so
+        # its requests move once; the budget guards against amplification, and
+        # this is failover).
+        self.free = (failed.kind is Failure.CONNECT or attempt.abandoned is not None
+                     or self.broken_stream is not None)
+        if failed.kind in _PATH_FAILURES:
+            # The path to the region may be down (refused, or a blackhole that
+            # only times out): the retry prefers another region. A reset is
+            # usually one stale pooled connection, not the region.
+            self.avoid_regions.add(attempt.region)
+        self.failure = failed
+
+    def broke(self, attempt: Attempt, broken: StreamBroken) -> None:
+        """`attempt`'s stream broke off, to be continued on another worker."""
+        self.tried.add(attempt.worker_id)
+        self.broken_stream = self.failure = broken
+        self.free = True  # failover: the budget guards against amplification
+
+
+def note_failure(attempt: Attempt, failed: UpstreamFailure) -> None:
+    attempt.error = failed.detail
+    attempt.failure = failed.kind
+    attempt.status = failed.status
+    attempt.retry_after_s = failed.retry_after_s
+
+
+async def gave_up(exchange: Exchange, failover: Failover | None, retries: Retries | None,
+                  record: RequestRecord) -> Reply:
+    """The answer when no attempt is left (each failed: `retries` holds them): the last
+    failure's error, or the end of a stream whose client has part of the answer."""
+    assert retries is not None and retries.failure is not None
+    failure = retries.failure
+    record.error = failure.detail
+    if retries.broken_stream is not None:  # the client has part of the answer: end it
+        record.failover = "failed"
+        await end_broken_stream(exchange, None if failover is None else failover.transcript,
+                                retries.broken_stream)
+        return Reply(200, {}, streamed=True)
+    return upstream_failed_reply(failure, len(retries.tried))

@@ -53,7 +53,7 @@ def make_targets(spec: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
 
 async def request_each(targets: list[Any], concurrency: int) -> dict[str, Any]:
     """One POST through every Target on one pool, `concurrency` at a time."""
-    from router.proxy.upstream import UpstreamPool
+    from router.proxy.upstream.pool import UpstreamPool
 
     pool = UpstreamPool(connect_timeout_s=10.0)
     pending = iter(targets)

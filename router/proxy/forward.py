@@ -34,14 +34,10 @@ from router.proxy.exchange import Exchange, Reply
 from router.proxy.progress import error_status
 from router.proxy.tls import client_context
 from router.proxy.transcript import ErrorEvent, TooManyEvents, Transcript
-from router.proxy.upstream import (
-    ConnectFailed,
-    ConnectionBroken,
-    RequestHead,
-    UpstreamConnection,
-    UpstreamError,
-    UpstreamPool,
-)
+from router.proxy.upstream.connection import UpstreamConnection
+from router.proxy.upstream.errors import ConnectFailed, ConnectionBroken, UpstreamError
+from router.proxy.upstream.pool import UpstreamPool
+from router.proxy.upstream.request import RequestHead
 
 # Request headers passed to workers. Everything else (Authorization, cookies, hop-by-hop
 # headers, Host, Content-Length) stays at the router.

@@ -30,13 +30,10 @@ from typing import Any, ClassVar, Protocol, cast
 from router.core.errors import ApiError
 from router.proxy.exchange import InferenceHandler, error_reply
 from router.proxy.transcript import Transcript, chunk_payloads, framed
-from router.proxy.upstream import (
-    UNIQUE_VALUE_HEADERS,
-    Sink,
-    UpstreamConnection,
-    UpstreamError,
-    remember_line,
-)
+from router.proxy.upstream.connection import UpstreamConnection
+from router.proxy.upstream.errors import UpstreamError
+from router.proxy.upstream.response_head import UNIQUE_VALUE_HEADERS, remember_line
+from router.proxy.upstream.sinks import Sink
 
 log = logging.getLogger("globalpool.front")
 

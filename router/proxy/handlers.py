@@ -38,7 +38,7 @@ from router.proxy.forward import (
 from router.proxy.request_id import request_id_of
 from router.proxy.trace_context import continuation_span, inject_current_trace
 from router.proxy.transcript import event_limit
-from router.proxy.upstream import UpstreamPool
+from router.proxy.upstream.pool import UpstreamPool
 from router.registry.drains import DrainHolder
 from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder

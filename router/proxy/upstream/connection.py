@@ -19,6 +19,7 @@ from router.proxy.upstream.chunks import whole_chunks
 from router.proxy.upstream.decoder import (
     CHUNK_SIZE,
     DONE,
+    HEAD,
     IDLE,
     LENGTH,
     UNTIL_CLOSE,
@@ -40,15 +41,17 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "_buffer", "_closed", "_complete", "_decoder", "_error", "_head_ready", "_keeper",
         "_loop", "_pipe_future", "_received_any", "_released", "_reusable", "_reused",
-        "_sink", "_time", "_transport", "_waiter", "_write_frame", "headers", "idle_since",
-        "key", "parked", "reads", "status",
+        "_sink", "_write_frame", "clock", "headers", "idle_since", "key", "parked",
+        "reads", "status", "transport",
     )
 
     status: int
     headers: dict[str, str]
     reads: int  # reads from the socket so far: a stream's idle watchdog compares them
     key: tuple[str, int]  # the worker's (host, port): the pool's key
-    # The pool's bookkeeping: idle in it, and since when (the loop's clock).
+    transport: asyncio.Transport | None  # the socket's (None until connected)
+    clock: typing.Callable[[], float]  # the loop's `time`
+    # The pool's bookkeeping: idle in it, and since when (`clock`).
     parked: bool
     idle_since: float
 
@@ -58,14 +61,13 @@ class UpstreamConnection(asyncio.Protocol):
         self._loop = loop = asyncio.get_running_loop()
         self._keeper = keeper
         self.key = key
-        self._time = loop.time
-        self._transport: asyncio.Transport | None = None
+        self.clock = loop.time
+        self.transport = None
         self._closed = False  # the transport is gone (connection_lost) or aborted by us
         self.parked = False
         self.idle_since = 0.0
         self._decoder = AnswerDecoder()
         self._buffer = ReadBuffer()
-        self._waiter: asyncio.Future[None] | None = None
         self.reads = 0
         self._reset(reused=False)
         self._released = True
@@ -81,7 +83,6 @@ class UpstreamConnection(asyncio.Protocol):
         self._reused = reused
         self._received_any = False
         self._released = False
-        self._buffer.reset()
         self._sink: Sink | None = None
         self._write_frame: typing.Callable[[bytes], None] | None = None
         self._pipe_future: asyncio.Future[None] | None = None
@@ -99,7 +100,8 @@ class UpstreamConnection(asyncio.Protocol):
         piped, and reading is not paused (by a slow sink or a full buffer). Only while
         this holds can silence be the worker's: a stream's idle watchdog counts nothing
         else, so a client that stops reading never makes its worker look idle."""
-        return not self._buffer.paused and (self._sink is not None or self._waiter is not None)
+        buffer = self._buffer
+        return not buffer.paused and (self._sink is not None or buffer.waiter is not None)
 
     async def head(self) -> tuple[int, dict[str, str]]:
         """Wait for the status line and headers (1xx interim answers are skipped).
@@ -107,17 +109,18 @@ class UpstreamConnection(asyncio.Protocol):
         Header names are lower-case; a repeated header's values are joined with ", ".
         Raises ConnectionBroken if the connection breaks first or the head is malformed.
         """
+        buffer = self._buffer
         while not self._head_ready:
             if self._error is not None:
                 raise self._broken()
-            waiter = self._waiter = self._loop.create_future()  # see `_wake`
+            waiter = buffer.waiter = self._loop.create_future()  # see `ReadBuffer.wake`
             try:
                 await waiter
             except asyncio.CancelledError:
                 self._reusable = False  # the answer is left unread
                 raise
             finally:
-                self._waiter = None
+                buffer.waiter = None
         return self.status, self.headers
 
     async def read_some(self) -> bytes:
@@ -128,21 +131,22 @@ class UpstreamConnection(asyncio.Protocol):
         """
         if self._sink is not None:
             raise RuntimeError("read_some() on a piped connection")
+        buffer = self._buffer
         while True:
-            if self._buffer.pieces:
-                return self._take_body()
+            if buffer.pieces:
+                return buffer.take()
             if self._complete:
                 return b""
             if self._error is not None:
                 raise self._broken()
-            waiter = self._waiter = self._loop.create_future()  # as in `head`, inline:
+            waiter = buffer.waiter = self._loop.create_future()  # as in `head`, inline:
             try:  # a nested coroutine per wait cost more than these lines
                 await waiter
             except asyncio.CancelledError:
                 self._reusable = False  # the answer is left half-read
                 raise
             finally:
-                self._waiter = None
+                buffer.waiter = None
 
     def whole_body(self) -> bytes | None:
         """The rest of the body, without waiting, when the whole answer has arrived (a
@@ -150,16 +154,8 @@ class UpstreamConnection(asyncio.Protocol):
         `read_all` is the way. Saves such an answer the awaits of `read_all`."""
         if not self._complete or self._sink is not None:
             return None
-        return self._take_body() if self._buffer.pieces else b""
-
-    def _take_body(self) -> bytes:
-        """The buffered body bytes, taken out (reading resumes if the buffer paused it)."""
         buffer = self._buffer
-        data = buffer.take()
-        if buffer.full:
-            buffer.full = False
-            self._set_reading()
-        return data
+        return buffer.take() if buffer.pieces else b""
 
     async def read_all(self, limit: int = 64 * 1024 * 1024) -> bytes:
         """The whole rest of the body. ConnectionBroken (and the connection closed) when it
@@ -195,10 +191,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._write_frame = getattr(sink, "write_frame", None)
         buffer = self._buffer
         if buffer.pieces:
-            self._emit(self._take_body())
-        if buffer.full:
-            buffer.full = False
-            self._set_reading()
+            self._emit(buffer.take())
         if not future.done():
             if self._complete:
                 future.set_result(None)
@@ -208,13 +201,15 @@ class UpstreamConnection(asyncio.Protocol):
 
     def pause_reading(self) -> None:
         """Stop reading from the worker (the sink is slow) until `resume_reading`."""
-        self._buffer.caller_paused = True
-        self._set_reading()
+        buffer = self._buffer
+        buffer.caller_paused = True
+        buffer.switch()
 
     def resume_reading(self) -> None:
         """Read from the worker again after `pause_reading`."""
-        self._buffer.caller_paused = False
-        self._set_reading()
+        buffer = self._buffer
+        buffer.caller_paused = False
+        buffer.switch()
 
     def release(self) -> None:
         """Give the connection back to its pool, or close it if it cannot be reused.
@@ -248,7 +243,8 @@ class UpstreamConnection(asyncio.Protocol):
     # -- asyncio.Protocol --
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        # uvloop's transport is not a subclass of asyncio.Transport
+        self.transport = self._buffer.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -256,6 +252,7 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         aborted = self._closed  # by us (`_abort`): the close is not the body's end
         self._closed = True
+        self._buffer.transport = None
         self._keeper.lost(self)
         state = self._decoder.state
         if state == UNTIL_CLOSE and exc is None and not aborted and self._error is None:
@@ -289,24 +286,39 @@ class UpstreamConnection(asyncio.Protocol):
             # Whole non-empty chunks and nothing else (a streamed token, or a few): passed
             # on as they came to a framing sink, or one chunk's payload to the others.
             payload_at = whole_chunks(data)
-            if payload_at >= 0:
-                write_frame = self._write_frame
-                if write_frame is not None:
-                    self._received_any = True
-                    try:
-                        write_frame(data)
-                    except Exception as exc:
-                        self._sink_failed(exc)
-                    return
-                if payload_at > 0:
+            write_frame = self._write_frame
+            if write_frame is None:
+                if payload_at > 0:  # one chunk (several: the general parser decodes them)
                     self._received_any = True
                     self._emit(data[payload_at:-2])
-                    return  # several, for a plain sink: the general parser decodes them
+                    return
+            elif payload_at >= 0:
+                self._received_any = True
+                try:
+                    write_frame(data)
+                except Exception as exc:
+                    self._sink_failed(exc)
+                return
         elif state == IDLE:  # bytes nobody asked for: the connection is out of step
             self.close()
             return
         self._received_any = True
         try:
+            if state == HEAD and not decoder.head_buffer:
+                # The usual small answer: its whole head and a Content-Length body in
+                # one read, taken without the general parser.
+                end_of_head = data.find(b"\r\n\r\n")
+                if end_of_head >= 0:
+                    decoder.on_head(data[:end_of_head])
+                    data = data[end_of_head + 4 :]
+                    if decoder.state == LENGTH and len(data) == decoder.left:
+                        decoder.left = 0
+                        self.status = decoder.status
+                        self.headers = decoder.headers
+                        self._head_ready = True  # (`_finish` wakes whoever waits for it)
+                        self._emit(data)
+                        self._finish()
+                        return
             pieces = decoder.feed(data)
         except MalformedAnswer as exc:
             self._take_head()  # a head parsed before the fault stands
@@ -320,13 +332,13 @@ class UpstreamConnection(asyncio.Protocol):
             self._finish()
 
     def _take_head(self) -> None:
-        """The final head has been parsed: the caller's to read now."""
+        """The final head, if the decoder has it: the caller's from now (`head`)."""
         decoder = self._decoder
         if decoder.head_ready and not self._head_ready:
             self.status = decoder.status
             self.headers = decoder.headers
             self._head_ready = True
-            self._wake()
+            self._buffer.wake()
 
     # -- delivery --
 
@@ -339,9 +351,7 @@ class UpstreamConnection(asyncio.Protocol):
             except Exception as exc:
                 self._sink_failed(exc)
             return
-        if self._buffer.add(data):
-            self._set_reading()
-        self._wake()
+        self._buffer.add(data)
 
     def _sink_failed(self, exc: Exception) -> None:
         self._sink = self._write_frame = None
@@ -356,7 +366,7 @@ class UpstreamConnection(asyncio.Protocol):
     def _finish(self) -> None:
         self._decoder.state = DONE
         self._complete = True
-        self._wake()
+        self._buffer.wake()
         future = self._pipe_future
         if future is not None and not future.done():
             future.set_result(None)
@@ -368,7 +378,7 @@ class UpstreamConnection(asyncio.Protocol):
         if self._complete or self._error is not None:
             return
         self._error = why
-        self._wake()
+        self._buffer.wake()
         future = self._pipe_future
         if future is not None and not future.done():
             future.set_exception(self._broken())
@@ -382,9 +392,10 @@ class UpstreamConnection(asyncio.Protocol):
         )
 
     def _abort(self) -> None:
-        transport = self._transport
+        transport = self.transport
         if transport is not None and not self._closed:
             self._closed = True
+            self._buffer.transport = None
             transport.abort()
 
     def _pipe_done(self, future: asyncio.Future[None]) -> None:
@@ -393,43 +404,25 @@ class UpstreamConnection(asyncio.Protocol):
         else:
             future.exception()  # retrieved: a caller that closed need not await it
 
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _set_reading(self) -> None:
-        transport = self._transport
-        if transport is None or self._closed or transport.is_closing():
-            return
-        self._buffer.switch(transport)
-
     # -- for the pool --
 
     def begin(self, payload: bytes, *, reused: bool) -> None:
         """Write a request and expect its answer (the pool's call: see `UpstreamPool.send`)."""
         self._reset(reused=reused)
         self._decoder.reset(no_body=payload.startswith(b"HEAD "))
-        if self._closed or self._transport is None:
+        if self._closed or self.transport is None:
             self._error = "the connection closed before the request was sent"
             return
-        self._transport.write(payload)
+        self.transport.write(payload)
 
     def park(self) -> None:
         """Idle in the pool from now (the pool's call)."""
         self._decoder.state = IDLE
         self.parked = True
-        self.idle_since = self._time()
+        self.idle_since = self.clock()
         buffer = self._buffer
-        buffer.caller_paused = buffer.full = False
+        if buffer.pieces:
+            buffer.take()  # a body left unread: dropped
+        buffer.caller_paused = False
         if buffer.paused:
-            self._set_reading()  # a peer's close or stray bytes must be noticed while idle
-
-    def expired(self, keepalive_s: float) -> bool:
-        """Idle for `keepalive_s` or longer (the pool's check before reuse)."""
-        return self.idle_since + keepalive_s <= self._time()
-
-    def is_open(self) -> bool:
-        """The transport is there and not closing."""
-        transport = self._transport
-        return transport is not None and not transport.is_closing()
+            buffer.switch()  # a peer's close or stray bytes must be noticed while idle

@@ -64,23 +64,9 @@ class AnswerDecoder:
         self.head_ready = False
 
     def feed(self, data: bytes) -> list[bytes]:
-        """Advance through `data`; return the decoded body pieces it held. MalformedAnswer
-        if the answer breaks HTTP/1.1."""
-        if self.state == HEAD and not self.head_buffer:
-            # The usual small answer: its whole head and a Content-Length body in one
-            # read, taken without the general parser.
-            end_of_head = data.find(b"\r\n\r\n")
-            if end_of_head >= 0:
-                self._on_head(data[:end_of_head])
-                data = data[end_of_head + 4 :]
-                if self.state == LENGTH and len(data) == self.left:
-                    self.left = 0
-                    self.state = DONE
-                    return [data]
-        return self._parse(data)
-
-    def _parse(self, data: bytes) -> list[bytes]:
-        """The general parser: every state, any split of the answer across reads."""
+        """Advance through `data` (the general parser: every state, any split of the
+        answer across reads); return the decoded body pieces it held. MalformedAnswer if
+        the answer breaks HTTP/1.1."""
         pieces: list[bytes] = []
         if self.pending:
             data = self.pending + data
@@ -161,7 +147,7 @@ class AnswerDecoder:
         if not buffer:
             eoh = data.find(b"\r\n\r\n", pos)
             if eoh >= 0:
-                self._on_head(data[pos:eoh])
+                self.on_head(data[pos:eoh])
                 return eoh + 4
             search_from = 0
         else:
@@ -175,10 +161,12 @@ class AnswerDecoder:
             return len(data)
         head = bytes(buffer[:eoh])
         buffer.clear()
-        self._on_head(head)
+        self.on_head(head)
         return pos + eoh + 4 - before
 
-    def _on_head(self, head: bytes) -> None:
+    def on_head(self, head: bytes) -> None:
+        """A whole head (without its final CRLF CRLF): an interim one is skipped; the final
+        one is kept (`head_ready`) and sets the body's framing."""
         if len(head) > MAX_HEAD_BYTES:
             raise MalformedAnswer(f"head larger than {MAX_HEAD_BYTES} bytes")
         status, http_11, headers = parse_head(head)
@@ -188,14 +176,6 @@ class AnswerDecoder:
             return  # an interim answer: the real one follows
         connection = headers.get("connection")
         self.keep_alive = http_11 and (connection is None or not has_token(connection, "close"))
-        self._frame_body(status, headers)
-        self.status = status
-        self.headers = headers
-        self.head_ready = True
-
-    def _frame_body(self, status: int, headers: dict[str, str]) -> None:
-        """The body's framing, as the final head says: its state, and whether reuse must
-        be refused because of it."""
         transfer_encoding = headers.get("transfer-encoding")
         length = headers.get("content-length")
         if self.no_body or status in (204, 304):
@@ -214,3 +194,6 @@ class AnswerDecoder:
         else:
             self.state = UNTIL_CLOSE
             self.keep_alive = False
+        self.status = status
+        self.headers = headers
+        self.head_ready = True

@@ -144,14 +144,15 @@ class UpstreamPool:
         while idle:
             connection = idle.pop()
             connection.parked = False
-            if connection.expired(self._keepalive_s):
+            if connection.idle_since + self._keepalive_s <= connection.clock():
                 connection.close()  # expired, and so are all the older ones below it
                 while idle:
                     connection = idle.pop()
                     connection.parked = False
                     connection.close()
                 return None
-            if connection.is_open():
+            transport = connection.transport
+            if transport is not None and not transport.is_closing():
                 return connection
             connection.close()
         return None

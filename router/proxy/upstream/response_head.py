@@ -40,7 +40,8 @@ def parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
     lines = text.split("\r\n")
     if text.count("\n") != len(lines) - 1 or text.count("\r") != len(lines) - 1:
         raise MalformedAnswer("a bare CR or LF in the head")
-    status, http_11 = _status_line(lines[0])
+    known = _STATUS_LINES.get(lines[0])  # "HTTP/1.1 200 OK" and the like: checked already
+    status, http_11 = known if known is not None else _status_line(lines[0])
     headers: dict[str, str] = {}
     known_lines = _HEADER_LINES
     for line in lines[1:]:
@@ -54,10 +55,8 @@ def parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
 
 
 def _status_line(line: str) -> tuple[int, bool]:
-    """(status, HTTP/1.1?) of a status line; MalformedAnswer if it is not one."""
-    known = _STATUS_LINES.get(line)  # "HTTP/1.1 200 OK" and the like: checked already
-    if known is not None:
-        return known
+    """(status, HTTP/1.1?) of a status line other than the usual ones (`_STATUS_LINES`);
+    MalformedAnswer if it is not one."""
     if (
         len(line) < 12
         or not line.startswith("HTTP/1.")

@@ -20,7 +20,8 @@ The modules, each importing only those before it:
 - `response_head`: a response's status line and headers, parsed.
 - `chunks`: chunk-size lines of a chunked body, read.
 - `decoder`: where the parser is in an answer, and the general parser of its bytes.
-- `buffer`: decoded body bytes held for a reader, and the socket's reading switch.
+- `sinks`: what a connection pipes its body to, and what it tells its pool.
+- `buffer`: decoded body bytes held for a reader, its waiter, and the reading switch.
 - `connection`: `UpstreamConnection`, one keep-alive connection (an asyncio Protocol).
 - `pool`: `UpstreamPool`, the connections per worker, connecting and reusing them.
 """

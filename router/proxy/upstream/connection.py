@@ -3,8 +3,9 @@ time: it hands the answer's head and body to its caller, read (`read_some`, `rea
 or piped (`pipe`) to a sink straight from `data_received`.
 
 The connection delivers; what it holds apart: where the parser is (`decoder`), the body
-bytes held for a reader and the reading switch (`buffer`). Its pool (`pool.UpstreamPool`)
-keeps it between requests and is told of it through `sinks.ConnectionKeeper`.
+bytes held for a reader with its waiter and the reading switch (`buffer`). Its pool
+(`pool.UpstreamPool`) keeps it between requests and is told of it through
+`sinks.ConnectionKeeper`.
 """
 
 from __future__ import annotations

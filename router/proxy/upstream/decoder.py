@@ -1,9 +1,10 @@
 """Where the parser is in one answer, and the general parser of its bytes: the head, then
 the body as its framing says (Content-Length, chunked with trailers, or until close).
 
-The connection (`connection.UpstreamConnection.data_received`) takes the usual reads of a
-body without this parser (a read within a Content-Length body, whole chunks); every other
-read comes here.
+The connection (`connection.UpstreamConnection.data_received`) takes the usual reads
+without this parser (a read within a Content-Length body, whole chunks, and a small
+answer's head and body in one read, whose head it hands to `on_head`); every other read
+comes here (`feed`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ paused transport of asyncio's StreamReader, for one answer at a time)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Final
 
-MAX_BUFFER_BYTES = 1024 * 1024  # body bytes held for a reader before reading is paused
+MAX_BUFFER_BYTES: Final = 1024 * 1024  # body bytes held for a reader before reading is paused
 
 
 class ReadBuffer:

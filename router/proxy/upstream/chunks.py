@@ -7,13 +7,15 @@ general parser (`decoder.AnswerDecoder.feed`).
 
 from __future__ import annotations
 
+from typing import Final
+
 from router.proxy.upstream.errors import MalformedAnswer
 
-MAX_CHUNK_LINE_BYTES = 4096  # a chunk-size line with its extensions
-_HEX_DIGITS = b"0123456789abcdefABCDEF"
+MAX_CHUNK_LINE_BYTES: Final = 4096  # a chunk-size line with its extensions
+_HEX_DIGITS: Final = b"0123456789abcdefABCDEF"
 # Each byte's value as a hex digit, -1 for the others (`bare_size`).
-_HEX_VALUES = tuple(int(chr(byte), 16) if bytes([byte]) in _HEX_DIGITS else -1
-                    for byte in range(256))
+_HEX_VALUES: Final = tuple(int(chr(byte), 16) if bytes([byte]) in _HEX_DIGITS else -1
+                           for byte in range(256))
 
 
 def bare_size(data: bytes, pos: int) -> tuple[int, int]:

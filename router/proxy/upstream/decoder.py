@@ -9,6 +9,8 @@ comes here (`feed`).
 
 from __future__ import annotations
 
+from typing import Final
+
 from router.proxy.upstream.chunks import MAX_CHUNK_LINE_BYTES, bare_size, chunk_size
 from router.proxy.upstream.errors import MalformedAnswer
 from router.proxy.upstream.response_head import (
@@ -18,16 +20,17 @@ from router.proxy.upstream.response_head import (
     parse_head,
 )
 
-# Where the parser is in the answer.
-IDLE = 0  # no request outstanding
-HEAD = 1  # the status line and headers
-LENGTH = 2  # a body of Content-Length bytes (left: bytes still to come)
-CHUNK_SIZE = 3  # a chunk-size line
-CHUNK_DATA = 4  # chunk data (left: bytes still to come)
-CHUNK_CRLF = 5  # the CRLF after chunk data (left: 2 or 1 bytes of it still to come)
-TRAILERS = 6  # trailer lines after the last chunk (left: trailer bytes so far)
-UNTIL_CLOSE = 7  # a body that ends when the connection closes
-DONE = 8  # the whole answer has arrived
+# Where the parser is in the answer. Final, here and for the limits: in the compiled build a
+# Final constant is a number in the code, a plain module global a dict lookup at each use.
+IDLE: Final = 0  # no request outstanding
+HEAD: Final = 1  # the status line and headers
+LENGTH: Final = 2  # a body of Content-Length bytes (left: bytes still to come)
+CHUNK_SIZE: Final = 3  # a chunk-size line
+CHUNK_DATA: Final = 4  # chunk data (left: bytes still to come)
+CHUNK_CRLF: Final = 5  # the CRLF after chunk data (left: 2 or 1 bytes of it still to come)
+TRAILERS: Final = 6  # trailer lines after the last chunk (left: trailer bytes so far)
+UNTIL_CLOSE: Final = 7  # a body that ends when the connection closes
+DONE: Final = 8  # the whole answer has arrived
 
 
 class AnswerDecoder:

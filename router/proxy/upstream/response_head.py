@@ -5,10 +5,11 @@ bounded table instead of being parsed again."""
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import Final
 
 from router.proxy.upstream.errors import MalformedAnswer
 
-MAX_HEAD_BYTES = 64 * 1024  # the status line and headers (and, apart, a chunked trailer)
+MAX_HEAD_BYTES: Final = 64 * 1024  # the status line and headers (and, apart, a chunked trailer)
 
 # The status lines of HTTP/1.1 answers with their usual reason phrases, parsed: most
 # answers' status line is one of these.

@@ -30,7 +30,7 @@ from router.policy import RoutingContext, create_policy
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
 from router.proxy.handlers import Proxy
 from router.proxy.site import FrontSite
-from router.proxy.upstream import UpstreamPool
+from router.proxy.upstream.pool import UpstreamPool
 from router.readiness import CollectorState, readiness
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry.inflight import InFlight

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from router.proxy.upstream import UpstreamPool
+from router.proxy.upstream.pool import UpstreamPool
 
 
 def bind_connectors(source_host: str) -> None:

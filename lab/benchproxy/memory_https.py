@@ -64,7 +64,7 @@ def _target_of() -> Any:
 
 async def request_each(targets: list[Any], concurrency: int) -> dict[str, Any]:
     """One POST through every Target on one pool, `concurrency` at a time."""
-    from router.proxy.upstream import UpstreamPool
+    from router.proxy.upstream.pool import UpstreamPool
 
     pool = UpstreamPool(connect_timeout_s=10.0)
     pending = iter(targets)

@@ -18,7 +18,8 @@ from aiohttp import web
 
 from router.core.errors import ApiError, error_body
 from router.proxy.transcript import Transcript
-from router.proxy.upstream import UpstreamConnection, UpstreamError
+from router.proxy.upstream.connection import UpstreamConnection
+from router.proxy.upstream.errors import UpstreamError
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from router.config import Timeouts
 from router.core.errors import error_body
 from router.core.outcome import Attempt, Failure
 from router.proxy.progress import error_status
-from router.proxy.upstream import ConnectionBroken
+from router.proxy.upstream.errors import ConnectionBroken
 
 
 class UpstreamFailure(Exception):

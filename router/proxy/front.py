@@ -28,7 +28,7 @@ from router.core.errors import ApiError
 from router.proxy.exchange import InferenceHandler, error_reply
 from router.proxy.front_exchange import FrontExchange, answer_head
 from router.proxy.front_head import parse_head
-from router.proxy.upstream import UpstreamConnection
+from router.proxy.upstream.connection import UpstreamConnection
 
 log = logging.getLogger("globalpool.front")
 

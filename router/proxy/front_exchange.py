@@ -16,7 +16,9 @@ from http import HTTPStatus
 from typing import Any, ClassVar, Protocol
 
 from router.proxy.transcript import Transcript, chunk_payloads, framed
-from router.proxy.upstream import Sink, UpstreamConnection, UpstreamError
+from router.proxy.upstream.connection import UpstreamConnection
+from router.proxy.upstream.errors import UpstreamError
+from router.proxy.upstream.sinks import Sink
 
 # "HTTP/1.1 200 OK\r\n" for every status Python names; others are "Unknown".
 _STATUS_LINES = {status.value: f"HTTP/1.1 {status.value} {status.phrase}\r\n"

@@ -7,7 +7,7 @@ aiohttp (see `router.proxy.front`).
 
 from __future__ import annotations
 
-from router.proxy.upstream import UNIQUE_VALUE_HEADERS, remember_line
+from router.proxy.upstream.response_head import UNIQUE_VALUE_HEADERS, remember_line
 
 INFERENCE_PATHS = {path: path for path in
                    ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")}
@@ -19,8 +19,8 @@ _REQUEST_LINES = {f"POST {path} HTTP/1.1": path for path in INFERENCE_PATHS}
 # Header lines seen before, parsed: (lower-case name, value). Clients repeat most of
 # theirs request after request (Host, Content-Type, Accept, User-Agent, Content-Length of
 # a common size), and a lookup costs a third of parsing one. Bounded as the answers'
-# table is (router.proxy.upstream.remember_line: 1 MB at worst, whatever clients send);
-# lines that carry credentials, or a value new in every request, are never kept.
+# table is (router.proxy.upstream.response_head.remember_line: 1 MB at worst, whatever
+# clients send); lines that carry credentials, or a value new in every request, are never kept.
 _HEADER_LINES: dict[str, tuple[str, str]] = {}
 _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key",
                              "api-key"})

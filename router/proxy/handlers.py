@@ -45,7 +45,7 @@ from router.proxy.stream_failover import continue_broken_stream, failover_for, s
 from router.proxy.targets import Target, target_of, upstream_headers
 from router.proxy.trace_context import inject_current_trace
 from router.proxy.unary import forward_unary
-from router.proxy.upstream import UpstreamPool
+from router.proxy.upstream.pool import UpstreamPool
 from router.proxy.worker_auth import WorkerAuth
 from router.registry.drains import DrainHolder
 from router.registry.inflight import InFlight

@@ -12,12 +12,9 @@ from router.core.outcome import Attempt, Failure
 from router.proxy.failures import UpstreamFailure, client_error_body, retry_after, retryable
 from router.proxy.targets import Target
 from router.proxy.timeouts import Deadline
-from router.proxy.upstream import (
-    ConnectFailed,
-    ConnectionBroken,
-    UpstreamConnection,
-    UpstreamPool,
-)
+from router.proxy.upstream.connection import UpstreamConnection
+from router.proxy.upstream.errors import ConnectFailed, ConnectionBroken
+from router.proxy.upstream.pool import UpstreamPool
 
 # Sends repeated at once when the connection breaks before any answer (usually a pooled
 # connection the worker closed while it sat idle: nothing of the request was processed).

@@ -31,12 +31,9 @@ from router.proxy.send import answer_headers, refuse_if_failed, send
 from router.proxy.targets import Target
 from router.proxy.timeouts import Deadline, IdleWatchdog
 from router.proxy.transcript import ErrorEvent, TooManyEvents, Transcript
-from router.proxy.upstream import (
-    ConnectionBroken,
-    UpstreamConnection,
-    UpstreamError,
-    UpstreamPool,
-)
+from router.proxy.upstream.connection import UpstreamConnection
+from router.proxy.upstream.errors import ConnectionBroken, UpstreamError
+from router.proxy.upstream.pool import UpstreamPool
 
 # A stream's first event is awaited whole up to this size before anything is sent on.
 MAX_FIRST_EVENT_BYTES = 1024 * 1024

@@ -21,7 +21,7 @@ from router.proxy.stream import continue_stream, end_broken_stream
 from router.proxy.targets import Target
 from router.proxy.trace_context import continuation_span
 from router.proxy.transcript import event_limit
-from router.proxy.upstream import UpstreamPool
+from router.proxy.upstream.pool import UpstreamPool
 
 log = logging.getLogger("globalpool.proxy")
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from router.proxy.tls import client_context
-from router.proxy.upstream import RequestHead
+from router.proxy.upstream.request import RequestHead
 
 # Request headers passed to workers. Everything else (Authorization, cookies, hop-by-hop
 # headers, Host, Content-Length) stays at the router.

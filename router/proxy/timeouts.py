@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from router.config import Timeouts
 from router.proxy.exchange import Exchange
-from router.proxy.upstream import UpstreamConnection
+from router.proxy.upstream.connection import UpstreamConnection
 
 
 class IdleWatchdog:

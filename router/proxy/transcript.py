@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 
 from router.proxy.progress import Progress, error_status, sse_data
-from router.proxy.upstream import UpstreamError
+from router.proxy.upstream.errors import UpstreamError
 
 # Pieces kept before they are read into the progress and dropped (reading costs ~1 us an
 # event: only answers longer than this pay it).

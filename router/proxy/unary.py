@@ -12,7 +12,8 @@ from router.proxy.failures import broken_before_answer, unary_timeout
 from router.proxy.send import answer_headers, read_all, refuse_if_failed, send
 from router.proxy.targets import Target
 from router.proxy.timeouts import Deadline
-from router.proxy.upstream import ConnectionBroken, UpstreamPool
+from router.proxy.upstream.errors import ConnectionBroken
+from router.proxy.upstream.pool import UpstreamPool
 
 
 async def forward_unary(

@@ -48,7 +48,7 @@ class FleetCollector:
     health: HealthView | None = None
     retry_budget: RetryBudgetView | None = None
     queue: Backlog[Any] | None = None
-    # The upstream pool's {"opened", "reused", "idle"} (router.proxy.upstream.UpstreamPool).
+    # The upstream pool's {"opened", "reused", "idle"} (router.proxy.upstream.pool.UpstreamPool).
     upstream_stats: Callable[[], Mapping[str, int]] | None = None
     # The heartbeat collector's counts (router.registry.HeartbeatCollector.counts).
     heartbeat_counts: Callable[[], Mapping[str, int]] | None = None

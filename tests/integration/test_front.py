@@ -22,7 +22,8 @@ from aiohttp import web
 from router.proxy.exchange import Exchange, Reply
 from router.proxy.front import TASK_NAME
 from router.proxy.site import FrontSite
-from router.proxy.upstream import UpstreamPool, encode_request
+from router.proxy.upstream.pool import UpstreamPool
+from router.proxy.upstream.request import encode_request
 from tests.integration.test_proxy import CHAT, FleetFactory, fleet_factory
 
 pytestmark = pytest.mark.integration

@@ -11,10 +11,11 @@ from email.utils import formatdate
 
 import pytest
 
-from router.proxy import front_head, upstream
+from router.proxy import front_head
 from router.proxy.front_head import parse_head
 from router.proxy.targets import Target, target_of
 from router.proxy.tls import client_context
+from router.proxy.upstream import response_head
 
 COMMON_ANSWER_LINES = ("server: uvicorn", "content-type: application/json")
 
@@ -28,7 +29,7 @@ def _answer(date_s: int, extra: str = "") -> bytes:
 @pytest.fixture
 def answer_lines(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, str]]:
     table: dict[str, tuple[str, str]] = {}
-    monkeypatch.setattr(upstream, "_HEADER_LINES", table)
+    monkeypatch.setattr(response_head, "_HEADER_LINES", table)
     return table
 
 
@@ -42,22 +43,22 @@ def request_lines(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, str]]
 def test_a_new_date_every_answer_never_freezes_the_answers_table(
         answer_lines: dict[str, tuple[str, str]]) -> None:
     # 3x the table's size in distinct Date lines: more than 3 hours of seconds.
-    answers = 3 * upstream.MAX_KNOWN_HEADER_LINES
+    answers = 3 * response_head.MAX_KNOWN_HEADER_LINES
     largest = emptied = parsed_again = 0
     for second in range(answers):
         parsed_again += not all(line in answer_lines for line in COMMON_ANSWER_LINES)
         before = len(answer_lines)
-        status, _, headers = upstream._parse_head(_answer(1_700_000_000 + second))
+        status, _, headers = response_head.parse_head(_answer(1_700_000_000 + second))
         assert status == 200 and headers["server"] == "uvicorn"
         emptied += len(answer_lines) < before
         largest = max(largest, len(answer_lines))
-    assert largest == upstream.MAX_KNOWN_HEADER_LINES
+    assert largest == response_head.MAX_KNOWN_HEADER_LINES
     # Emptied when full, not frozen: the common lines come back at once after each time.
     assert emptied >= 2 and parsed_again <= emptied + 1
 
 
 def test_the_date_of_this_second_is_kept(answer_lines: dict[str, tuple[str, str]]) -> None:
-    upstream._parse_head(_answer(1_700_000_000))
+    response_head.parse_head(_answer(1_700_000_000))
     assert f"date: {formatdate(1_700_000_000, usegmt=True)}" in answer_lines
 
 
@@ -66,7 +67,7 @@ def test_answer_lines_with_a_value_new_every_time_are_not_kept(
     for number in range(2000):
         extra = (f"x-request-id: gp-{number:x}\r\n"
                  f"traceparent: 00-{number:032x}-{number:016x}-01\r\n")
-        headers = upstream._parse_head(_answer(1_700_000_000, extra))[2]
+        headers = response_head.parse_head(_answer(1_700_000_000, extra))[2]
         assert headers["x-request-id"] == f"gp-{number:x}"
     names = {field[0] for field in answer_lines.values()}
     assert names == {"date", "server", "content-type", "content-length"}
@@ -75,11 +76,11 @@ def test_answer_lines_with_a_value_new_every_time_are_not_kept(
 def test_a_table_emptied_when_full_parses_as_before(
         answer_lines: dict[str, tuple[str, str]]) -> None:
     head = _answer(1_700_000_000, "vary: a\r\nvary: b\r\n")
-    first = upstream._parse_head(head)
-    for number in range(upstream.MAX_KNOWN_HEADER_LINES):  # fills it: the next one empties it
-        upstream._parse_head(b"HTTP/1.1 200 OK\r\nx-seq: %d" % number)
-    assert len(answer_lines) < upstream.MAX_KNOWN_HEADER_LINES
-    assert upstream._parse_head(head) == first == (200, True, {
+    first = response_head.parse_head(head)
+    for number in range(response_head.MAX_KNOWN_HEADER_LINES):  # fills it: the next one empties it
+        response_head.parse_head(b"HTTP/1.1 200 OK\r\nx-seq: %d" % number)
+    assert len(answer_lines) < response_head.MAX_KNOWN_HEADER_LINES
+    assert response_head.parse_head(head) == first == (200, True, {
         "date": formatdate(1_700_000_000, usegmt=True), "server": "uvicorn",
         "content-type": "application/json", "vary": "a, b", "content-length": "2"})
 
@@ -91,7 +92,7 @@ def _request(*lines: str) -> bytes:
 
 def test_the_requests_table_stays_bounded_and_useful(
         request_lines: dict[str, tuple[str, str]]) -> None:
-    requests = 3 * upstream.MAX_KNOWN_HEADER_LINES
+    requests = 3 * response_head.MAX_KNOWN_HEADER_LINES
     largest = emptied = parsed_again = 0
     for number in range(requests):
         parsed_again += "Host: router:8080" not in request_lines
@@ -103,7 +104,7 @@ def test_the_requests_table_stays_bounded_and_useful(
         assert parsed[2] == number % 5000
         emptied += len(request_lines) < before
         largest = max(largest, len(request_lines))
-    assert largest == upstream.MAX_KNOWN_HEADER_LINES
+    assert largest == response_head.MAX_KNOWN_HEADER_LINES
     assert emptied >= 2 and parsed_again <= emptied + 1
     assert not any(field[0] == "x-request-id" for field in request_lines.values())
 

@@ -1,6 +1,6 @@
-"""The chunk-size fast path (`_bare_size`) agrees with a plain reading of RFC 9112's
+"""The chunk-size fast path (`bare_size`) agrees with a plain reading of RFC 9112's
 chunk-size line on every input: a bare size of 1-15 hex digits right before CRLF, or
-nothing (the general parser's `_chunk_size` then reads the line)."""
+nothing (the general parser's `chunk_size` then reads the line)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.proxy.upstream import _bare_size
+from router.proxy.upstream.chunks import bare_size
 
 _BARE = re.compile(rb"[0-9a-fA-F]{1,15}\r\n")
 
@@ -27,16 +27,16 @@ _LINE_BYTES = st.sampled_from([b"0", b"7", b"a", b"F", b"\r", b"\n", b";", b" ",
 @given(st.lists(_LINE_BYTES, max_size=24).map(b"".join), st.integers(0, 3))
 def test_the_fast_path_reads_exactly_the_bare_sizes(line: bytes, pos: int) -> None:
     data = b"zzz"[:pos] + line
-    assert _bare_size(data, pos) == _expected(data, pos)
+    assert bare_size(data, pos) == _expected(data, pos)
 
 
 def test_examples() -> None:
-    assert _bare_size(b"1f\r\n" + b"x" * 31 + b"\r\n", 0) == (31, 2)
-    assert _bare_size(b"..A\r\n", 2) == (10, 3)
-    assert _bare_size(b"0\r\n\r\n", 0) == (0, 1)  # the last chunk: size 0
-    assert _bare_size(b"f" * 15 + b"\r\n", 0) == (16**15 - 1, 15)
-    assert _bare_size(b"f" * 16 + b"\r\n", 0) == (-1, -1)  # too long for the fast path
-    assert _bare_size(b"5;ext=1\r\n", 0) == (-1, -1)  # extensions: the general parser
-    assert _bare_size(b"5 \r\n", 0) == (-1, -1)
-    assert _bare_size(b"5\r", 0) == (-1, -1)  # the line is not all here yet
-    assert _bare_size(b"\r\n", 0) == (-1, -1)
+    assert bare_size(b"1f\r\n" + b"x" * 31 + b"\r\n", 0) == (31, 2)
+    assert bare_size(b"..A\r\n", 2) == (10, 3)
+    assert bare_size(b"0\r\n\r\n", 0) == (0, 1)  # the last chunk: size 0
+    assert bare_size(b"f" * 15 + b"\r\n", 0) == (16**15 - 1, 15)
+    assert bare_size(b"f" * 16 + b"\r\n", 0) == (-1, -1)  # too long for the fast path
+    assert bare_size(b"5;ext=1\r\n", 0) == (-1, -1)  # extensions: the general parser
+    assert bare_size(b"5 \r\n", 0) == (-1, -1)
+    assert bare_size(b"5\r", 0) == (-1, -1)  # the line is not all here yet
+    assert bare_size(b"\r\n", 0) == (-1, -1)

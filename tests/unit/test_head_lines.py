@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from router.proxy import front_head, upstream
+from router.proxy import front_head
 from router.proxy.front_head import parse_head
+from router.proxy.upstream import response_head
+from router.proxy.upstream.errors import MalformedAnswer
 
 
 def _request(*lines: str) -> bytes:
@@ -58,10 +60,10 @@ def test_other_request_lines_go_elsewhere() -> None:
 
 def test_the_table_of_known_lines_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(front_head, "_HEADER_LINES", {})
-    monkeypatch.setattr(upstream, "MAX_KNOWN_HEADER_LINES", 3)  # both tables' bound
-    long_line = "X-Long: " + "v" * upstream.MAX_KNOWN_LINE_CHARS
+    monkeypatch.setattr(response_head, "MAX_KNOWN_HEADER_LINES", 3)  # both tables' bound
+    long_line = "X-Long: " + "v" * response_head.MAX_KNOWN_LINE_CHARS
     parsed = parse_head(_request("Host: r", long_line))
-    assert parsed is not None and parsed[1]["x-long"] == "v" * upstream.MAX_KNOWN_LINE_CHARS
+    assert parsed is not None and parsed[1]["x-long"] == "v" * response_head.MAX_KNOWN_LINE_CHARS
     assert long_line not in front_head._HEADER_LINES  # long lines are parsed, never kept
     for number in range(10):
         parsed = parse_head(_request("Host: r", f"X-Trace: {number}"))
@@ -71,15 +73,15 @@ def test_the_table_of_known_lines_is_bounded(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_an_answers_known_lines_parse_as_before_and_cookies_are_not_kept(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(upstream, "_HEADER_LINES", {})
+    monkeypatch.setattr(response_head, "_HEADER_LINES", {})
     head = (b"HTTP/1.1 200 OK\r\nServer: uvicorn\r\nSet-Cookie: s=1\r\n"
             b"Content-Type: text/plain\r\nVary: a\r\nVary: b")
     expected = (200, True, {"server": "uvicorn", "set-cookie": "s=1",
                             "content-type": "text/plain", "vary": "a, b"})
-    assert upstream._parse_head(head) == expected
-    assert upstream._parse_head(head) == expected
-    assert "Server: uvicorn" in upstream._HEADER_LINES
-    assert "Set-Cookie: s=1" not in upstream._HEADER_LINES
-    with pytest.raises(upstream._Malformed):
-        upstream._parse_head(b"HTTP/1.1 200 OK\r\nBad Name: x")
-    assert "Bad Name: x" not in upstream._HEADER_LINES
+    assert response_head.parse_head(head) == expected
+    assert response_head.parse_head(head) == expected
+    assert "Server: uvicorn" in response_head._HEADER_LINES
+    assert "Set-Cookie: s=1" not in response_head._HEADER_LINES
+    with pytest.raises(MalformedAnswer):
+        response_head.parse_head(b"HTTP/1.1 200 OK\r\nBad Name: x")
+    assert "Bad Name: x" not in response_head._HEADER_LINES

@@ -9,14 +9,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import pytest
 import uvloop
 
-from router.proxy.upstream import (
-    ConnectFailed,
-    ConnectionBroken,
-    RequestHead,
-    UpstreamConnection,
-    UpstreamPool,
-    encode_request,
-)
+from router.proxy.upstream.connection import UpstreamConnection
+from router.proxy.upstream.errors import ConnectFailed, ConnectionBroken
+from router.proxy.upstream.pool import UpstreamPool
+from router.proxy.upstream.request import RequestHead, encode_request
 
 pytestmark = pytest.mark.timeout(10)
 

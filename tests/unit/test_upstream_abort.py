@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 import pytest
 import uvloop
 
-from router.proxy.upstream import UpstreamPool, encode_request
+from router.proxy.upstream.pool import UpstreamPool
+from router.proxy.upstream.request import encode_request
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -159,12 +159,25 @@ async def watching(pool: RealPool, region: str) -> AsyncIterator[Callable[[], li
 
 async def until_beat(pool: RealPool, region: str, accept: Callable[[Heartbeat], bool],
                      timeout_s: float = 30.0) -> Heartbeat:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            beat = pool.heartbeat(region)
-            if beat is not None and accept(beat):
-                return beat
-            await asyncio.sleep(0.05)
+    """The first heartbeat of `region` that `accept`s; on timeout, the failure names the
+    last ones seen (state, running, waiting, KV usage), to tell a starved probe from load
+    that never rose."""
+    seen: list[tuple[str, int, int, float | None]] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                beat = pool.heartbeat(region)
+                if beat is not None:
+                    if accept(beat):
+                        return beat
+                    summary = (beat.state.value, beat.load.running, beat.load.waiting,
+                               beat.load.kv_cache_usage)
+                    if not seen or seen[-1] != summary:
+                        seen.append(summary)
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"no accepted heartbeat of {region} in {timeout_s:g} s; "
+                             f"the last seen: {seen[-12:]}") from None
 
 
 def idle(beat: Heartbeat) -> bool:

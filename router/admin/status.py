@@ -18,7 +18,7 @@ from router.admin.events import EventLog
 from router.config_reload import ConfigHolder
 from router.registry.drains import DrainHolder, DrainStore
 from router.registry.inflight import InFlight
-from router.registry.snapshot import SnapshotHolder
+from router.registry.snapshot import Snapshot, SnapshotHolder
 from router.registry.worker_view import WorkerView
 from router.telemetry.window import RegionTraffic, TrafficWindow
 from worker.schema import LifecycleState
@@ -212,7 +212,7 @@ async def fleet_status(context: AdminContext, max_workers: int | None = None
     now_s = context.clock()
     now_unix_s = time.time()
     snapshot = context.snapshots.current
-    seen = await _look_at_workers(context, now_s)
+    seen = await _look_at_workers(context, snapshot, now_s)
     workers = await _describe_workers(context, _listed(seen, max_workers), now_s)
     traffic = context.window.summary()
     unrouted = traffic.get("none")
@@ -238,10 +238,10 @@ async def fleet_status(context: AdminContext, max_workers: int | None = None
     }
 
 
-async def _look_at_workers(context: AdminContext, now_s: float) -> list[_Seen]:
-    """Every worker of the snapshot, by region and id, looked at WORKERS_SEEN_PER_TURN at
-    a time."""
-    snapshot = context.snapshots.current
+async def _look_at_workers(context: AdminContext, snapshot: Snapshot, now_s: float
+                           ) -> list[_Seen]:
+    """Every worker of `snapshot`, by region and id, looked at WORKERS_SEEN_PER_TURN at a
+    time."""
     freshness_now = snapshot.freshness_now(now_s)
     views = sorted(snapshot.workers.values(), key=lambda v: (v.region, v.worker_id))
     seen: list[_Seen] = []

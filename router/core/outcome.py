@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class Reschedulable(Protocol):
@@ -24,6 +24,26 @@ class ReadCounter(Protocol):
 
     @property
     def reads(self) -> int: ...
+
+
+class Prediction(NamedTuple):
+    """A predicted TTFT by its parts, in ms (router.policy.predicted_ttft says how each is
+    found): the RTT to the worker's region, what this router learnt beyond its
+    predictions there (the region's penalty), the wait in the engine's queue (for a batch
+    slot or KV room), the prompt's prefill, and the engine step that makes the first
+    token. The router's own queue is not in it: a queued request is routed (and
+    predicted) again when it leaves the queue."""
+
+    rtt_ms: float
+    penalty_ms: float
+    queue_ms: float
+    prefill_ms: float
+    first_step_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return (self.rtt_ms + self.penalty_ms + self.queue_ms + self.prefill_ms
+                + self.first_step_ms)
 
 
 class Failure(StrEnum):
@@ -68,6 +88,9 @@ class Attempt:
     # (passive health tells a worker sending a large body from one that went silent).
     answering: ReadCounter | None = None
     answer_head: tuple[int, float] | None = None  # its reads and the time its head came
+    # The predicted TTFT's parts (None: the policy predicts none; predicted_ttft_ms is
+    # their total when given).
+    prediction: Prediction | None = None
 
     @property
     def ttfb_s(self) -> float | None:

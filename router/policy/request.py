@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from router.core.outcome import Prediction
 from router.registry.drained import NOTHING_DRAINED, Drained
 from router.registry.worker_view import WorkerView
 
@@ -50,6 +51,8 @@ class Decision(NamedTuple):
     candidates: int
     # Whether the predicted TTFT is within the request's budget (None: it set none).
     budget_met: bool | None = None
+    # The predicted TTFT by its parts (None: the policy predicts none).
+    prediction: Prediction | None = None
 
 
 class NoRoute(Exception):

@@ -234,6 +234,7 @@ class Proxy:
             record.routed_s = now
         attempt = Attempt(worker_id=worker.worker_id, region=worker.region,
                           predicted_ttft_ms=decision.predicted_ttft_ms,
+                          prediction=decision.prediction,
                           reason=("continuation" if continuing else
                                   decision.reason if not record.attempts else "retry"),
                           started_s=now, streamed=route.stream)

@@ -15,15 +15,18 @@ from router.proxy.failures import UpstreamFailure
 REGION_HEADER = "x-globalpool-region"
 WORKER_HEADER = "x-globalpool-worker"
 ROUTE_HEADER = "x-globalpool-route"  # why this worker: local, spillover, affinity, batch...
-BUDGET_HEADER = "x-globalpool-budget"  # met | missed, when the request sent a TTFT budget
+# The TTFT the router predicted for the worker it chose (ms): a prediction, not an
+# outcome. Whether a client's TTFT budget was met is known only at the first byte, after
+# the headers: it is counted then (metrics, logs, traces), never claimed in a header.
+PREDICTED_TTFT_HEADER = "x-globalpool-predicted-ttft-ms"
 REQUEST_ID_HEADER = "x-request-id"  # the client's own (if sane), else the router's
 
 
 def reply_headers(record: RequestRecord, attempt: Attempt, decision: Decision,
                   rate_headers: Mapping[str, str] | None) -> dict[str, str]:
     """The router's headers of an attempt's answer (the worker's are added to them): where
-    it went and why, the request id, `server-timing`, the caller's rate limits and
-    whether its TTFT budget was met."""
+    it went and why, the request id, `server-timing`, the caller's rate limits and the
+    TTFT predicted there."""
     headers = {
         REGION_HEADER: attempt.region,
         WORKER_HEADER: attempt.worker_id,
@@ -33,8 +36,9 @@ def reply_headers(record: RequestRecord, attempt: Attempt, decision: Decision,
     }
     if rate_headers:
         headers.update(rate_headers)
-    if decision.budget_met is not None:
-        headers[BUDGET_HEADER] = "met" if decision.budget_met else "missed"
+    predicted_ms = decision.predicted_ttft_ms
+    if predicted_ms > 0.0:
+        headers[PREDICTED_TTFT_HEADER] = f"{predicted_ms:.1f}"
     return headers
 
 

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from router.core.outcome import Attempt
 from router.registry.worker_view import WorkerView
 
-# A heartbeat received this long after a request was sent should count it (s).
+# A heartbeat should count a request once the engine has had `stall_after_s` to take it
+# in (less any time this router was not running): a heartbeat received sooner may have
+# been probed before the request arrived, or while the engine's API server, starved of
+# CPU, had it but had not yet handed it to the scheduler, whose figures /metrics shows
+# (real vLLM on a busy 2-core host: seconds). The evidence waits that long after the
+# request, and at least this long (s).
 HEARTBEAT_SLACK_S = 0.5
 
 
@@ -71,8 +76,8 @@ class StallWatch:
         - for a stream, other workers delivered first bytes meanwhile;
         - for any attempt that has received nothing for `stall_after_s` (a long
           generation is not silence: its engine counts it), the worker's own heartbeat,
-          taken after those requests were sent, counts fewer sequences than this router
-          has waiting there (they never reached its engine: a hung API server, a
+          received `stall_after_s` after those requests were sent (see
+          HEARTBEAT_SLACK_S), counts fewer sequences than this router has waiting there (they never reached its engine: a hung API server, a
           partition of the data path), or the worker has left the fleet view (its
           heartbeats stopped; the view drops a worker only while Redis answers, so an
           outage of Redis is not taken for one). A non-streaming answer whose head came
@@ -135,7 +140,10 @@ class StallWatch:
             # Out of the fleet view: its heartbeats stopped or it said it is gone. (An
             # empty view says nothing: the router has not read the fleet yet.)
             return ("after its heartbeats stopped", oldest) if views else None
-        sent_before = sum(1 for a in silent if a.started_s + HEARTBEAT_SLACK_S < view.received_at_s)
+        counted_by_s = max(HEARTBEAT_SLACK_S, self._stall_after_s)
+        sent_before = sum(1 for a in silent
+                          if view.received_at_s - a.started_s
+                          - self._paused_s.get(id(a), 0.0) >= counted_by_s)
         if sent_before == 0 or view.reported_load >= sent_before:
             return None
         return (f"while its heartbeat counts {view.reported_load} sequences of the "

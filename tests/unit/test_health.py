@@ -237,11 +237,16 @@ def test_a_worker_whose_own_heartbeat_misses_my_requests_is_stalled() -> None:
     for attempt in sent:
         health.dispatched(attempt)
     clock.now = 3.5
-    views["a"] = view("a", running=0, received_at_s=3.0)
+    views["a"] = view("a", running=0, received_at_s=2.9)
+    # Received less than stall_after_s after the requests: it may have been probed before
+    # they reached the engine's scheduler (a starved API server takes seconds).
+    assert health.check_stalls() == []
+    clock.now = 3.6
+    views["a"] = view("a", running=0, received_at_s=3.5)
     assert health.check_stalls() == ["a"]
     assert "heartbeat counts 0 sequences of the 3" in health.events[-1].detail
     busy = Health(POLICY, clock=clock, stall_after_s=3.0,
-                  views=lambda: {"a": view("a", running=8, waiting=4, received_at_s=3.0)})
+                  views=lambda: {"a": view("a", running=8, waiting=4, received_at_s=3.5)})
     for attempt in [streaming("a", "us-east", 0.1 * i) for i in range(3)]:
         busy.dispatched(attempt)
     assert busy.check_stalls() == []  # a long queue there, not a partition

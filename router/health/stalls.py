@@ -77,8 +77,9 @@ class StallWatch:
         - for any attempt that has received nothing for `stall_after_s` (a long
           generation is not silence: its engine counts it), the worker's own heartbeat,
           received `stall_after_s` after those requests were sent (see
-          HEARTBEAT_SLACK_S), counts fewer sequences than this router has waiting there (they never reached its engine: a hung API server, a
-          partition of the data path), or the worker has left the fleet view (its
+          HEARTBEAT_SLACK_S), counts fewer sequences than this router has waiting there
+          (they never reached its engine: a hung API server, a partition of the data
+          path), or the worker has left the fleet view (its
           heartbeats stopped; the view drops a worker only while Redis answers, so an
           outage of Redis is not taken for one). A non-streaming answer whose head came
           `stall_after_s` ago and whose body has not ended counts as silent too (an

@@ -13,15 +13,21 @@ from __future__ import annotations
 from typing import ClassVar
 
 from router.policy.base import Policy, RoutingContext, two_of
-from router.policy.predicted_ttft import effective_load
+from router.policy.predicted_ttft import effective_load, predict
 from router.policy.request import Decision, NoRoute, RouteRequest
 from router.registry.worker_view import WorkerView
 
 
-def _decision(view: WorkerView, request: RouteRequest, reason: str, count: int) -> Decision:
+def _decision(context: RoutingContext, view: WorkerView, request: RouteRequest, reason: str,
+              count: int) -> Decision:
+    """The baseline's choice, with the TTFT predicted there (by the same model as
+    predicted_ttft's, which the baseline does not choose by), so that every policy's
+    prediction error can be measured."""
     if request.origin_region is not None and view.region != request.origin_region:
         reason = f"{reason}:spillover"
-    return Decision(worker=view, predicted_ttft_ms=0.0, reason=reason, candidates=count)
+    prediction = predict(context, view, request)
+    return Decision(worker=view, predicted_ttft_ms=prediction.total_ms, reason=reason,
+                    candidates=count, prediction=prediction)
 
 
 class RoundRobin(Policy):
@@ -35,14 +41,14 @@ class RoundRobin(Policy):
         ordered = sorted(candidates, key=lambda v: v.worker_id)
         view = ordered[self._turn % len(ordered)]
         self._turn += 1
-        return _decision(view, request, "round_robin", len(candidates))
+        return _decision(self.context, view, request, "round_robin", len(candidates))
 
 
 class RandomChoice(Policy):
     name: ClassVar[str] = "random"
 
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
-        return _decision(self.context.rng.choice(candidates), request, "random",
+        return _decision(self.context, self.context.rng.choice(candidates), request, "random",
                          len(candidates))
 
 
@@ -58,7 +64,8 @@ class LeastLoad(Policy):
 
         best = min(utilisation(v) for v in candidates)
         tied = [v for v in candidates if utilisation(v) == best]
-        return _decision(self.context.rng.choice(tied), request, "least_load", len(candidates))
+        return _decision(self.context, self.context.rng.choice(tied), request, "least_load",
+                         len(candidates))
 
 
 class Nearest(Policy):
@@ -72,7 +79,7 @@ class Nearest(Policy):
         inflight = self.context.inflight
         view = min(local, key=lambda v: (effective_load(v, inflight.of(v.worker_id)),
                                          self.context.rng.random()))
-        return _decision(view, request, "nearest", len(candidates))
+        return _decision(self.context, view, request, "nearest", len(candidates))
 
 
 class PowerOfTwo(Policy):
@@ -80,7 +87,7 @@ class PowerOfTwo(Policy):
 
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
         if len(candidates) == 1:
-            return _decision(candidates[0], request, "power_of_two", 1)
+            return _decision(self.context, candidates[0], request, "power_of_two", 1)
         first, second = two_of(candidates, self.context.rng)
         inflight = self.context.inflight
 
@@ -89,4 +96,4 @@ class PowerOfTwo(Policy):
             return load / view.heartbeat.capacity.max_num_seqs
 
         view = first if utilisation(first) <= utilisation(second) else second
-        return _decision(view, request, "power_of_two", len(candidates))
+        return _decision(self.context, view, request, "power_of_two", len(candidates))

@@ -1,6 +1,7 @@
 """`predicted_ttft`: score every candidate by predicted time to first token, in ms.
 
-    predicted_ttft_ms = RTT(origin -> worker region) + predicted queue wait + predicted prefill
+    predicted_ttft_ms = RTT(origin -> worker region) + the region's learnt penalty
+                        + predicted queue wait + predicted prefill + the first engine step
 
 One unit for every term, so a spill-over to a farther region happens exactly when the
 farther region is predicted to answer first. The pick is herd-free: among candidates
@@ -16,7 +17,8 @@ import random
 from operator import itemgetter
 from typing import ClassVar
 
-from router.policy.base import Policy, two_of
+from router.core.outcome import Prediction
+from router.policy.base import Policy, RoutingContext, two_of
 from router.policy.filters import best_of_region, region_open, skipped_workers
 from router.policy.request import Decision, RouteRequest
 from router.registry.snapshot import RegionRanking, Snapshot
@@ -36,7 +38,7 @@ def effective_load(view: WorkerView, local_inflight_now: int) -> int:
     return max(0, view.reported_load + local_inflight_now - view.inflight_at_receipt)
 
 
-def predicted_ms(region_ms: float, kv_pressure_ms: float, tokens: int,
+def predicted_ms(region_ms: float, engine_ms: float, tokens: int,
                  prefill_ms_per_token: float, queued_ahead: int,
                  queue_ms_per_request: float) -> float:
     """The TTFT predicted for a request on one worker, in ms: the one formula that every
@@ -46,15 +48,42 @@ def predicted_ms(region_ms: float, kv_pressure_ms: float, tokens: int,
     its predictions there (`PredictedTtft._region_ms`). Queue wait: `queued_ahead`
     requests that cannot start until a batch slot frees (none when it is 0 or less),
     slots freeing at one per `queue_ms_per_request` (the worker's recent E2E over its
-    slots), plus `kv_pressure_ms`, a share of a service time when the KV cache is nearly
-    full. Prefill: the `tokens` of the prompt not in the worker's prefix cache, at its
-    measured rate. The terms are the worker view's (router.registry.worker_view.WorkerView);
-    a region's least terms give a floor that no worker of it can beat.
+    slots). `engine_ms`: what every request pays there, `WorkerView.engine_ms`: a share
+    of a service time when the KV cache is nearly full (`kv_pressure_ms`) and the engine
+    step that makes the first token (`first_step_ms`: the worker's inter-token latency,
+    half as much again while the engine is busy). Prefill: the `tokens` of the prompt not
+    in the worker's prefix cache, at its measured rate. The terms are the worker view's
+    (router.registry.worker_view.WorkerView); a region's least terms give a floor that no
+    worker of it can beat. `prediction` gives the same total by its parts.
     """
-    ms = region_ms + kv_pressure_ms + tokens * prefill_ms_per_token
+    ms = region_ms + engine_ms + tokens * prefill_ms_per_token
     if queued_ahead > 0:
         ms += queued_ahead * queue_ms_per_request
     return ms
+
+
+def prediction(rtt_ms: float, region_ms: float, view: WorkerView, tokens: int,
+               queued_ahead: int) -> Prediction:
+    """`predicted_ms` for `view`, by its parts (made once per decision, for the chosen
+    worker: metrics, traces and the benchmark compare each with what happened)."""
+    queue_ms = view.kv_pressure_ms
+    if queued_ahead > 0:
+        queue_ms += queued_ahead * view.queue_ms_per_request
+    return Prediction(rtt_ms, region_ms - rtt_ms, queue_ms, tokens * view.prefill_ms_per_token,
+                      view.first_step_ms)
+
+
+def predict(context: RoutingContext, view: WorkerView, request: RouteRequest) -> Prediction:
+    """The TTFT predicted for `request` on `view`, by its parts, as predicted_ttft scores it
+    (without prefix-cache affinity): for the baselines, which choose otherwise but whose
+    choices' outcomes are measured against the same model."""
+    origin = request.origin_region
+    rtt_ms = context.rtt_ms(origin, view.region) if origin else 0.0
+    region_ms = rtt_ms
+    if context.health is not None:
+        region_ms += context.health.region_penalty_ms(view.region, context.clock())
+    return prediction(rtt_ms, region_ms, view, request.prompt_tokens,
+                      view.queue_base + context.inflight.of(view.worker_id))
 
 
 # Affinity is followed while the remembered worker is predicted within this much of the
@@ -128,7 +157,7 @@ class PredictedTtft(Policy):
         for ranking in ranked:
             if region_open(ranking.region, request):
                 base = region_ms[ranking.region] = self._region_ms(ranking.region, request, now_s)
-                floors.append((predicted_ms(base, ranking.min_kv_pressure_ms, tokens,
+                floors.append((predicted_ms(base, ranking.min_engine_ms, tokens,
                                             ranking.min_prefill_ms_per_token, 0, 0.0), ranking))
         floors.sort(key=_first)
         skip = skipped_workers(request)
@@ -144,7 +173,7 @@ class PredictedTtft(Policy):
                 best_ms = min(best_ms, min(score for score, _ in region_scored))
         if not scored:
             return super().pick(snapshot, request)  # says why there is no route
-        return self._decide(scored, request, affine_id)
+        return self._decide(scored, request, affine_id, cached_tokens)
 
     def _pick_plain(self, snapshot: Snapshot, request: RouteRequest) -> Decision | None:
         """The general path's choice for the usual request to a pool too small to rank
@@ -165,14 +194,14 @@ class PredictedTtft(Policy):
         region_ms: dict[str, float] = {}
         scored: list[tuple[float, WorkerView]] = []
         best_ms = math.inf
-        for (view, worker_id, region, expires_at_s, kv_pressure_ms, prefill_ms_per_token,
+        for (view, worker_id, region, expires_at_s, engine_ms, prefill_ms_per_token,
              queue_base, queue_ms_per_request) in rows:
             if expires_at_s <= freshness_now or (exclude and worker_id in exclude):
                 continue
             base = region_ms.get(region)
             if base is None:
                 base = region_ms[region] = self._region_ms(region, request, now_s)
-            score = predicted_ms(base, kv_pressure_ms, tokens, prefill_ms_per_token,
+            score = predicted_ms(base, engine_ms, tokens, prefill_ms_per_token,
                                  queue_base + open_requests.get(worker_id, 0),
                                  queue_ms_per_request)
             scored.append((score, view))
@@ -186,10 +215,15 @@ class PredictedTtft(Policy):
         budget = request.ttft_budget_ms
         # `__new__` directly: half the cost of `Decision(...)` (a named tuple's Python
         # `__new__` gets the keywords as a dict through the type's call)
+        region = view.region
+        parts = prediction(context.rtt_ms(origin, region) if origin else 0.0,
+                           region_ms[region], view, tokens,
+                           view.queue_base + open_requests.get(view.worker_id, 0))
         return Decision.__new__(Decision, worker=view, predicted_ttft_ms=score,
-                                reason="local" if origin is None or view.region == origin
+                                reason="local" if origin is None or region == origin
                                 else "spillover", candidates=len(scored),
-                                budget_met=None if budget is None else score <= budget)
+                                budget_met=None if budget is None else score <= budget,
+                                prediction=parts)
 
     def _within_ms(self, best_ms: float, affine_id: str | None) -> float:
         """How far above the best a candidate can still be chosen."""
@@ -203,8 +237,8 @@ class PredictedTtft(Policy):
         scored = self._score(candidates, request, affine_id, cached_tokens, {},
                              self.context.clock())
         if request.traffic_class == "batch":
-            return self._choose_batch(scored, request)
-        return self._decide(scored, request, affine_id)
+            return self._choose_batch(scored, request, affine_id, cached_tokens)
+        return self._decide(scored, request, affine_id, cached_tokens)
 
     def _affine(self, request: RouteRequest) -> tuple[str | None, int]:
         """The worker that served the request's session or prefix last, and how many of
@@ -219,19 +253,21 @@ class PredictedTtft(Policy):
         return worker_id, min(request.prompt_tokens, max(cached_tokens, request.prefix_tokens))
 
     def _decide(self, scored: list[tuple[float, WorkerView]], request: RouteRequest,
-                affine_id: str | None) -> Decision:
+                affine_id: str | None, cached_tokens: int = 0) -> Decision:
         context = self.context
         best_ms = min(score for score, _ in scored)
         if affine_id is not None:
             for score, view in scored:
                 if view.worker_id == affine_id:
                     if score <= best_ms + max(AFFINITY_SLACK_MS, AFFINITY_SLACK_SHARE * best_ms):
-                        return self._decision(view, score, "affinity", request, len(scored))
+                        return self._decision(view, score, "affinity", request, len(scored),
+                                              cached_tokens)
                     break
         score, view = _one_of_the_best(scored, best_ms + context.near_equal_ms, context.rng)
         origin = request.origin_region
         reason = "local" if origin is None or view.region == origin else "spillover"
-        return self._decision(view, score, reason, request, len(scored))
+        return self._decision(view, score, reason, request, len(scored),
+                              cached_tokens if view.worker_id == affine_id else 0)
 
     def _region_ms(self, region: str, request: RouteRequest, now_s: float) -> float:
         """The request's cost of going to `region` at all: RTT plus what this router
@@ -261,14 +297,15 @@ class PredictedTtft(Policy):
             tokens = prompt_tokens
             if worker_id == affine_id:
                 tokens -= cached_tokens
-            score = predicted_ms(base, view.kv_pressure_ms, tokens, view.prefill_ms_per_token,
+            score = predicted_ms(base, view.engine_ms, tokens, view.prefill_ms_per_token,
                                  view.queue_base + open_requests.get(worker_id, 0),
                                  view.queue_ms_per_request)
             scored.append((score, view))
         return scored
 
     def _choose_batch(
-        self, scored: list[tuple[float, WorkerView]], request: RouteRequest
+        self, scored: list[tuple[float, WorkerView]], request: RouteRequest,
+        affine_id: str | None = None, cached_tokens: int = 0,
     ) -> Decision:
         inflight = self.context.inflight
         spare = [
@@ -283,15 +320,25 @@ class PredictedTtft(Policy):
         if not spare:
             # Every worker is busy with interactive work: the least bad place, marked so.
             score, view = min(scored, key=lambda item: item[0])
-            return self._decision(view, score, "batch_queued", request, len(scored))
+            return self._decision(view, score, "batch_queued", request, len(scored),
+                                  cached_tokens if view.worker_id == affine_id else 0)
         cost = self.context.region_cost
         score, view = min(spare, key=lambda item: (cost(item[1].region), item[0]))
-        return self._decision(view, score, "batch", request, len(scored))
+        return self._decision(view, score, "batch", request, len(scored),
+                              cached_tokens if view.worker_id == affine_id else 0)
 
-    @staticmethod
     def _decision(
-        view: WorkerView, score: float, reason: str, request: RouteRequest, count: int
+        self, view: WorkerView, score: float, reason: str, request: RouteRequest, count: int,
+        cached_tokens: int = 0,
     ) -> Decision:
+        """`cached_tokens`: of the prompt, in the chosen worker's prefix cache (scored so)."""
+        context = self.context
+        origin = request.origin_region
+        rtt_ms = context.rtt_ms(origin, view.region) if origin else 0.0
+        tokens = request.prompt_tokens - cached_tokens
+        parts = prediction(rtt_ms, self._region_ms(view.region, request, context.clock()),
+                           view, tokens, view.queue_base + context.inflight.of(view.worker_id))
         budget = request.ttft_budget_ms
         return Decision(worker=view, predicted_ttft_ms=score, reason=reason, candidates=count,
-                        budget_met=None if budget is None else score <= budget)
+                        budget_met=None if budget is None else score <= budget,
+                        prediction=parts)

@@ -41,7 +41,7 @@ def finish(steps: Generator[None, None, T]) -> T:
 
 _utilisation = operator.attrgetter("utilisation")
 _prefill_ms_per_token = operator.attrgetter("prefill_ms_per_token")
-_kv_pressure_ms = operator.attrgetter("kv_pressure_ms")
+_engine_ms = operator.attrgetter("engine_ms")
 _second = operator.itemgetter(1)
 
 
@@ -54,14 +54,14 @@ class RegionRanking:
     region: str
     views: tuple[WorkerView, ...]
     min_prefill_ms_per_token: float
-    min_kv_pressure_ms: float
+    min_engine_ms: float
 
     @classmethod
     def of(cls, views: list[WorkerView]) -> RegionRanking:
         return cls(region=views[0].region,
                    views=tuple(sorted(views, key=_utilisation)),
                    min_prefill_ms_per_token=min(map(_prefill_ms_per_token, views)),
-                   min_kv_pressure_ms=min(map(_kv_pressure_ms, views)))
+                   min_engine_ms=min(map(_engine_ms, views)))
 
 
 ScoringRow = tuple[WorkerView, str, str, float, float, float, int, float]
@@ -207,7 +207,7 @@ class Snapshot:
 
     def ready_terms(self, model: str) -> tuple[ScoringRow, ...]:
         """The model's `ready` workers, each as (view, worker id, region, expires_at_s,
-        kv_pressure_ms, prefill_ms_per_token, queue_base, queue_ms_per_request) (add this
+        engine_ms, prefill_ms_per_token, queue_base, queue_ms_per_request) (add this
         router's open requests on the worker to queue_base for the requests ahead of a new
         one: router.policy.predicted_ttft.predicted_ms). Built once per
         snapshot and model: a routing decision over a small pool reads one tuple per worker
@@ -217,7 +217,7 @@ class Snapshot:
             if model not in self.by_model:
                 return ()  # not kept: clients name any model they like
             rows = self._terms[model] = tuple(
-                (view, view.worker_id, view.region, view.expires_at_s, view.kv_pressure_ms,
+                (view, view.worker_id, view.region, view.expires_at_s, view.engine_ms,
                  view.prefill_ms_per_token, view.queue_base, view.queue_ms_per_request)
                 for view in self.by_model.get(model, ()) if view.ready)
         return rows

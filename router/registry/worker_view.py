@@ -9,6 +9,12 @@ from worker.schema import MAX_LATENCY_MS, Heartbeat, LifecycleState
 # Used until a worker has reported its own figures (no traffic yet).
 DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
 DEFAULT_SERVICE_MS = 2000.0
+# An engine step (one decode iteration of the batch, ms) until the worker has reported its
+# inter-token latency: a typical GPU engine's.
+DEFAULT_STEP_MS = 25.0
+# A request that arrives while the engine is mid-step waits for the step to end first:
+# half a step on average.
+BUSY_STEP_SHARE = 0.5
 # Above this KV usage new sequences start to wait for blocks even with free batch slots.
 KV_PRESSURE_START = 0.9
 # A prefill rate below this (tokens/s) is read as this: 1,000 s a token. The schema lets
@@ -58,7 +64,8 @@ class WorkerView:
         # Scoring terms, so that a routing decision is a few multiplications per candidate
         # (see router.policy.predicted_ttft, which documents what they mean).
         "reported_load", "slots", "queue_base", "queue_ms_per_request", "kv_pressure_ms",
-        "prefill_ms_per_token",
+        "prefill_ms_per_token", "first_step_ms",
+        "engine_ms",  # kv_pressure_ms + first_step_ms: the engine's part of every request
         "utilisation",  # reported load per batch slot: what a region's ranking sorts by
     )
 
@@ -89,6 +96,8 @@ class WorkerView:
     queue_ms_per_request: float
     kv_pressure_ms: float
     prefill_ms_per_token: float
+    first_step_ms: float
+    engine_ms: float
     utilisation: float
 
     def __init__(self, heartbeat: Heartbeat | None, received_at_s: float,
@@ -139,6 +148,15 @@ class WorkerView:
             rate = DEFAULT_PREFILL_TOKENS_PER_S
         elif rate < MIN_PREFILL_TOKENS_PER_S:
             rate = MIN_PREFILL_TOKENS_PER_S
+        # The engine step that makes the first token: the prompt's prefill runs in one
+        # step that also advances the batch by a token (worker.engine_performance takes
+        # that step out of the prefill rate), and on a busy engine the step under way
+        # ends first.
+        step_ms = self.itl_ms
+        if step_ms is None or not 0.0 < step_ms <= MAX_LATENCY_MS:  # NaN too
+            decode = self.decode_tokens_per_s
+            step_ms = (1000.0 / decode if decode is not None and decode >= 1.0
+                       else DEFAULT_STEP_MS)
         self.expires_at_s = self.received_at_s + fresh_for_s(self.ttl_s, next_read_s)
         self.reported_load = load = self.running + self.waiting
         # Requests ahead of a new one that wait for a batch slot, less this router's open
@@ -148,6 +166,8 @@ class WorkerView:
         self.queue_ms_per_request = service_ms / slots
         self.kv_pressure_ms = pressure * service_ms
         self.prefill_ms_per_token = 1000.0 / rate
+        self.first_step_ms = step_ms * (1.0 + BUSY_STEP_SHARE) if load > 0 else step_ms
+        self.engine_ms = self.kv_pressure_ms + self.first_step_ms
 
     def _same_worker(self, received_at_s: float, inflight_at_receipt: int) -> WorkerView:
         """A new view of this worker with what its heartbeat says of it (identity, models,
@@ -196,6 +216,8 @@ class WorkerView:
         view.queue_ms_per_request = self.queue_ms_per_request
         view.kv_pressure_ms = self.kv_pressure_ms
         view.prefill_ms_per_token = self.prefill_ms_per_token
+        view.first_step_ms = self.first_step_ms
+        view.engine_ms = self.engine_ms
         return view
 
     @property

@@ -460,7 +460,8 @@ REQUESTS = (
 # A small pool (every candidate scored) and one large enough to be ranked by region.
 POOLS = ([view("good-1"), view("good-2", "eu-west")],
          [view(f"good-{i}", ("us-east", "eu-west")[i % 2]) for i in range(48)])
-TERMS = ("queue_ms_per_request", "kv_pressure_ms", "prefill_ms_per_token", "utilisation")
+TERMS = ("queue_ms_per_request", "kv_pressure_ms", "prefill_ms_per_token", "utilisation",
+         "first_step_ms", "engine_ms")
 
 
 def route_over(taken: list[WorkerView]) -> int:

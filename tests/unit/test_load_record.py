@@ -136,7 +136,8 @@ def test_a_view_takes_a_newer_records_load_and_keeps_its_heartbeat() -> None:
     # The scoring terms follow the record, as they would a full heartbeat with that load.
     full = WorkerView(beat(seq=8, sent_at_s=1_764_500_000.5), 101.0, 5)
     for name in ("reported_load", "slots", "queue_ms_per_request", "kv_pressure_ms",
-                 "prefill_ms_per_token", "kv_cache_usage", "ttft_ms", "e2e_ms"):
+                 "prefill_ms_per_token", "kv_cache_usage", "ttft_ms", "e2e_ms", "first_step_ms",
+                 "engine_ms"):
         assert getattr(newer, name) == getattr(full, name), name
     assert newer.kv_pressure_ms == pytest.approx(0.5 * 800.0)
     # The view it came from is unchanged.

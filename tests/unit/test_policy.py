@@ -46,6 +46,8 @@ def view(
     kv: float = 0.1,
     e2e_ms: float | None = 1000.0,
     inflight_at_receipt: int = 0,
+    itl_ms: float | None = None,
+    decode_tokens_per_s: float | None = None,
 ) -> WorkerView:
     heartbeat = Heartbeat(
         worker_id=worker_id,
@@ -55,7 +57,8 @@ def view(
         state=state,
         capacity=Capacity(max_num_seqs=slots),
         load=Load(running=running, waiting=waiting, kv_cache_usage=kv),
-        performance=Performance(e2e_ms=e2e_ms, prefill_tokens_per_s=10_000.0),
+        performance=Performance(e2e_ms=e2e_ms, prefill_tokens_per_s=10_000.0, itl_ms=itl_ms,
+                                decode_tokens_per_s=decode_tokens_per_s),
         seq=1,
         sent_at_s=1.0,
         ttl_s=2.0,
@@ -196,15 +199,48 @@ def test_every_way_of_scoring_predicts_the_same(many_workers: bool) -> None:
                  kv=0.95) for i in range(60 if many_workers else 1)]
     snap = snapshot(busy, *idle)
     request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=5000)
-    expected = predicted_ms(RTT["us-east", "us-east"], busy.kv_pressure_ms, 5000,
+    expected = predicted_ms(RTT["us-east", "us-east"], busy.engine_ms, 5000,
                             busy.prefill_ms_per_token, busy.queue_base,
                             busy.queue_ms_per_request)
-    assert expected == pytest.approx(1 + 900 + 400 + 500)
+    # RTT, queue, KV pressure, prefill, and the first step: the default step (no ITL
+    # reported yet) and half a step more, since the engine is busy.
+    assert expected == pytest.approx(1 + 900 + 400 + 500 + 25 * 1.5)
     decision = make_policy().pick(snap, request)
     assert decision.worker.worker_id == "us-1"  # the same terms, 80 ms nearer
     assert decision.predicted_ttft_ms == pytest.approx(expected)
     general = make_policy().choose([busy, *idle], request)
     assert general.predicted_ttft_ms == pytest.approx(expected)
+    for chosen in (decision, general):
+        assert chosen.prediction is not None
+        assert chosen.prediction.total_ms == pytest.approx(expected)
+        assert chosen.prediction.first_step_ms == pytest.approx(37.5)
+        assert chosen.prediction.queue_ms == pytest.approx(900 + 400)
+
+
+def test_the_first_step_is_the_engines_inter_token_latency() -> None:
+    """The first token comes at the end of the step that prefills the prompt: one ITL on
+    an idle engine, and half a step more on a busy one (the step under way ends first)."""
+    idle = view("us-1", running=0, itl_ms=40.0)
+    busy = view("us-2", running=3, itl_ms=40.0)
+    assert (idle.first_step_ms, busy.first_step_ms) == (40.0, 60.0)
+    no_itl = view("us-3", running=0, decode_tokens_per_s=50.0)
+    assert no_itl.first_step_ms == pytest.approx(20.0)  # 1 / decode rate
+    snap = snapshot(idle)
+    decision = make_policy().pick(snap, RouteRequest(model="m", origin_region="us-east"))
+    assert decision.prediction is not None
+    assert decision.predicted_ttft_ms == pytest.approx(decision.prediction.total_ms)
+    assert decision.prediction.first_step_ms == 40.0
+
+
+@pytest.mark.parametrize("name", ["round_robin", "random", "least_load", "nearest",
+                                  "power_of_two"])
+def test_baselines_predict_with_the_same_model(name: str) -> None:
+    snap = snapshot(view("us-1", running=2, itl_ms=30.0))
+    decision = make_policy(name).pick(snap, RouteRequest(model="m", origin_region="us-east",
+                                                         prompt_tokens=100))
+    assert decision.prediction is not None
+    assert decision.predicted_ttft_ms == pytest.approx(decision.prediction.total_ms)
+    assert decision.prediction.first_step_ms == pytest.approx(45.0)
 
 
 def test_round_robin_baseline_cycles() -> None:
@@ -298,9 +334,10 @@ def test_batch_goes_to_the_cheapest_region_with_spare_slots() -> None:
 def test_ttft_budget_is_honoured_when_it_can_be_and_reported() -> None:
     snap = snapshot(view("us-1"), view("eu-1", "eu-west"))
     cheap_in_budget = RouteRequest(model="m", origin_region="us-east", traffic_class="batch",
-                                   ttft_budget_ms=20.0)
+                                   ttft_budget_ms=40.0)
     decision = make_policy().pick(snap, cheap_in_budget)
-    # eu-west is cheaper but 80 ms away: over the 20 ms budget, so us-east it is.
+    # eu-west is cheaper but 80 ms away: over the 40 ms budget (us-east: 1 ms RTT and a
+    # 25 ms first step), so us-east it is.
     assert (decision.worker.worker_id, decision.budget_met) == ("us-1", True)
     tight = RouteRequest(model="m", origin_region="eu-west", ttft_budget_ms=0.5)
     assert make_policy().pick(snap, tight).budget_met is False

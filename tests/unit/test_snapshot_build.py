@@ -27,7 +27,7 @@ def described(snapshot: Snapshot) -> tuple[object, ...]:
     return (list(snapshot.workers), {m: [v.worker_id for v in vs]
                                      for m, vs in snapshot.by_model.items()},
             {m: [(r.region, [v.worker_id for v in r.views], r.min_prefill_ms_per_token,
-                  r.min_kv_pressure_ms) for r in rankings]
+                  r.min_engine_ms) for r in rankings]
              for m, rankings in snapshot.ranked.items()},
             snapshot.built_at_s, snapshot.redis_connected, snapshot.last_redis_ok_at_s)
 
@@ -76,7 +76,7 @@ def test_ready_terms_are_the_ready_workers_scoring_terms_read_once() -> None:
     assert [row[1] for row in rows] == [v.worker_id for v in snapshot.by_model["m"] if v.ready]
     for row in rows:
         v = row[0]
-        assert row[1:] == (v.worker_id, v.region, v.expires_at_s, v.kv_pressure_ms,
+        assert row[1:] == (v.worker_id, v.region, v.expires_at_s, v.engine_ms,
                            v.prefill_ms_per_token,
                            v.running + v.waiting - v.inflight_at_receipt + 1 - v.slots,
                            v.queue_ms_per_request)

@@ -151,6 +151,7 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
        views=lambda: app[HOLDER].current.workers)
     background = app[BACKGROUND] = {}
     background["stall-watch"] = Supervised("stall-watch", health.watch_stalls).start()
+    background["loop-lag"] = Supervised("loop-lag", health.watch_loop_lag).start()
     redis = redis_client.connect(settings.redis_url)
     pubsub_redis = redis_client.connect_pubsub(settings.redis_url)
     keys = (keys_from_environ(os.environ) if settings.heartbeat_keys is None

@@ -1,11 +1,25 @@
 """Region latency penalties: how much slower than predicted each region's first bytes have
-been lately, beyond the other regions', learnt from every streamed attempt's TTFT.
+been lately, beyond the other regions', learnt from streamed attempts' TTFT.
+
+A penalty is for what heartbeats cannot show: a slow or congested path to a region. So
+what is learnt from an attempt is only what the path and nothing else explains:
+- the router's own delays are kept out: an attempt during which this router's event loop
+  ran late (a busy host, a CPU hog beside it: `lagged`) teaches nothing, since its
+  first byte was read late here, not sent late there;
+- the engine's part is taken as the larger of what was predicted for it and what the
+  worker's own heartbeat says its requests waited for a first token lately (an engine
+  busier than predicted is the engine's, and its queue terms already price it);
+- the region's penalty needs evidence from several of its workers: each worker's misses
+  are kept apart, and a region's excess is the least of its workers' (at least
+  `min(2, its workers)` of them sampled), so one slow worker never penalises its region.
 
 One `RegionPenalties` per router, held by router.health.tracker.Health, which feeds it the
 attempts that finish and answers the policy's and the operators' questions with it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
 
 from router.core.outcome import Attempt
 
@@ -14,18 +28,31 @@ from router.core.outcome import Attempt
 PENALTY_FLOOR_MS = 25.0
 # Penalties are recomputed at most this often (s), or after a new sample.
 PENALTY_REFRESH_S = 0.05
+# A worker's samples are forgotten once they have decayed over this many half-lives.
+FORGET_HALF_LIVES = 8.0
+# How many of a region's workers must have shown a miss for the region to be penalised
+# (fewer if the region has fewer).
+WORKERS_FOR_EVIDENCE = 2
 
 
 class RegionPenalties:
-    """Per region, the mean of (measured - predicted TTFT) in ms, weighted 0.2 for each new
-    sample and halving every `half_life_s`; each region's penalty is its mean beyond the
-    lowest other region's and PENALTY_FLOOR_MS."""
+    """Per worker, the mean of (measured - predicted path and engine time) in ms, weighted
+    0.2 for each new sample and halving every `half_life_s`; per region, the least of its
+    sampled workers' means; each region's penalty is its excess beyond the lowest other
+    region's and PENALTY_FLOOR_MS.
 
-    def __init__(self, half_life_s: float) -> None:
+    `workers_in(region)`: how many workers the region has now (the fleet view's count).
+    """
+
+    def __init__(self, half_life_s: float,
+                 workers_in: Callable[[], Mapping[str, int]] = dict) -> None:
         self._half_life_s = half_life_s
-        self._excess_ms: dict[str, tuple[float, float]] = {}  # region -> (ewma, at_s)
+        self._workers_in = workers_in
+        # region -> worker -> (ewma, at_s)
+        self._excess_ms: dict[str, dict[str, tuple[float, float]]] = {}
         self._penalties: dict[str, float] = {}  # region -> penalty, as of _penalties_at_s
         self._penalties_at_s = -1e18
+        self.skipped_lagged = 0  # samples not learnt: the router itself ran late
 
     def penalty_ms(self, region: str, now_s: float) -> float:
         """How much slower than predicted this region's first bytes have been lately,
@@ -37,8 +64,7 @@ class RegionPenalties:
         carries all the traffic is thus judged against the prediction itself, not against
         itself, and misses below `PENALTY_FLOOR_MS` are treated as noise.
         """
-        entry = self._excess_ms.get(region)
-        if entry is None:
+        if region not in self._excess_ms:
             return 0.0
         if now_s - self._penalties_at_s > PENALTY_REFRESH_S or now_s < self._penalties_at_s:
             self._refresh(now_s)
@@ -54,9 +80,20 @@ class RegionPenalties:
 
     def _refresh(self, now_s: float) -> None:
         half_life_s = self._half_life_s
-        current = {region: ewma * 0.5 ** ((now_s - at_s) / half_life_s)
-                   for region, (ewma, at_s) in self._excess_ms.items()}
-        penalties: dict[str, float] = {}
+        forget_before_s = now_s - FORGET_HALF_LIVES * half_life_s
+        counts = self._workers_in()
+        current: dict[str, float] = {}
+        for region, workers in list(self._excess_ms.items()):
+            for worker, (_, at_s) in list(workers.items()):
+                if at_s < forget_before_s:
+                    del workers[worker]
+            needed = min(WORKERS_FOR_EVIDENCE, max(1, counts.get(region, len(workers))))
+            if len(workers) >= needed:
+                current[region] = min(ewma * 0.5 ** ((now_s - at_s) / half_life_s)
+                                      for ewma, at_s in workers.values())
+            elif not workers:
+                del self._excess_ms[region]
+        penalties: dict[str, float] = {region: 0.0 for region in self._excess_ms}
         for region, excess in current.items():
             others = [value for other, value in current.items() if other != region]
             baseline = min(others) if others else 0.0
@@ -64,14 +101,32 @@ class RegionPenalties:
         self._penalties = penalties
         self._penalties_at_s = now_s
 
-    def learn(self, attempt: Attempt, now_s: float) -> None:
-        """Take in how far `attempt`'s first byte missed its predicted TTFT."""
+    def learn(self, attempt: Attempt, now_s: float, *, lagged: bool = False,
+              engine_ttft_ms: float | None = None) -> None:
+        """Take in how far `attempt`'s first byte missed what its path and its engine
+        explain. `lagged`: this router's event loop ran late while the attempt waited
+        (nothing is learnt); `engine_ttft_ms`: the worker's own recent mean TTFT, from
+        its heartbeat (None: not reported)."""
         ttfb_s = attempt.ttfb_s
         if ttfb_s is None or not attempt.streamed:
             return  # a non-streaming answer's first byte is its last: not a TTFT
-        excess = ttfb_s * 1000.0 - attempt.predicted_ttft_ms
-        previous = self._excess_ms.get(attempt.region)
+        if lagged:
+            self.skipped_lagged += 1
+            return
+        parts = attempt.prediction
+        if parts is None:
+            expected_ms = attempt.predicted_ttft_ms
+        else:
+            # The penalty itself is not expected: it is what is being learnt (expecting it
+            # would make a working penalty look unneeded, and decay).
+            engine_ms = parts.queue_ms + parts.prefill_ms + parts.first_step_ms
+            if engine_ttft_ms is not None and engine_ttft_ms > engine_ms:
+                engine_ms = engine_ttft_ms
+            expected_ms = parts.rtt_ms + engine_ms
+        excess = ttfb_s * 1000.0 - expected_ms
+        workers = self._excess_ms.setdefault(attempt.region, {})
+        previous = workers.get(attempt.worker_id)
         ewma = excess if previous is None else (
             0.8 * previous[0] * 0.5 ** ((now_s - previous[1]) / self._half_life_s) + 0.2 * excess)
-        self._excess_ms[attempt.region] = (ewma, now_s)
+        workers[attempt.worker_id] = (ewma, now_s)
         self._penalties_at_s = -1e18  # recompute at the next question

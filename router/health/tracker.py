@@ -35,6 +35,13 @@ BUSY_MAX_S = 10.0
 STALL_CHECK_S = 0.25
 # How often what passive health remembers is pruned (s): see Health.prune.
 PRUNE_EVERY_S = 5.0
+# The event loop's lag is sampled this often (s): a timer's lateness beyond
+# LAG_TOLERANCE_S is time the loop could not run (50 wakeups a second: ~0.1 % of a core).
+LAG_TICK_S = 0.02
+LAG_TOLERANCE_S = 0.002
+# An attempt during which the loop lost more than this (s) teaches the region penalties
+# nothing: its first byte may have been read that late here.
+LAGGED_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +71,8 @@ class Health:
         self._clock = clock
         self._breakers: dict[str, Breaker] = {}
         self._busy_until_s: dict[str, float] = {}
-        self._penalties = RegionPenalties(latency_half_life_s)
+        self._penalties = RegionPenalties(latency_half_life_s, self._workers_per_region)
+        self.lag_total_s = 0.0  # the event loop's lateness so far (watch_loop_lag)
         self._region_fraction = region_eject_fraction
         self._views = views  # the current snapshot's workers, for their own reports
         self._stalls = StallWatch(stall_after_s=stall_after_s, stall_factor=stall_factor,
@@ -130,6 +138,7 @@ class Health:
 
     # --- the proxy's calls ------------------------------------------------------------
     def dispatched(self, attempt: Attempt) -> None:
+        attempt.lag_mark_s = self.lag_total_s
         breaker = self._breakers.get(attempt.worker_id)
         if breaker is not None:
             breaker.dispatched()
@@ -153,7 +162,7 @@ class Health:
                 if breaker is not None:
                     breaker.probe_abandoned()
                 if attempt.first_byte_s is not None:
-                    self._penalties.learn(attempt, now_s)
+                    self._learn_latency(attempt, now_s)
                 return
             breaker = self._breakers.get(attempt.worker_id)
             if breaker is not None:
@@ -162,7 +171,7 @@ class Health:
                                 "a request succeeded")
                 if breaker.forgettable:
                     del self._breakers[attempt.worker_id]
-            self._penalties.learn(attempt, now_s)
+            self._learn_latency(attempt, now_s)
             return
         if failure is Failure.BUSY:
             wait_s = min(BUSY_MAX_S, attempt.retry_after_s or BUSY_DEFAULT_S)
@@ -182,6 +191,40 @@ class Health:
 
     def request_finished(self, record: RequestRecord) -> None:
         return None
+
+    def _learn_latency(self, attempt: Attempt, now_s: float) -> None:
+        """The region penalties learn from `attempt` what the router's own lag and the
+        worker's own report (its engine's recent TTFT) do not explain."""
+        if not attempt.streamed:
+            return
+        view = self._views().get(attempt.worker_id)
+        self._penalties.learn(attempt, now_s,
+                              lagged=self.lag_total_s - attempt.lag_mark_s > LAGGED_S,
+                              engine_ttft_ms=None if view is None else view.ttft_ms)
+
+    def _workers_per_region(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for view in self._views().values():
+            counts[view.region] = counts.get(view.region, 0) + 1
+        return counts
+
+    @property
+    def penalty_samples_skipped(self) -> int:
+        """Streamed attempts not learnt from: this router's event loop ran late meanwhile."""
+        return self._penalties.skipped_lagged
+
+    async def watch_loop_lag(self, tick_s: float = LAG_TICK_S) -> None:
+        """Add up how late this process's event loop runs (`lag_total_s`) until cancelled:
+        a timer due every `tick_s` that fires later than that by more than
+        LAG_TOLERANCE_S means the loop could not run meanwhile (a busy host, a CPU hog,
+        this router's own backlog). Attempts that waited through it are not learnt from."""
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(tick_s)
+            late_s = loop.time() - before - tick_s
+            if late_s > LAG_TOLERANCE_S:
+                self.lag_total_s += late_s
 
     def reported_down(self, worker_id: str, region: str, detail: str) -> None:
         """The worker's own heartbeat says it stopped serving (ready -> degraded).

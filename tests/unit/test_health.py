@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from router.core.outcome import Attempt, Failure
+from router.core.outcome import Attempt, Failure, Prediction
 from router.health import Breaker, BreakerPolicy, BreakerState, Health, RetryBudget
 from router.health.penalties import PENALTY_FLOOR_MS
 from router.registry.worker_view import WorkerView
@@ -153,6 +154,69 @@ def test_a_slow_region_that_carries_all_the_traffic_is_penalised() -> None:
         quiet.attempt_finished(attempt("us-1", None, "us-east", ttfb_s=0.065,
                                        predicted_ms=50.0))
     assert quiet.region_penalty_ms("us-east", 0.0) == 0.0  # a small miss is noise
+
+
+def test_one_slow_worker_does_not_penalise_its_region() -> None:
+    """A region's penalty needs misses on several of its workers: one slow worker is the
+    worker's (its queue terms and breaker deal with it), not its region's path."""
+    views = {"us-1": view("us-1"), "us-2": view("us-2"), "eu-1": view("eu-1", "eu-west")}
+    health = Health(POLICY, clock=FakeClock(0.0), views=lambda: views)
+    for _ in range(20):
+        health.attempt_finished(attempt("us-1", None, "us-east", ttfb_s=0.450,
+                                        predicted_ms=50.0))
+    assert health.region_penalty_ms("us-east", 0.0) == 0.0
+    for _ in range(20):  # the second worker too: the region's path it is
+        health.attempt_finished(attempt("us-2", None, "us-east", ttfb_s=0.350,
+                                        predicted_ms=50.0))
+    # The least of its workers' misses, less the noise floor.
+    assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(300.0 - FLOOR, rel=0.05)
+
+
+def test_attempts_through_the_routers_own_lag_teach_nothing() -> None:
+    """A CPU hog beside the router delays its reading of first bytes: those attempts are
+    not learnt from, and the local region keeps its traffic."""
+    health = Health(POLICY, clock=FakeClock(0.0))
+    for _ in range(20):
+        sent = attempt("us-1", None, "us-east", ttfb_s=0.450, predicted_ms=50.0)
+        health.dispatched(sent)
+        health.lag_total_s += 0.2  # the loop lost 200 ms while it waited
+        health.attempt_finished(sent)
+    assert health.region_penalty_ms("us-east", 0.0) == 0.0
+    assert health.penalty_samples_skipped == 20
+
+
+def test_an_engine_slower_than_predicted_is_the_engines_not_the_paths() -> None:
+    """What the worker itself reports its requests waited for a first token (its
+    heartbeat's TTFT) is the engine's part, not the path's."""
+    slow_engine = {"us-1": view("us-1", ttft_ms=400.0)}
+    health = Health(POLICY, clock=FakeClock(0.0), views=lambda: slow_engine)
+    parts = Prediction(rtt_ms=2.0, penalty_ms=0.0, queue_ms=0.0, prefill_ms=20.0,
+                       first_step_ms=28.0)
+    for _ in range(20):
+        sent = attempt("us-1", None, "us-east", ttfb_s=0.420, predicted_ms=50.0)
+        sent.prediction = parts
+        health.attempt_finished(sent)
+    assert health.region_penalty_ms("us-east", 0.0) == 0.0
+    slow_path = Health(POLICY, clock=FakeClock(0.0),
+                       views=lambda: {"us-1": view("us-1", ttft_ms=48.0)})
+    for _ in range(20):
+        sent = attempt("us-1", None, "us-east", ttfb_s=0.420, predicted_ms=50.0)
+        sent.prediction = parts
+        slow_path.attempt_finished(sent)
+    assert slow_path.region_penalty_ms("us-east", 0.0) == pytest.approx(370.0 - FLOOR,
+                                                                         rel=0.05)
+
+
+async def test_the_loop_lag_watch_adds_up_lost_time() -> None:
+    health = Health(POLICY)
+    started_s = time.monotonic()
+    task = asyncio.create_task(health.watch_loop_lag(tick_s=0.01))
+    await asyncio.sleep(0.05)
+    time.sleep(0.1)  # noqa: ASYNC251 (the loop cannot run: a hog, or a blocking call)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    # At least the blocked 100 ms (less a tick), never more than the time that passed.
+    assert 0.08 <= health.lag_total_s <= time.monotonic() - started_s
 
 
 def test_a_degraded_heartbeat_ejects_through_the_breaker() -> None:

@@ -48,6 +48,7 @@ def view(
     inflight_at_receipt: int = 0,
     itl_ms: float | None = None,
     decode_tokens_per_s: float | None = None,
+    ttft_ms: float | None = None,
 ) -> WorkerView:
     heartbeat = Heartbeat(
         worker_id=worker_id,
@@ -58,7 +59,7 @@ def view(
         capacity=Capacity(max_num_seqs=slots),
         load=Load(running=running, waiting=waiting, kv_cache_usage=kv),
         performance=Performance(e2e_ms=e2e_ms, prefill_tokens_per_s=10_000.0, itl_ms=itl_ms,
-                                decode_tokens_per_s=decode_tokens_per_s),
+                                decode_tokens_per_s=decode_tokens_per_s, ttft_ms=ttft_ms),
         seq=1,
         sent_at_s=1.0,
         ttl_s=2.0,

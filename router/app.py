@@ -180,7 +180,7 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         redis=redis, pubsub_redis=pubsub_redis,
         channel=f"{settings.config.redis.key_prefix}:routers:inflight", inflight=inflight,
         interval_s=lambda: app[OPERATIONS].configs.current.router.peer_interval_ms / 1000.0,
-        keys=keys, stats=app[SECURITY_STATS])
+        keys=keys, stats=app[SECURITY_STATS], region=settings.region)
     background["peer-exchange"] = Supervised("peer-exchange", peers.run).start()
     with contextlib.suppress(TimeoutError):
         # Serve sooner with an empty view rather than never if Redis is down at start

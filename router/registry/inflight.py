@@ -7,6 +7,14 @@ how loaded a worker was when it was taken; what was dispatched or finished since
 the change in these counts, recorded when the heartbeat arrived. A router's own requests
 count at once; its peers' count when their next report arrives (router.registry.peers,
 every few tens of milliseconds), and a peer that stops reporting stops counting.
+
+Between two reports, replicas behind the same regional front (they share its clients,
+so their bursts come together) cannot see each other: twenty requests that reach each of
+two replicas at once would all go to the workers each sees as best (measured: a 4-slot
+worker got 13 while another region had 32 free slots). So each of this router's own
+requests also counts once for every such sibling (`echo`), until the siblings' reports
+can show what they really sent (two report intervals, `roll_echo`): each replica then
+claims its share of the free slots, not all of them.
 """
 
 from __future__ import annotations
@@ -19,16 +27,34 @@ _NONE: dict[str, int] = {}
 class InFlight:
     """Open requests per worker: this router's own, plus its peers' latest reports."""
 
-    __slots__ = ("_open", "_own", "_peers")
+    __slots__ = ("_echo_new", "_echo_old", "_open", "_own", "_peers", "echo")
 
     def __init__(self) -> None:
-        self._open: dict[str, int] = {}  # own + peers': what routing reads
+        self._open: dict[str, int] = {}  # own + peers' + echoes: what routing reads
         self._own: dict[str, int] = {}
         self._peers: dict[str, tuple[float, dict[str, int]]] = {}  # id: (received, counts)
+        # How many times each own request counts again (the siblings heard lately: set by
+        # router.registry.peers), and the echoes of this report interval and the last.
+        self.echo = 0
+        self._echo_new: dict[str, int] = {}
+        self._echo_old: dict[str, int] = {}
 
     def started(self, worker_id: str) -> None:
         self._own[worker_id] = self._own.get(worker_id, 0) + 1
-        self._open[worker_id] = self._open.get(worker_id, 0) + 1
+        echo = self.echo
+        self._open[worker_id] = self._open.get(worker_id, 0) + 1 + echo
+        if echo:
+            self._echo_new[worker_id] = self._echo_new.get(worker_id, 0) + echo
+
+    def roll_echo(self) -> None:
+        """One report interval has passed: the echoes of the one before it end (the
+        siblings' own reports have had time to show what they sent meanwhile)."""
+        old = self._echo_old
+        if old:
+            open_ = self._open
+            for worker_id, count in old.items():
+                _add(open_, worker_id, -count)
+        self._echo_old, self._echo_new = self._echo_new, {}
 
     def finished(self, worker_id: str) -> None:
         own = self._own
@@ -52,6 +78,10 @@ class InFlight:
 
     def own_of(self, worker_id: str) -> int:
         return self._own.get(worker_id, 0)
+
+    def echoes(self) -> int:
+        """Echoed requests counted now (both intervals), for operators and tests."""
+        return sum(self._echo_new.values()) + sum(self._echo_old.values())
 
     def own_counts(self) -> dict[str, int]:
         """A copy of this router's own counts (what it reports to its peers)."""

@@ -55,6 +55,10 @@ APPLY_S_PER_ENTRY = 1e-6
 RECEIVER_CPU_SHARE = 0.05
 PEER_TTL_S = 2.0
 MAX_REPORT_BYTES = 1 << 20
+# Each own request counts at most this many times again for sibling replicas (of this
+# region): unsigned reports could otherwise claim siblings enough to push every request
+# of this replica away from its region.
+MAX_ECHO = 8
 MAX_OPEN_PER_WORKER = 100_000
 _VERSION = b"v1"
 _UNSIGNED = b"-"
@@ -66,8 +70,11 @@ def router_id() -> str:
 
 
 def encode_report(router: str, open_: Mapping[str, int],
-                  key: tuple[str, bytes] | None = None) -> bytes:
-    body = json.dumps({"router": router, "open": open_}, separators=(",", ":")).encode()
+                  key: tuple[str, bytes] | None = None, region: str | None = None) -> bytes:
+    document: dict[str, object] = {"router": router, "open": open_}
+    if region is not None:
+        document["region"] = region
+    body = json.dumps(document, separators=(",", ":")).encode()
     if key is None:
         return b"v1 - - " + body
     key_id, secret = key
@@ -87,6 +94,14 @@ class ReportError(ValueError):
 def decode_report(payload: bytes, keys: Mapping[str, bytes]) -> tuple[str, dict[str, int]]:
     """(router id, open requests per worker). Raises ReportError. With `keys`, the report
     must be signed by one of them."""
+    router, open_, _ = decode_report_from(payload, keys)
+    return router, open_
+
+
+def decode_report_from(payload: bytes, keys: Mapping[str, bytes]
+                       ) -> tuple[str, dict[str, int], str | None]:
+    """`decode_report`, and the region the sender serves (None: it does not say, as
+    replicas before it did not)."""
     if len(payload) > MAX_REPORT_BYTES:
         raise ReportError("too_large", f"larger than {MAX_REPORT_BYTES} bytes")
     parts = payload.split(b" ", 3)
@@ -115,7 +130,8 @@ def decode_report(payload: bytes, keys: Mapping[str, bytes]) -> tuple[str, dict[
             isinstance(worker, str) and type(count) is int and 0 <= count <= MAX_OPEN_PER_WORKER
             for worker, count in open_.items()):
         raise ReportError("malformed", "`open` is not {worker id: count}")
-    return router, open_
+    region = document.get("region")
+    return router, open_, region if isinstance(region, str) and len(region) <= 64 else None
 
 
 class PeerExchange:
@@ -134,8 +150,13 @@ class PeerExchange:
         router: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_backoff_s: float = 2.0,
+        region: str | None = None,
     ) -> None:
         self._redis = redis
+        self._region = region
+        # Replicas of this region heard from within PEER_TTL_S, idle ones too: how many
+        # times each own request is echoed (router.registry.inflight), at most MAX_ECHO.
+        self._siblings: dict[str, float] = {}
         self._pubsub_redis = pubsub_redis
         self._channel = channel
         self._inflight = inflight
@@ -186,6 +207,7 @@ class PeerExchange:
             while (interval_s := self._interval_s()) > 0:
                 now_s = self._clock()
                 if now_s >= next_report_s:
+                    self._inflight.roll_echo()
                     await self._report(now_s)
                     raise_if_cancelling()  # redis-py can swallow a cancellation
                     next_report_s = now_s + self._spacing_s(interval_s)
@@ -211,12 +233,12 @@ class PeerExchange:
         self._sent, self._sent_at_s = counts, now_s
 
     async def _publish(self, counts: Mapping[str, int]) -> None:
-        await self._redis.publish(self._channel,
-                                  encode_report(self.router, counts, self._signing_key))
+        await self._redis.publish(self._channel, encode_report(
+            self.router, counts, self._signing_key, self._region))
 
     def _apply(self, payload: bytes) -> None:
         try:
-            peer, open_ = decode_report(payload, self._keys)
+            peer, open_, region = decode_report_from(payload, self._keys)
         except ReportError as exc:
             self.rejected_reports += 1
             if self._stats is not None:
@@ -227,15 +249,25 @@ class PeerExchange:
             return
         if peer == self.router:
             return
+        if self._region is not None and region == self._region:
+            self._siblings[peer] = self._clock()
+            self._inflight.echo = min(MAX_ECHO, len(self._siblings))
         if open_:
             self._inflight.apply_peer(peer, open_, self._clock())
         else:
             self._inflight.forget_peer(peer)  # it left, or has nothing open
 
     def _expire(self) -> None:
-        for peer in self._inflight.expire_peers(self._clock() - PEER_TTL_S):
+        silent_since_s = self._clock() - PEER_TTL_S
+        for peer in self._inflight.expire_peers(silent_since_s):
             log.info("peer router %s went silent; its requests no longer count", peer)
+        if self._siblings:
+            self._siblings = {peer: at_s for peer, at_s in self._siblings.items()
+                              if at_s >= silent_since_s}
+            self._inflight.echo = min(MAX_ECHO, len(self._siblings))
 
     def _forget_all(self) -> None:
         for peer in self._inflight.peer_ids():
             self._inflight.forget_peer(peer)
+        self._siblings.clear()
+        self._inflight.echo = 0

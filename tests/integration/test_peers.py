@@ -18,7 +18,7 @@ from router.registry.peers import PEER_TTL_S, PeerExchange, encode_report
 from router.registry.snapshot import Snapshot
 from router.registry.worker_view import WorkerView
 from worker.redis_client import connect, connect_pubsub
-from worker.schema import Capacity, Heartbeat, LifecycleState, Load
+from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 
 pytestmark = pytest.mark.integration
 
@@ -29,12 +29,14 @@ INTERVAL_S = 0.02
 class Replica:
     """One router replica's exchange, running in the test's loop."""
 
-    def __init__(self, url: str, channel: str, keys: Mapping[str, bytes] | None = None) -> None:
+    def __init__(self, url: str, channel: str, keys: Mapping[str, bytes] | None = None,
+                 region: str | None = None) -> None:
         self.inflight = InFlight()
         self.stats = SecurityStats()
         self.exchange = PeerExchange(redis=connect(url), pubsub_redis=connect_pubsub(url),
                                      channel=channel, inflight=self.inflight,
-                                     interval_s=lambda: INTERVAL_S, keys=keys, stats=self.stats)
+                                     interval_s=lambda: INTERVAL_S, keys=keys, stats=self.stats,
+                                     region=region)
         self.task = asyncio.create_task(self.exchange.run())
 
     async def stop(self) -> None:
@@ -47,8 +49,8 @@ async def replicas(redis_url: str, key_prefix: str
                    ) -> AsyncIterator[Callable[..., Replica]]:
     started: list[Replica] = []
 
-    def start(keys: Mapping[str, bytes] | None = None) -> Replica:
-        replica = Replica(redis_url, f"{key_prefix}:routers:inflight", keys)
+    def start(keys: Mapping[str, bytes] | None = None, region: str | None = None) -> Replica:
+        replica = Replica(redis_url, f"{key_prefix}:routers:inflight", keys, region)
         started.append(replica)
         return replica
 
@@ -144,18 +146,24 @@ async def test_an_unreachable_redis_leaves_each_replica_with_its_own_counts() ->
             server.stop()
 
 
-def _view(worker_id: str, running: int) -> WorkerView:
+def _view(worker_id: str, running: int, region: str = "us-east", slots: int = 4
+          ) -> WorkerView:
     heartbeat = Heartbeat(
-        worker_id=worker_id, region="us-east", endpoint=f"http://127.0.0.1:1/{worker_id}",
-        models=("m",), state=LifecycleState.READY, capacity=Capacity(max_num_seqs=4),
+        worker_id=worker_id, region=region, endpoint=f"http://127.0.0.1:1/{worker_id}",
+        models=("m",), state=LifecycleState.READY, capacity=Capacity(max_num_seqs=slots),
         load=Load(running=running, waiting=0, kv_cache_usage=0.1), seq=1,
-        sent_at_s=time.time(), ttl_s=60.0)
+        sent_at_s=time.time(), ttl_s=60.0,
+        performance=Performance(e2e_ms=2000.0, itl_ms=20.0, prefill_tokens_per_s=8000.0))
     return WorkerView(heartbeat, time.monotonic())
 
 
-def _first_picks(inflight: InFlight, snapshot: Snapshot, count: int) -> list[str]:
-    context = RoutingContext(rtt_ms=lambda _a, _b: 0.0, inflight=inflight,
-                             rng=random.Random(1))
+def _rtt(origin: str, region: str) -> float:
+    return 1.0 if origin == region else 80.0
+
+
+def _first_picks(inflight: InFlight, snapshot: Snapshot, count: int,
+                 rtt: Callable[[str, str], float] = lambda _a, _b: 0.0) -> list[str]:
+    context = RoutingContext(rtt_ms=rtt, inflight=inflight, rng=random.Random(1))
     policy = create_policy("predicted_ttft", context)
     picks = []
     for _ in range(count):
@@ -181,3 +189,34 @@ async def test_two_replicas_do_not_herd_onto_the_momentarily_best_worker(
     # ...with it, replica b counts a's five and sends its request to `busy`.
     await until(lambda: b.inflight.of("idle") == 5)
     assert _first_picks(b.inflight, snapshot, 1) == ["busy"]
+
+
+async def test_a_synchronized_burst_to_two_replicas_of_a_region_does_not_herd(
+        replicas: Callable[..., Replica]) -> None:
+    """20 requests reach each of two replicas of us-east at the same instant, before
+    either can report them: each counts its own requests once more for its sibling, so
+    that together they fill us-east's 8 free slots and send the rest 80 ms away to
+    eu-west's 32, as one replica sending all 40 does; without that they would put twice
+    as many into us-east's queues."""
+    fleet = [_view("us-1", 0), _view("us-2", 0),
+             *(_view(f"eu-{i}", 0, region="eu-west", slots=8) for i in range(4))]
+    snapshot = Snapshot.build(fleet, built_at_s=time.monotonic(), redis_connected=True,
+                              last_redis_ok_at_s=time.monotonic())
+
+    def local(picks: list[str]) -> int:
+        return sum(1 for worker in picks if worker.startswith("us-"))
+
+    alone = local(_first_picks(InFlight(), snapshot, 40, _rtt))
+    blind = local(_first_picks(InFlight(), snapshot, 20, _rtt)) * 2  # no exchange
+    a, b = replicas(region="us-east"), replicas(region="us-east")
+    await until(lambda: a.inflight.echo == 1 and b.inflight.echo == 1)  # idle: keepalives
+    # Both bursts are routed within one turn of the loop: no report comes in between.
+    together = local(_first_picks(a.inflight, snapshot, 20, _rtt)) + local(
+        _first_picks(b.inflight, snapshot, 20, _rtt))
+    queued = {"alone": alone - 8, "blind": blind - 8, "together": together - 8}
+    print("queued in us-east beyond its free slots:", queued)
+    assert queued["blind"] > 2 * max(1, queued["alone"]), queued  # the herd, without echo
+    assert queued["together"] <= 2 * max(1, queued["alone"]), queued
+    # Once the echoes have lived their two report intervals, only real counts remain.
+    await until(lambda: a.inflight.echoes() == 0 and b.inflight.echoes() == 0)
+    assert a.inflight.of("us-1") + a.inflight.of("us-2") == together

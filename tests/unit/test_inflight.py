@@ -112,3 +112,20 @@ def test_reports_of_large_fleets_are_spaced_to_bound_the_receivers_cpu() -> None
     for peer in range(9, 200):
         inflight.apply_peer(f"r{peer}", {"w1": 1}, now_s=0.0)
     assert exchange._spacing_s(0.05) == KEEPALIVE_S  # never so rare that peers expire it
+
+
+def test_own_requests_echo_for_siblings_for_two_report_intervals() -> None:
+    inflight = InFlight()
+    inflight.echo = 2  # two sibling replicas of this region heard lately
+    inflight.started("w")
+    assert (inflight.of("w"), inflight.own_of("w"), inflight.echoes()) == (3, 1, 2)
+    inflight.roll_echo()  # the siblings' reports may not have come yet
+    inflight.started("w")
+    assert inflight.of("w") == 6
+    inflight.roll_echo()  # the first request's echo ends; the second's lives one more
+    assert inflight.of("w") == 4
+    inflight.finished("w")
+    inflight.roll_echo()
+    assert (inflight.of("w"), inflight.echoes()) == (1, 0)
+    inflight.finished("w")
+    assert inflight.of("w") == 0 and inflight.counts == {}

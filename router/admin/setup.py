@@ -89,7 +89,7 @@ class Operations:
     def observers(self) -> tuple[Observer, ...]:
         observers: list[Observer] = [self.metrics, self.window]
         if self.tracer_provider is not None:
-            observers.append(SpanAnnotator())
+            observers.append(SpanAnnotator(self.tracer_provider))
         return tuple(observers)
 
     def add_routes(self, app: web.Application) -> None:

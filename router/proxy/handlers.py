@@ -155,6 +155,7 @@ class Proxy:
         router_config = config.router
         headers = self._worker_headers(exchange, record)
         record.traffic_class = hints[1]
+        record.ttft_budget_ms = hints[2]
         route = route_request(parsed, record, self.drains.current, principal, hints)
         failover = failover_for(router_config, exchange, parsed, body, record.kind)
         retries: Retries | None = None  # made when an attempt fails

@@ -185,15 +185,20 @@ async def _pass_on(
 ) -> None:
     """Run `relaying` (the stream passing to the client) under the idle watchdog, and end
     the stream: as it came, with an error event, or (a `transcript` kept) open for a
-    continuation (StreamBroken)."""
+    continuation (StreamBroken). The attempt's pace is noted as the relay ends: the reads
+    it passed on (each a gap between chunks) and when (not timed per chunk: see
+    `Attempt.stream_gaps`)."""
     def client_stalled() -> None:
         attempt.client_stalled = True
         exchange.abort_client()  # cancels the request: the upstream is closed below
 
     watchdog = IdleWatchdog(loop, upstream, exchange, timeouts, client_stall_s,
                             client_stalled)
+    reads_before = upstream.reads  # (the relay starts when awaited)
     try:
         broken = await relaying
+        attempt.stream_ended_s = time.monotonic()
+        attempt.stream_gaps = upstream.reads - reads_before
         if attempt.client_stalled:
             raise ConnectionResetError(watchdog.client_fired)
         if broken is None:

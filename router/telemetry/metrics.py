@@ -7,8 +7,20 @@ Two kinds:
   only when Prometheus scrapes, from the snapshot, the drain flags, passive health and the
   config holder.
 
-ITL is not measured by the router (it does not parse stream events); the per-worker ITL
-the engines report in their heartbeats is exported as `globalpool_worker_itl_seconds`.
+ITL as the router passes streams on (`globalpool_itl_seconds`): per stream, the reads
+from the worker after the first event (each one gap between chunks: the router does not
+parse events, so several tokens in one read are one gap, as its client sees them) and
+the time from the first byte to the end, observed as that many gaps at their mean. The
+count and the sum are exact (sum/count is the token-weighted mean ITL); the buckets place
+each stream's gaps at its mean, so quantiles tell slow streams, not one stall inside a
+fast stream (timing every chunk cost 5-15 % more instructions per streamed request:
+README, "Performance"). The per-worker ITL the engines report in their heartbeats stays
+`globalpool_worker_itl_seconds`.
+
+Predictions against outcomes: `globalpool_ttft_prediction_ratio` is measured over
+predicted TTFT per streamed attempt (the same span: request sent to the worker -> its
+first byte), and `globalpool_ttft_budget_requests_total` counts the streams whose
+client-side TTFT met or missed the client's `x-globalpool-ttft-budget-ms`.
 """
 
 from __future__ import annotations
@@ -25,6 +37,13 @@ from router.telemetry.window import NO_REGION
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                      1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0)
+# Measured over predicted TTFT: dense around 1 (a prediction within 5-10 %), wide enough
+# for a prediction off by 4x either way, and +Inf past 10x.
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15,
+                 1.2, 1.25, 1.33, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0)
+# Gaps between a stream's chunks: dense where decode steps are (5-50 ms), a tail for stalls.
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04,
+                 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0)
 ROUTE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 OTHER_MODEL = "(other)"  # unrouted requests for models nobody serves: bounded label values
 # Distinct model label values a router gives routed requests (the models of regions.yaml
@@ -32,6 +51,9 @@ OTHER_MODEL = "(other)"  # unrouted requests for models nobody serves: bounded l
 # what heartbeats advertise must not decide the metrics' cardinality.
 MAX_MODEL_LABELS = 256
 DEFAULT_CLASS = "interactive"
+# What operators compare latencies by: the serving region, the model, the traffic class
+# (bounded: router.proxy.routing_hints.TRAFFIC_CLASSES).
+BY_CLASS = ("region", "model", "class")
 
 
 # HTTP statuses as label values, made once: a new string per request would be hashed and
@@ -52,10 +74,29 @@ class RequestMetrics:
         self.ttft = LabelledHistogram(
             "globalpool_ttft_seconds",
             "Time to first token of streamed requests: arrival at the router to first byte.",
-            ["region", "model"], LATENCY_BUCKETS_S, registry)
+            BY_CLASS, LATENCY_BUCKETS_S, registry)
         self.e2e = LabelledHistogram(
             "globalpool_e2e_seconds", "Arrival at the router to the answer's last byte.",
-            ["region", "model"], LATENCY_BUCKETS_S, registry)
+            BY_CLASS, LATENCY_BUCKETS_S, registry)
+        self.itl = LabelledHistogram(
+            "globalpool_itl_seconds",
+            "Gaps between the chunks of streamed answers as the router passes them on (several "
+            "tokens in one read from the worker are one gap): per stream, its gaps observed at "
+            "their mean (count and sum exact; buckets by each stream's mean).",
+            BY_CLASS, ITL_BUCKETS_S, registry)
+        self.prediction_ratio = LabelledHistogram(
+            "globalpool_ttft_prediction_ratio",
+            "Measured over predicted TTFT per streamed attempt that got a first byte and had "
+            "a prediction > 0 (request sent to the worker -> first byte, the span predicted). "
+            "Non-streaming attempts are not observed: their first byte is the whole answer.",
+            BY_CLASS, RATIO_BUCKETS, registry)
+        self.budget = LabelledCounter(
+            "globalpool_ttft_budget_requests",
+            "Streamed requests with a TTFT budget (x-globalpool-ttft-budget-ms) by whether "
+            "the client's TTFT (arrival -> first byte passed on) met it; a stream that never "
+            "started is missed (a client that left before its budget ran out: not counted). "
+            "Counted when the request ends; non-streaming requests are not counted.",
+            [*BY_CLASS, "outcome"], registry)
         self.upstream_ttfb = LabelledHistogram(
             "globalpool_upstream_ttfb_seconds",
             "One attempt: request sent to the worker -> its first byte.",
@@ -112,7 +153,8 @@ class RequestMetrics:
             region = NO_REGION
             model = record.model if record.model in self._known_models() else OTHER_MODEL
         status = record.status
-        self.requests.inc((region, model, record.traffic_class or DEFAULT_CLASS, record.kind,
+        traffic_class = record.traffic_class or DEFAULT_CLASS
+        self.requests.inc((region, model, traffic_class, record.kind,
                            _STATUS_LABELS.get(status) or str(status)))
         if status == 499:
             stalled = any(attempt.client_stalled for attempt in record.attempts)
@@ -121,13 +163,33 @@ class RequestMetrics:
             self.route.observe((), record.routed_s - record.received_s)
         if record.failover is not None:
             self.failovers.inc((record.failover, record.failover_reason or ""))
-        if record.continuations:
-            served = record.first_streamed  # the client's first token came from it
-        if served is None or served.first_byte_s is None or record.finished_s is None:
-            return
         if record.stream:
-            self.ttft.observe((region, model), served.first_byte_s - record.received_s)
-        self.e2e.observe((region, model), record.finished_s - record.received_s)
+            self._stream_finished(record, region, model, traffic_class)
+        if record.continuations:
+            served = record.first_streamed  # the client's answer began with it
+        if served is None or record.finished_s is None:
+            return
+        self.e2e.observe((region, model, traffic_class), record.finished_s - record.received_s)
+
+    def _stream_finished(self, record: RequestRecord, region: str, model: str,
+                         traffic_class: str) -> None:
+        """A streamed request's TTFT, its budget's outcome, and per attempt its chunk
+        gaps and measured over predicted TTFT."""
+        ttft_s = record.ttft_s
+        if ttft_s is not None:
+            self.ttft.observe((region, model, traffic_class), ttft_s)
+        met = record.ttft_budget_met
+        if met is not None:
+            self.budget.inc((region, model, traffic_class, "met" if met else "missed"))
+        for attempt in record.attempts:
+            labels = (attempt.region, model, traffic_class)
+            mean_itl_s = attempt.mean_itl_s
+            if mean_itl_s is not None:
+                self.itl.observe_many(labels, mean_itl_s, attempt.stream_gaps)
+            ttfb_s = attempt.ttfb_s
+            predicted_ms = attempt.predicted_ttft_ms
+            if ttfb_s is not None and predicted_ms > 0.0 and attempt.status == 200:
+                self.prediction_ratio.observe(labels, ttfb_s * 1000.0 / predicted_ms)
 
 
 def metrics_handler(registry: CollectorRegistry,

@@ -70,6 +70,15 @@ class LabelledHistogram:
         counts[bisect_left(self.bounds, value)] += 1
         counts[-1] += value
 
+    def observe_many(self, labels: tuple[str, ...], value: float, times: int) -> None:
+        """`times` observations of `value` at once (a stream's gaps at their mean: the
+        count and the sum are as if each was observed, the buckets those of the mean)."""
+        counts = self.series.get(labels)
+        if counts is None:
+            counts = self.series[labels] = [0.0] * (len(self.bounds) + 1)
+        counts[bisect_left(self.bounds, value)] += times
+        counts[-1] += value * times
+
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for labels, counts in list(self.series.items()):

@@ -141,6 +141,15 @@ async def chat(url: str, body: Mapping[str, Any] = CHAT,
                 await response.read())
 
 
+async def post(url: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+               ) -> tuple[int, Mapping[str, str], bytes]:
+    """POST a chat completion: its status, headers and whole body."""
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{url}/v1/chat/completions", json=dict(body), headers=dict(headers or {})
+    ) as response:
+        return response.status, response.headers, await response.read()
+
+
 async def admin(url: str, method: str, path: str, *, token: str | None = TOKEN,
                 body: Mapping[str, Any] | None = None) -> tuple[int, Any]:
     headers = auth(token) if token is not None else {}

@@ -31,6 +31,7 @@ def sim_config(engine: EngineSpec, model: str) -> SimConfig:
         prefill_tokens_per_s=engine.prefill_tokens_per_s,
         decode_step_ms=engine.decode_step_ms,
         decode_step_ms_per_seq=engine.decode_step_ms_per_seq,
+        max_model_len=engine.max_model_len,
     )
 
 

@@ -84,6 +84,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         mark = {True: "met   ", False: "MISSED", None: "not run"}[goal["met"]]
         say(f"goal {mark} {goal['goal']} (measured: {goal['measured']})")
     say(f"report: {args.out / 'report.md'}  results: {args.out / 'results.json'}  plots: "
-        f"{args.out / 'ttft_cdf.png'}, {args.out / 'regions_over_time.png'}")
+        f"{args.out / 'ttft_cdf.png'}, {args.out / 'regions_over_time.png'}, "
+        f"{args.out / 'prediction_error.png'}")
     return 0 if results["goals_met"] else EXIT_GOALS_NOT_MET
 

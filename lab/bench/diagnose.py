@@ -43,14 +43,12 @@ VARIANTS: tuple[tuple[str, str, dict[str, Any], float | None], ...] = (
 
 
 def diagnose(scenario: Scenario, trace: Trace, seed: int = 0) -> list[dict[str, Any]]:
-    capacity = float(trace.header["worker_capacity_rps"])
     regions = list(scenario.regions)
     rows = []
     for policy, label, options, interval_s in VARIANTS:
         shaped = (scenario if interval_s is None
                   else scenario.model_copy(update={"heartbeat_interval_s": interval_s}))
-        result = Twin(shaped, trace, policy, seed=seed,
-                      service_s=shaped.engine.max_num_seqs / capacity, **options).run()
+        result = Twin(shaped, trace, policy, seed=seed, **options).run()
         summary = stats.summarize(result.outcomes, slo_ms=scenario.interactive_ttft_slo_ms,
                                   duration_s=trace.duration_s, regions=regions)
         rows.append({"policy": policy, "variant": label,

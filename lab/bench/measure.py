@@ -1,7 +1,9 @@
 """One policy's run on the test bed, and what it measures besides the clients' view.
 
     routers restarted with the policy -> engines idle (and the machine calm, bounded) ->
+    the scenario's CPU hogs started, if it has any (lab.bench.noise) ->
     replay the trace open loop while polling the engines' /metrics and the heartbeats ->
+    hogs stopped ->
     summary: latencies, SLO, goodput, shares, prefix hits, oscillation, what the routers
     saw, load generator lag, CPU used by the test bed and CPU pressure on the machine.
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 from lab.bench import stats
 from lab.bench.heartbeats import HeartbeatWatch
+from lab.bench.noise import HostNoise
 from lab.bench.observe import EngineEndpoint, EngineSample, EngineWatch, prefix_hit_rate
 from lab.bench.progress import ProgressBar
 from lab.bench.replay import Outcome, Replayer
@@ -79,8 +82,17 @@ async def run_policy(testbed: Testbed, trace: Trace, scenario: Scenario, policy:
     replayer = Replayer(trace.requests, builder.bodies(trace.requests), router_for,
                         duration_s=trace.duration_s, timeout_s=scenario.request_timeout_s)
     await wait_for_quiet(say)
-    replayed = await _replay(testbed, replayer, watch, policy, trace.duration_s, bar)
-    _write_jsonl(out / "requests" / f"{policy}.jsonl", [o.to_json() for o in replayed.outcomes])
+    noise = scenario.host_noise
+    # Bounded past the replay's own bound (every request sent and timed out) plus margin.
+    async with HostNoise(noise, max_s=trace.duration_s + replayer.late_s
+                         + scenario.request_timeout_s + 30.0) as hogs:
+        if hogs.pids:
+            say(f"    host noise: {len(hogs.pids)} CPU hog(s) at duty {noise.duty:g} "
+                f"(PIDs {', '.join(map(str, hogs.pids))})")
+        replayed = await _replay(testbed, replayer, watch, policy, trace.duration_s, bar)
+    replayed.host["host_noise"] = {"processes": noise.processes, "duty": noise.duty,
+                                   "period_ms": noise.period_ms}
+    write_jsonl(out / "requests" / f"{policy}.jsonl", [o.to_json() for o in replayed.outcomes])
     summary = _summarize(replayed, scenario, trace, engines, testbed)
     interactive = summary["interactive"]["ttft_ms"]
     say(f"[{number + 1}] {policy}: {summary['requests']} requests, {summary['errors']} errors; "
@@ -182,7 +194,7 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f} %"
 
 
-def _write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as out:
         for row in rows:

@@ -1,6 +1,7 @@
 """The benchmark's PNGs (matplotlib, Agg backend; imported only when a report is written).
 
 - `ttft_cdf.png`: CDF of interactive TTFT per policy, log scale, the SLO marked;
+- `prediction_error.png`: measured vs predicted TTFT, and the error CDF per policy;
 - `regions_over_time.png`: top, the demand offered by each origin region per second; then
   one row per policy: each region's engine load ((running + waiting) / batch slots, from
   the simulators' /metrics) and the share of requests each region served, per second.
@@ -124,3 +125,60 @@ def _demand_row(row: Any, out: Path, regions: list[str], color: dict[str, str],
                  f"= {100 * results['trace']['offered_share_of_capacity']:.0f} % of fleet "
                  f"capacity; SLO {results['scenario']['interactive_ttft_slo_ms']:g} ms",
                  fontsize=9, va="center")
+
+
+def _predicted_pairs(path: Path) -> list[tuple[float, float]]:
+    """(predicted, measured) ms of the successful interactive requests with a prediction
+    in a per-request file (stats.prediction_error's population)."""
+    if not path.is_file():
+        return []
+    pairs = []
+    for row in _jsonl(path):
+        predicted = row.get("predicted_ttft_ms")
+        if (row.get("traffic_class") != "interactive" or "failure" in row
+                or "first_token_s" not in row or not predicted or predicted <= 0):
+            continue
+        measured = (row["first_token_s"] - row["sent_s"]) * 1000.0 - row.get("unpredicted_ms", 0.0)
+        if measured > 0:
+            pairs.append((float(predicted), measured))
+    return pairs
+
+
+def prediction_error_png(results: dict[str, Any], out: Path) -> None:
+    """Left: measured vs predicted TTFT on the test bed, per policy; right: the CDF of
+    |measured - predicted| / measured, test bed solid, twin dashed (oracle included)."""
+    plt = _pyplot()
+    figure, (scatter_ax, cdf_ax) = plt.subplots(1, 2, figsize=(13, 5.5))
+    names = list(dict.fromkeys([*results["policies"], *results.get("twin", {})]))
+    for index, name in enumerate(names):
+        color = _COLORS[index % len(_COLORS)]
+        bed = _predicted_pairs(out / "requests" / f"{name}.jsonl")
+        if bed:
+            scatter_ax.scatter([p for p, _ in bed], [m for _, m in bed], s=6, alpha=0.5,
+                               color=color, label=name)
+        for pairs, style, where in ((bed, "-", "test bed"),
+                                    (_predicted_pairs(out / "twin" / f"{name}.jsonl"), "--",
+                                     "twin")):
+            errors = sorted(abs(m - p) / m for p, m in pairs)
+            if errors:
+                cdf_ax.plot(errors, [(i + 1) / len(errors) for i in range(len(errors))],
+                            style, color=color, label=f"{name} ({where})", linewidth=1.3)
+    top = scatter_ax.get_xlim()[1] if scatter_ax.collections else 1.0
+    scatter_ax.plot([1, top], [1, top], color="#999999", linewidth=0.8, linestyle=":")
+    scatter_ax.set_xscale("log")
+    scatter_ax.set_yscale("log")
+    scatter_ax.set_xlabel("predicted TTFT (ms, x-globalpool-predicted-ttft-ms)")
+    scatter_ax.set_ylabel("measured (ms): client TTFT - server-timing queue, retry")
+    scatter_ax.set_title("test bed: measured vs predicted (dotted: equal)", fontsize=9)
+    cdf_ax.set_xscale("symlog", linthresh=0.1)
+    cdf_ax.set_xlabel("|measured - predicted| / measured")
+    cdf_ax.set_ylabel("share of predicted interactive requests")
+    cdf_ax.set_ylim(0, 1.01)
+    cdf_ax.set_title("prediction error CDF (solid: test bed, dashed: twin)", fontsize=9)
+    for axes in (scatter_ax, cdf_ax):
+        axes.grid(True, which="both", alpha=0.3)
+        if axes.lines or axes.collections:
+            axes.legend(loc="lower right", fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out / "prediction_error.png", dpi=100)
+    plt.close(figure)

@@ -2,7 +2,9 @@
 
 Each request goes to the router of its origin region with `x-globalpool-client-region`
 (and, when the trace says so, `x-globalpool-session-id`, `x-globalpool-class: batch` and
-`x-globalpool-ttft-budget-ms`), streams its answer and is recorded as an `Outcome`.
+`x-globalpool-ttft-budget-ms`), streams its answer and is recorded as an `Outcome`, with
+the router's prediction (`x-globalpool-predicted-ttft-ms`) and the router time that
+prediction does not cover (`server-timing`'s queue and retry phases).
 Bounded: no request is sent after the trace's duration plus `late_s`, at most
 `max_in_flight` are open at once (arrivals beyond are counted as skipped), and every
 request has a total timeout. Bodies are built before the clock starts, so the send path
@@ -16,6 +18,7 @@ generator's own lateness, which is recorded separately (`lag_ms`) and reported.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +31,38 @@ from lab.bench.trace import TraceRequest
 REGION_HEADER = "x-globalpool-region"
 WORKER_HEADER = "x-globalpool-worker"
 ROUTE_HEADER = "x-globalpool-route"
-BUDGET_HEADER = "x-globalpool-budget"
+PREDICTED_TTFT_HEADER = "x-globalpool-predicted-ttft-ms"
+# server-timing phases that pass before the routing decision the prediction was made
+# at, or on attempts before it: the prediction does not cover them (router/proxy/replies)
+UNPREDICTED_PHASES = ("queue", "retry")
+
+
+def predicted_ms(value: str | None) -> float | None:
+    """The predicted-TTFT header as a number; None when absent, unreadable or <= 0 (a
+    policy that predicts nothing)."""
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if number > 0.0 else None
+
+
+def unpredicted_ms(server_timing: str | None) -> float:
+    """The router-side time that `server-timing` reports outside the prediction: its
+    `queue` and `retry` durations (ms), summed; 0 when it names neither."""
+    total = 0.0
+    for entry in (server_timing or "").split(","):
+        name, _, params = entry.strip().partition(";")
+        if name not in UNPREDICTED_PHASES:
+            continue
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key == "dur":
+                with contextlib.suppress(ValueError):
+                    total += float(value)
+    return total
 
 
 @dataclass(slots=True)
@@ -48,7 +82,10 @@ class Outcome:
     region: str | None = None
     worker: str | None = None
     route: str | None = None
-    budget: str | None = None
+    # The TTFT the router predicted (ms; None: it predicted none), and the router time
+    # the prediction does not cover (queueing, earlier attempts), which `ttft_ms` includes.
+    predicted_ttft_ms: float | None = None
+    unpredicted_ms: float = 0.0
     failure: str | None = None  # "before_first_byte" | "mid_stream"
     error: str | None = None
 
@@ -65,6 +102,13 @@ class Outcome:
         if self.first_token_s is None:
             return None
         return (self.first_token_s - self.sent_s) * 1000.0
+
+    @property
+    def predicted_span_ms(self) -> float | None:
+        """The measured counterpart of the prediction: TTFT less the router time the
+        prediction does not cover (decision -> first token, as the client saw it)."""
+        ttft = self.ttft_ms
+        return None if ttft is None else ttft - self.unpredicted_ms
 
     @property
     def itl_ms(self) -> float | None:
@@ -165,7 +209,9 @@ class Replayer:
                 outcome.region = response.headers.get(REGION_HEADER)
                 outcome.worker = response.headers.get(WORKER_HEADER)
                 outcome.route = response.headers.get(ROUTE_HEADER)
-                outcome.budget = response.headers.get(BUDGET_HEADER)
+                outcome.predicted_ttft_ms = predicted_ms(
+                    response.headers.get(PREDICTED_TTFT_HEADER))
+                outcome.unpredicted_ms = unpredicted_ms(response.headers.get("server-timing"))
                 if response.status != 200:
                     text = (await response.read())[:300].decode(errors="replace")
                     outcome.failure, outcome.error = "before_first_byte", text

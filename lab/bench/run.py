@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.bench import stats
-from lab.bench.measure import run_policy
+from lab.bench.measure import run_policy, write_jsonl
 from lab.bench.progress import ProgressBar
 from lab.bench.scenario import Scenario, load_scenario, resolve
 from lab.bench.testbed import Testbed
@@ -80,7 +80,8 @@ async def run_bench(options: BenchOptions, say: Say, bar: ProgressBar | None = N
     replicas = options.replicas or len(scenario.regions)
     say("virtual-time twin (the same trace without the machine): "
         + ", ".join((*options.policies, ORACLE)) + " ...")
-    twin = await asyncio.to_thread(twin_reference, scenario, trace, options.policies, replicas)
+    twin = await asyncio.to_thread(twin_reference, scenario, trace, options.policies, replicas,
+                                   options.out)
     testbed = Testbed(scenario, options.out, replicas, say)
     runs: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
@@ -116,6 +117,8 @@ async def _with_attempts(testbed: Testbed, trace: Trace, scenario: Scenario, pol
                          "cpu_pressure": run["cpu_pressure"], "disturbed": disturbed(run)})
         if not disturbed(run) or len(attempts) >= options.attempts:
             break
+        if scenario.host_noise.processes:
+            break  # the scenario's own CPU hogs disturb it on purpose: a rerun would too
         say(f"    {policy}: the load generator fell behind (send lag p99 "
             f"{run['loadgen']['p99_ms']} ms, max {run['loadgen']['max_ms']} ms): the "
             "machine stalled; running this policy again")
@@ -124,20 +127,21 @@ async def _with_attempts(testbed: Testbed, trace: Trace, scenario: Scenario, pol
     return run
 
 
-def twin_reference(scenario: Scenario, trace: Trace, policies: Sequence[str], replicas: int
-                   ) -> dict[str, dict[str, Any]]:
-    """Each policy (and the oracle) on the virtual-time twin of the test bed."""
-    capacity = float(trace.header["worker_capacity_rps"])
+def twin_reference(scenario: Scenario, trace: Trace, policies: Sequence[str], replicas: int,
+                   out: Path | None = None) -> dict[str, dict[str, Any]]:
+    """Each policy (and the oracle) on the virtual-time twin of the test bed; with `out`,
+    each one's per-request records go to OUT/twin/POLICY.jsonl."""
     regions = list(scenario.regions)
     found: dict[str, dict[str, Any]] = {}
     for policy in (*policies, ORACLE):
-        result = Twin(scenario, trace, policy, service_s=scenario.engine.max_num_seqs / capacity,
-                      one_router=replicas == 1).run()
+        result = Twin(scenario, trace, policy, one_router=replicas == 1).run()
+        if out is not None:
+            write_jsonl(out / "twin" / f"{policy}.jsonl", [o.to_json() for o in result.outcomes])
         summary = stats.summarize(result.outcomes, slo_ms=scenario.interactive_ttft_slo_ms,
                                   duration_s=trace.duration_s, regions=regions)
         found[policy] = {key: summary[key] for key in (
             "requests", "errors", "ttft_ms", "itl_ms", "interactive", "slo_attainment",
-            "goodput_rps", "traffic_share", "routes")}
+            "goodput_rps", "traffic_share", "routes", "home_share", "prediction_error")}
         found[policy]["prefix_hit_rate"] = (None if result.prefix_hit_rate is None
                                             else round(result.prefix_hit_rate, 4))
         bins = stats.share_bins(result.outcomes, regions, trace.duration_s)

@@ -4,8 +4,10 @@ Scenarios are YAML files; the standard ones ship in `lab/bench/scenarios/` and a
 named without `.yaml` (`--scenario skewed-3region`); any other path works too. Demand is
 given per origin region as a multiple of that region's own capacity, so that "80 % of the
 fleet" means the same thing whatever the engine settings: the capacity comes from the
-simulator's own engine model (lab.bench.capacity). Errors name the file and the path
-in the document, as regions.yaml errors do:
+simulator's own engine model (lab.bench.capacity), per region at that region's engine
+`speed`. Beyond demand and random bursts, a scenario may send synchronized bursts (the
+same instant at every origin) and run CPU hogs beside the routers (`host_noise`). Errors
+name the file and the path in the document, as regions.yaml errors do:
 
     skewed.yaml: demand.us-east.1.load: must be >= 0
 """
@@ -55,6 +57,26 @@ class EngineSpec(_Strict):
     prefill_tokens_per_s: float = Field(default=10_000.0, gt=0)
     decode_step_ms: float = Field(default=80.0, gt=0)
     decode_step_ms_per_seq: float = Field(default=2.0, ge=0)
+    max_model_len: int = Field(default=4096, ge=16, description=(
+        "context length in tokens (the sim's --max-model-len); at most kv_blocks x "
+        "block_size, as vLLM requires"))
+
+    @model_validator(mode="after")
+    def _fits(self) -> EngineSpec:
+        if self.max_model_len > self.kv_blocks * self.block_size:
+            raise ValueError(f"max_model_len: {self.max_model_len} tokens do not fit in the "
+                             f"KV cache ({self.kv_blocks} blocks x {self.block_size} tokens)")
+        return self
+
+    def at_speed(self, speed: float) -> EngineSpec:
+        """This engine `speed` times as fast: prefill `speed` x the tokens per second, both
+        decode step terms divided by `speed` (a faster or slower GPU, same capacity)."""
+        if speed == 1.0:
+            return self
+        return self.model_copy(update={
+            "prefill_tokens_per_s": self.prefill_tokens_per_s * speed,
+            "decode_step_ms": self.decode_step_ms / speed,
+            "decode_step_ms_per_seq": self.decode_step_ms_per_seq / speed})
 
 
 class RegionSpec(_Strict):
@@ -62,6 +84,9 @@ class RegionSpec(_Strict):
     cost_per_gpu_hour: float = Field(default=1.0, ge=0)
     rtt_ms: dict[str, float] = Field(
         default_factory=dict, description="RTT to other regions (one direction is enough)")
+    speed: float = Field(default=1.0, gt=0, le=10, description=(
+        "this region's engines run this many times as fast as `engine` says (prefill "
+        "rate x speed, decode step times / speed): heterogeneous GPUs"))
 
 
 class DemandStep(_Strict):
@@ -78,6 +103,30 @@ class Bursts(_Strict):
     count: int = Field(default=0, ge=0, le=100)
     duration_s: float = Field(default=2.0, gt=0)
     load: float = Field(default=0.8, ge=0, le=10)
+
+
+class SyncBursts(_Strict):
+    """At each of `at` (fractions of the run), every origin region with clients (each
+    router replica's) sends `requests` requests at the same instant: replicas that all
+    decide from the same snapshot at once, the herd a shared view invites."""
+
+    at: list[float] = Field(default_factory=list, max_length=100)
+    requests: int = Field(default=8, ge=1, le=200)
+
+    @model_validator(mode="after")
+    def _within_the_run(self) -> SyncBursts:
+        if any(not 0 <= at < 1 for at in self.at):
+            raise ValueError("at: every moment is a fraction of the run, in [0, 1)")
+        return self
+
+
+class HostNoise(_Strict):
+    """CPU hogs beside the routers while each policy is measured (lab.bench.noise):
+    `processes` children, each busy `duty` of every `period_ms` on one core."""
+
+    processes: int = Field(default=1, ge=0, le=4)
+    duty: float = Field(default=0.7, ge=0, le=1)
+    period_ms: float = Field(default=50.0, ge=5, le=1000)
 
 
 class PrefixGroups(_Strict):
@@ -99,6 +148,9 @@ class Sessions(_Strict):
     share: float = Field(default=0.3, ge=0, le=1)
     mean_turns: float = Field(default=4.0, ge=1)
     max_prompt_chars: int = Field(default=4800, ge=1100)
+    shared_preambles: bool = Field(default=False, description=(
+        "a session's preamble is one of the prefix groups' texts (a shared system prompt, "
+        "picked by the same Zipf law) instead of a text of its own"))
 
 
 class Workload(_Strict):
@@ -118,6 +170,7 @@ class QuickOverrides(_Strict):
 
     duration_s: float = Field(default=20.0, gt=0, le=600)
     bursts: Bursts | None = None
+    sync_bursts: SyncBursts | None = None
     request_timeout_s: float | None = Field(default=None, gt=0)
 
 
@@ -135,6 +188,8 @@ class Scenario(_Strict):
     regions: dict[str, RegionSpec] = Field(min_length=1)
     demand: dict[str, list[DemandStep]]
     bursts: Bursts = Bursts()
+    sync_bursts: SyncBursts = SyncBursts()
+    host_noise: HostNoise = HostNoise(processes=0)
     workload: Workload = Workload()
     quick: QuickOverrides = QuickOverrides()
 
@@ -170,6 +225,10 @@ class Scenario(_Strict):
             return 0.0
         raise ValueError(f"no RTT between {src} and {dst}")
 
+    def engine_for(self, region: str) -> EngineSpec:
+        """The engine of `region`'s workers: `engine` at the region's speed."""
+        return self.engine.at_speed(self.regions[region].speed)
+
     def load_at(self, region: str, fraction: float) -> float:
         """The origin's demand (x its capacity) at `fraction` of the run, bursts excluded."""
         load = 0.0
@@ -183,6 +242,8 @@ class Scenario(_Strict):
         changes: dict[str, Any] = {"duration_s": self.quick.duration_s}
         if self.quick.bursts is not None:
             changes["bursts"] = self.quick.bursts
+        if self.quick.sync_bursts is not None:
+            changes["sync_bursts"] = self.quick.sync_bursts
         if self.quick.request_timeout_s is not None:
             changes["request_timeout_s"] = self.quick.request_timeout_s
         return self.model_copy(update=changes)

@@ -42,6 +42,14 @@ DEFINITIONS = {
                          "is the largest over pairs (pooled_index: over all pairs' z)",
     "swings": "1-s bins where such a share is more than 25 points and 4 standard errors away "
               "from its centred 5-s average (by chance: ~1 in 16,000 bins)",
+    "prediction_error": "per policy, over streamed interactive requests that succeeded "
+                        "and carried a prediction (x-globalpool-predicted-ttft-ms > 0): "
+                        "|measured - predicted| / measured, where measured = the client's "
+                        "TTFT minus the router time the prediction does not cover "
+                        "(server-timing queue and retry); p50_abs / p90_abs are fractions, "
+                        "count the requests with a prediction, of `eligible`. Twin: the "
+                        "same from its decisions (decision -> first token at the client)",
+    "home_share": "successful requests served in their origin region / successful requests",
     "lag_ms": "load generator: actual send time - scheduled time",
     "cpu_pressure": "Linux PSI: share of the run's wall time in which some runnable task on "
                     "the machine waited for a CPU (other engineers' work included)",
@@ -109,7 +117,32 @@ def summarize(outcomes: Sequence[Outcome], *, slo_ms: float, duration_s: float,
         "goodput_rps": round(sum(_met(o, slo_ms, budgets) for o in outcomes) / duration_s, 3),
         "traffic_share": {r: _round(served[r] / len(ok), 4) if ok else None for r in regions},
         "routes": dict(Counter(o.route or "-" for o in ok).most_common()),
+        "home_share": _round(sum(o.region == o.origin for o in ok) / len(ok), 4) if ok
+        else None,
+        "prediction_error": prediction_error(interactive),
     }
+
+
+def prediction_error(outcomes: Iterable[Outcome]) -> dict[str, Any]:
+    """How far the router's predicted TTFT was from what the client then measured, over
+    the successful interactive requests of `outcomes` that carried a prediction:
+    |measured - predicted| / measured (a fraction), measured being decision -> first
+    token (`Outcome.predicted_span_ms`). `count`: requests with a prediction (None
+    percentiles when none had one), `eligible`: successful interactive requests."""
+    errors: list[float] = []
+    eligible = 0
+    for outcome in outcomes:
+        measured = outcome.predicted_span_ms
+        if not outcome.ok or outcome.traffic_class != "interactive" or measured is None:
+            continue
+        eligible += 1
+        predicted = outcome.predicted_ttft_ms
+        if predicted is None or predicted <= 0.0 or measured <= 0.0:
+            continue
+        errors.append(abs(measured - predicted) / measured)
+    return {"p50_abs": _round(percentile(errors, 50), 4),
+            "p90_abs": _round(percentile(errors, 90), 4),
+            "count": len(errors), "eligible": eligible}
 
 
 def share_bins(outcomes: Sequence[Outcome], regions: Sequence[str], duration_s: float,

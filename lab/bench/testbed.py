@@ -44,14 +44,19 @@ KEY_PREFIX = "gp-bench"
 
 def config_document(scenario: Scenario, policy: str, router_region: str, port: int
                     ) -> dict[str, Any]:
-    """The regions.yaml every router replica of a run reads."""
-    engine = scenario.engine
-    simulated = {
-        "max_num_seqs": engine.max_num_seqs, "kv_blocks": engine.kv_blocks,
-        "block_size": engine.block_size, "prefill_tokens_per_s": engine.prefill_tokens_per_s,
-        "decode_step_ms": engine.decode_step_ms,
-        "decode_step_ms_per_seq": engine.decode_step_ms_per_seq,
-    }
+    """The regions.yaml every router replica of a run reads (each region's simulated
+    engines at that region's speed)."""
+
+    def simulated(region: str) -> dict[str, Any]:
+        engine = scenario.engine_for(region)
+        return {
+            "max_num_seqs": engine.max_num_seqs, "kv_blocks": engine.kv_blocks,
+            "block_size": engine.block_size,
+            "prefill_tokens_per_s": engine.prefill_tokens_per_s,
+            "decode_step_ms": engine.decode_step_ms,
+            "decode_step_ms_per_seq": engine.decode_step_ms_per_seq,
+        }
+
     timeout_s = scenario.request_timeout_s
     return {
         "apiVersion": "globalpool/v1",
@@ -66,7 +71,7 @@ def config_document(scenario: Scenario, policy: str, router_region: str, port: i
         "regions": {
             name: {"rtt_ms": dict(spec.rtt_ms), "models": [scenario.model],
                    "cost_per_gpu_hour": spec.cost_per_gpu_hour,
-                   "simulated": {"workers": spec.workers, **simulated}}
+                   "simulated": {"workers": spec.workers, **simulated(name)}}
             for name, spec in scenario.regions.items()
         },
     }
@@ -75,10 +80,13 @@ def config_document(scenario: Scenario, policy: str, router_region: str, port: i
 class BenchStack(LocalStack):
     """LocalStack whose router replicas each see the RTTs of their own region.
 
-    Two additions, both at process launch: routers run under lab.bench.router_child
-    bound to their listening address, and every netem gets `--rtt-ms-from ADDR=MS` for
-    each replica's address.
+    Three additions, all at process launch: routers run under lab.bench.router_child
+    bound to their listening address, every netem gets `--rtt-ms-from ADDR=MS` for
+    each replica's address, and every simulator the scenario's context length
+    (`--max-model-len`, which regions.yaml's `simulated` block does not carry).
     """
+
+    max_model_len = 4096  # set per test bed from the scenario's engine
 
     async def _spawn(self, name: str, role: str, region: str | None, args: Sequence[str],
                      ready_prefix: str, *, module: str = "router.cli",
@@ -87,6 +95,8 @@ class BenchStack(LocalStack):
         if role == "router" and module == "router.cli":
             host = args[args.index("--host") + 1]
             module, args = "lab.bench.router_child", ["--source-host", host, *args]
+        elif role == "sim":
+            args += ["--max-model-len", str(self.max_model_len)]
         elif role == "netem" and region is not None:
             for origin in self.router_regions:
                 if origin is not None:
@@ -127,6 +137,7 @@ class Testbed:
                                 log_dir=self.log_dir, netem=True,
                                 router_regions=list(self.router_regions), progress=self._say,
                                 start_timeout_s=90.0)
+        self.stack.max_model_len = self.scenario.engine.max_model_len
         await self.stack.start()
         self.policy = policy
         self._unused = True

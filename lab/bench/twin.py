@@ -12,8 +12,9 @@ else is modelled: no CPU, no probe or Redis delay, no TCP handshakes.
 It answers two questions next to the measured results:
 - is a result the policy's or the machine's? (the twin has no machine);
 - what is reachable at all: the `oracle` policy scores like predicted_ttft (RTT + queue
-  wait + prefill) but from every engine's exact state at every decision, with the
-  engine's true prefill rate and the service time measured at saturation.
+  wait + prefill + the first step) but from every engine's exact state at every
+  decision, with the engine's true prefill rate and step time (its region's speed) and
+  the service time measured at saturation. Its score is its predicted TTFT.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from lab.bench.trace import PromptBuilder, Trace, TraceRequest
 from lab.bench.twin_parts import EngineEvents, SharedClock, TwinWorker
 from lab.sim.engine import Engine
 from lab.sim.sequence import Sequence as EngineSequence
-from lab.sim.tokens import prompt_from_text
+from lab.sim.tokens import Prompt, prompt_from_text
 from router.admission.queue import POLL_S as QUEUE_POLL_S
 from router.admission.queue import Backlog
 from router.config import QueueConfig, RouterConfig
@@ -46,6 +47,14 @@ from router.registry.worker_view import WorkerView
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 
 ORACLE = "oracle"
+
+
+def _service_s(scenario: Scenario, trace: Trace, region: str) -> float:
+    """One request's time in a batch slot of `region`'s workers at saturation (from the
+    trace's capacity calibration; traces older than per-region capacities: the fleet's)."""
+    by_region = trace.header.get("region_worker_capacity_rps") or {}
+    capacity = float(by_region.get(region) or trace.header.get("worker_capacity_rps") or 0.0)
+    return scenario.engine.max_num_seqs / capacity if capacity > 0 else 1.0
 # How often router replicas report their open requests to each other, and their queue
 # for requests that find every worker busy, as deployed by default.
 PEER_INTERVAL_S = RouterConfig.model_fields["peer_interval_ms"].default / 1000.0
@@ -82,7 +91,9 @@ class Twin:
         self.policy_name = policy
         self.clock = SharedClock()
         self.rng = random.Random(seed)
-        self.service_s = service_s  # oracle: one request's time in a batch slot
+        # oracle: one request's time in a batch slot, per region (its engine speed)
+        self.service_s = {region: service_s or _service_s(scenario, trace, region)
+                          for region in scenario.regions}
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
         self.workers: list[TwinWorker] = []
@@ -94,14 +105,16 @@ class Twin:
         self.queue_max_wait_s = QUEUE.max_wait_ms / 1000.0
         self._backlogs: dict[str, Backlog[tuple[TraceRequest, bytes, ParsedRequest]]] = {}
         self._polling = False
+        self._builder = PromptBuilder(scenario.model)  # caches shared segments' text
+        self._prompts: dict[int, Prompt] = {}
 
     def _at(self, when_s: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (when_s, next(self._order), action))
 
     # --- the fleet ------------------------------------------------------------------
     def _build(self) -> None:
-        config = sim_config(self.scenario.engine, self.scenario.model)
         for region, spec in self.scenario.regions.items():
+            config = sim_config(self.scenario.engine_for(region), self.scenario.model)
             for number in range(1, spec.workers + 1):
                 name = f"{region}-{number}"
                 observer = EngineEvents(self._finished)
@@ -164,7 +177,7 @@ class Twin:
     def _performance(self, worker: TwinWorker) -> Performance:
         performance = worker.performance()
         if self.true_prefill_rate:
-            rate = self.scenario.engine.prefill_tokens_per_s
+            rate = self.scenario.engine_for(worker.region).prefill_tokens_per_s
             performance = performance.model_copy(update={"prefill_tokens_per_s": rate})
         return performance
 
@@ -173,9 +186,9 @@ class Twin:
         policy, inflight, views = self._routers[request.origin]
         parsed = parse_body(body, "chat")
         if policy is None:
-            worker = self._oracle(request, parsed.prompt_tokens)
+            worker, predicted_s = self._oracle(request)
             inflight.started(worker.name)
-            self._dispatch(request, body, parsed, worker, "oracle")
+            self._dispatch(request, body, parsed, worker, "oracle", 1000.0 * predicted_s)
             return
         route = RouteRequest(
             model=self.scenario.model, origin_region=request.origin,
@@ -199,7 +212,8 @@ class Twin:
                            budget_ms=request.ttft_budget_ms) is not None:
             self._poll_backlogs()  # it waits at the router, as RouterQueue.turn does
             return
-        self._dispatch(request, body, parsed, self._worker(decision), decision.reason)
+        self._dispatch(request, body, parsed, self._worker(decision), decision.reason,
+                       decision.predicted_ttft_ms)
 
     def _worker(self, decision: Decision) -> TwinWorker:
         return next(w for w in self.workers if w.name == decision.worker.worker_id)
@@ -213,7 +227,8 @@ class Twin:
                 request, body, parsed = item.payload
                 if isinstance(outcome, BaseException):
                     raise outcome  # the twin's fleet never loses its last worker
-                self._dispatch(request, body, parsed, self._worker(outcome), outcome.reason)
+                self._dispatch(request, body, parsed, self._worker(outcome), outcome.reason,
+                               outcome.predicted_ttft_ms)
             waiting |= bool(len(backlog))
         if waiting and not self._polling:
             self._polling = True
@@ -224,9 +239,10 @@ class Twin:
         self._poll_backlogs()
 
     def _dispatch(self, request: TraceRequest, body: bytes, parsed: ParsedRequest,
-                  worker: TwinWorker, reason: str) -> None:
+                  worker: TwinWorker, reason: str, predicted_ms: float) -> None:
         """Send to `worker` (already counted in its router's open requests), remembered
-        for affinity as the proxy does when it sends."""
+        for affinity as the proxy does when it sends. The outcome keeps the decision's
+        prediction (<= 0: none) and the time the request waited for it at its router."""
         worker.in_transit += 1
         policy = self._routers[request.origin][0]
         prefix_key = parsed.prefix_key
@@ -237,34 +253,53 @@ class Twin:
         outcome = Outcome(index=request.index, origin=request.origin,
                           traffic_class=request.traffic_class, scheduled_s=request.at_s,
                           sent_s=request.at_s, status=200, region=worker.region,
-                          worker=worker.name, route=reason)
+                          worker=worker.name, route=reason,
+                          predicted_ttft_ms=predicted_ms if predicted_ms > 0.0 else None,
+                          unpredicted_ms=1000.0 * (self.clock.now_s - request.at_s))
         self.outcomes[request.index] = outcome
         half_rtt_s = self.scenario.rtt_ms(request.origin, worker.region) / 2000.0
         self._at(self.clock.now_s + half_rtt_s,
                  lambda: self._arrive(request, body, worker, parsed))
 
-    def _oracle(self, request: TraceRequest, prompt_tokens: int) -> TwinWorker:
-        engine_spec = self.scenario.engine
-        service_s = self.service_s or 1.0
+    def _oracle(self, request: TraceRequest) -> tuple[TwinWorker, float]:
+        """The worker of least RTT + queue wait + prefill of what its prefix cache lacks +
+        its first step's decode time, from exact engine state and the engine's true
+        speed, and that score (s): the oracle's own predicted TTFT."""
+        prompt = self._prompt(request)
 
         def score(worker: TwinWorker) -> tuple[float, int, float]:
             occupied = worker.engine.num_running + worker.engine.num_waiting + worker.in_transit
+            service_s = self.service_s[worker.region]
             queue_s = max(0, occupied + 1 - worker.slots) * service_s / worker.slots
             rtt_s = self.scenario.rtt_ms(request.origin, worker.region) / 1000.0
-            prefill_s = prompt_tokens / engine_spec.prefill_tokens_per_s
-            return (rtt_s + queue_s + prefill_s, occupied, self.rng.random())
+            engine = self.scenario.engine_for(worker.region)
+            batch = min(worker.slots, occupied + 1)
+            step_s = (engine.decode_step_ms + engine.decode_step_ms_per_seq * batch) / 1000.0
+            uncached = prompt.num_tokens - worker.engine.cached_prefix_tokens(prompt)
+            total_s = rtt_s + queue_s + uncached / engine.prefill_tokens_per_s + step_s
+            return (total_s, occupied, self.rng.random())
 
-        return min(self.workers, key=score)
+        scores = {worker.name: score(worker) for worker in self.workers}
+        best = min(self.workers, key=lambda worker: scores[worker.name])
+        return best, scores[best.name][0]
 
     def _arrive(self, request: TraceRequest, body: bytes, worker: TwinWorker,
                 parsed: ParsedRequest) -> None:
         worker.in_transit -= 1
-        builder_text = "\n".join(m["content"] for m in PromptBuilder(self.scenario.model)
-                                 .messages(request))
-        prompt = prompt_from_text(builder_text, self.scenario.engine.block_size, 0)
+        prompt = self._prompt(request)
+        del self._prompts[request.index]
         seq = worker.engine.submit(f"twin-{request.index}", prompt, request.max_tokens,
                                    ignore_eos=True)
         self._pending[seq.request_id] = (request, worker, parsed)
+
+    def _prompt(self, request: TraceRequest) -> Prompt:
+        """The prompt as the engine sees it (kept until it arrives there)."""
+        prompt = self._prompts.get(request.index)
+        if prompt is None:
+            text = "\n".join(m["content"] for m in self._builder.messages(request))
+            prompt = prompt_from_text(text, self.scenario.engine.block_size, 0)
+            self._prompts[request.index] = prompt
+        return prompt
 
     def _finished(self, seq: EngineSequence) -> None:
         request, worker, _ = self._pending.pop(seq.request_id)

@@ -1,7 +1,8 @@
 """Generate a scenario's trace: open-loop arrivals per origin, then each request's content.
 
 Arrivals are Poisson per origin region with a piecewise-constant rate (the scenario's
-demand steps, as a multiple of the region's capacity) plus seeded bursts. Contents follow
+demand steps, as a multiple of the region's capacity) plus seeded bursts, plus the
+synchronized bursts (K requests from every origin at one instant). Contents follow
 the workload: a class (interactive or batch), a prompt (plain, behind a shared prefix
 group, or a turn of a session that resends its history), and an output length, each
 length from a bounded lognormal. Independent random streams (arrivals, bursts, contents,
@@ -70,6 +71,16 @@ class ContentSource:
             return self._session_turn(index, at_s, origin, max_tokens)
         return self._shared_or_plain(index, at_s, origin, "interactive", max_tokens, None)
 
+    def _preamble(self) -> Segment:
+        """A new session's preamble: a text of its own, or a shared system prompt."""
+        rng = self._rng
+        if self.workload.sessions.shared_preambles:
+            return self.groups[self._group()]
+        return (_seed(rng), draw(rng, self.workload.prefix_groups.chars))
+
+    def _group(self) -> int:
+        return self._rng.choices(range(len(self.groups)), cum_weights=self._cum_weights)[0]
+
     def _message(self) -> Segment:
         return (_seed(self._rng), draw(self._rng, self.workload.prompt_chars))
 
@@ -78,7 +89,7 @@ class ContentSource:
         rng = self._rng
         message = self._message()
         if rng.random() < self.workload.prefix_groups.share:
-            group = rng.choices(range(len(self.groups)), cum_weights=self._cum_weights)[0]
+            group = self._group()
             return TraceRequest(index=index, at_s=at_s, origin=origin,
                                 traffic_class=traffic_class, max_tokens=max_tokens,
                                 user=(message,), system=self.groups[group],
@@ -99,7 +110,7 @@ class ContentSource:
                 session = None
         if session is None:
             number = next(self._session_numbers)
-            preamble = (_seed(rng), draw(rng, self.workload.prefix_groups.chars))
+            preamble = self._preamble()
             turns = 1  # geometric, mean `mean_turns`
             while turns < 50 and rng.random() >= 1.0 / spec.mean_turns:
                 turns += 1
@@ -152,8 +163,19 @@ def arrivals(scenario: Scenario, region_capacity_rps: dict[str, float], seed: in
         timed += [(t, origin) for t in _poisson(burst_rng, rate, start, end)]
         bursts.append({"origin": origin, "start_s": round(start, 3), "end_s": round(end, 3),
                        "rate_per_s": round(rate, 3)})
+    timed += synchronized_bursts(scenario)
     timed.sort()
     return timed[:scenario.max_requests], bursts
+
+
+def synchronized_bursts(scenario: Scenario) -> list[tuple[float, str]]:
+    """`sync_bursts.requests` arrivals per origin region at exactly each burst moment:
+    every router replica's clients send at the same instant (the replayer sends requests
+    due at the same time back to back, without sleeping between them)."""
+    spec = scenario.sync_bursts
+    origins = sorted(scenario.demand) or sorted(scenario.regions)
+    return [(round(at * scenario.duration_s, 4), origin) for at in spec.at
+            for origin in origins for _ in range(spec.requests)]
 
 
 def calibration_sample(scenario: Scenario, seed: int) -> list[TraceRequest]:
@@ -164,13 +186,27 @@ def calibration_sample(scenario: Scenario, seed: int) -> list[TraceRequest]:
     return [source.next(i, 0.0, origins[i % len(origins)]) for i in range(CALIBRATION_REQUESTS)]
 
 
+def worker_capacities(scenario: Scenario, seed: int) -> dict[str, float]:
+    """Per region, the requests per second one of its workers serves at saturation
+    (measured once per distinct engine speed)."""
+    sample = calibration_sample(scenario, seed)
+    by_speed: dict[float, float] = {}
+    found: dict[str, float] = {}
+    for region, spec in scenario.regions.items():
+        if spec.speed not in by_speed:
+            by_speed[spec.speed] = worker_capacity_rps(scenario.engine_for(region), sample,
+                                                       scenario.model)
+        found[region] = by_speed[spec.speed]
+    return found
+
+
 def generate(scenario: Scenario, *, seed: int | None = None, quick: bool = False) -> Trace:
     """The scenario's trace (its `--quick` variant when `quick`)."""
     seed = scenario.seed if seed is None else seed
     shaped = scenario.quick_variant() if quick else scenario
-    per_worker = worker_capacity_rps(shaped.engine, calibration_sample(shaped, seed),
-                                     shaped.model)
-    capacity = {region: per_worker * spec.workers for region, spec in shaped.regions.items()}
+    per_worker = worker_capacities(shaped, seed)
+    capacity = {region: per_worker[region] * spec.workers
+                for region, spec in shaped.regions.items()}
     timed, bursts = arrivals(shaped, capacity, seed)
     source = ContentSource(shaped.workload, seed)
     requests = tuple(source.next(index, round(at_s, 4), origin)
@@ -179,7 +215,10 @@ def generate(scenario: Scenario, *, seed: int | None = None, quick: bool = False
     header: dict[str, object] = {
         "scenario": shaped.name, "quick": quick, "seed": seed,
         "duration_s": shaped.duration_s, "model": shaped.model,
-        "worker_capacity_rps": round(per_worker, 3),
+        # The fleet's mean per worker; each region's own (its engine speed) below.
+        "worker_capacity_rps": round(sum(capacity.values()) / sum(
+            spec.workers for spec in shaped.regions.values()), 3),
+        "region_worker_capacity_rps": {r: round(c, 3) for r, c in per_worker.items()},
         "region_capacity_rps": {r: round(c, 3) for r, c in capacity.items()},
         "requests": len(requests),
         "offered_rps": round(len(requests) / shaped.duration_s, 3),

@@ -115,6 +115,15 @@ class Engine:
     def kv_used_blocks(self) -> int:
         return self._kv.used_blocks
 
+    def cached_prefix_tokens(self, prompt: Prompt) -> int:
+        """Prompt tokens the prefix cache would serve if `prompt` were admitted now
+        (read-only: the cache's order is untouched). For an observer that sees the
+        engine's exact state, as the benchmark's oracle does."""
+        if self._prefix_cache is None:
+            return 0
+        matched_blocks = self._prefix_cache.peek(prompt.block_hashes)
+        return min(matched_blocks * self._config.block_size, prompt.num_tokens - 1)
+
     def now(self) -> float:
         return self._clock.now()
 

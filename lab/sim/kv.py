@@ -66,6 +66,16 @@ class PrefixCache:
             matched += 1
         return matched
 
+    def peek(self, block_hashes: Sequence[int]) -> int:
+        """Number of leading blocks present, without marking them used (a look that
+        must not change what is evicted next)."""
+        matched = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._blocks:
+                break
+            matched += 1
+        return matched
+
     def insert(self, block_hashes: Sequence[int]) -> None:
         for block_hash in block_hashes:
             self._blocks[block_hash] = None

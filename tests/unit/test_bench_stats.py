@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 from lab.bench.observe import EngineSample, parse_engine_metrics, prefix_hit_rate
-from lab.bench.replay import Outcome
+from lab.bench.replay import Outcome, predicted_ms, unpredicted_ms
 from lab.bench.report import goals
 from lab.bench.stats import (
     distribution,
@@ -118,13 +118,81 @@ def _run(p99: float, slo: float, index: float = 1.0, swings: int = 0) -> dict[st
             "oscillation": {"index": index, "swings": swings}}
 
 
-def test_goals_compare_with_the_best_baseline_and_say_what_was_not_run() -> None:
+def test_goals_hold_predicted_ttft_to_the_oracle_on_the_twin_and_say_what_was_not_run(
+        ) -> None:
     runs = {"predicted_ttft": _run(400, 0.995), "nearest": _run(5000, 0.7),
             "least_load": _run(900, 0.95)}
-    found = goals(runs, replicas=3)
-    assert [g["met"] for g in found] == [True, True, True, True]
-    assert "least_load" in found[0]["measured"]
+    twin = {"predicted_ttft": _run(330, 0.984), "oracle": _run(310, 0.986)}
+    found = goals(runs, replicas=3, twin=twin, scenario="skewed-3region")
+    assert [g["goal"].split(" ")[1] for g in found[:2]] == ["interactive", "interactive"]
+    assert [g["met"] for g in found] == [True, True, True, True, True]
+    assert "twin 98.4 % vs oracle 98.6 % (test bed 99.5 %)" in found[0]["measured"]
+    assert "1.06x" in found[1]["measured"] and "test bed 400.0 ms = 1.29x" in found[1]["measured"]
+    # 0.6 points below the oracle misses; so does a P99 past 1.1x its.
+    twin["predicted_ttft"] = _run(342, 0.980)
+    missed = goals(runs, replicas=3, twin=twin, scenario="skewed-3region")
+    assert [g["met"] for g in missed[:2]] == [False, False]
+    # No twin, no oracle: not run (never met by default); skewed's own goals still judged.
+    only_ours = goals({"predicted_ttft": _run(400, 0.9, index=2.0)}, replicas=1,
+                      scenario="skewed-3region")
+    assert [g["met"] for g in only_ours] == [None, None, False, None, None]
+
+
+def test_the_baseline_goal_is_on_the_scenarios_where_routing_decides_most() -> None:
+    runs = {"predicted_ttft": _run(400, 0.995), "nearest": _run(5000, 0.7),
+            "least_load": _run(900, 0.95)}
+    twin = {"predicted_ttft": _run(330, 0.984), "oracle": _run(310, 0.986),
+            "least_load": _run(800, 0.9)}
+    hetero = goals(runs, replicas=3, twin=twin, scenario="hetero-3region")
+    assert len(hetero) == 3 and hetero[2]["met"] is True  # 400 <= 900 / 2
+    assert "(least_load) = 0.44x; twin 330.0 ms vs 800.0 ms (least_load)" in hetero[2]["measured"]
     runs["least_load"] = _run(700, 0.97)
-    assert goals(runs, replicas=3)[0]["met"] is False  # 400 > 700 / 2
-    only_ours = goals({"predicted_ttft": _run(400, 0.9, index=2.0)}, replicas=1)
-    assert [g["met"] for g in only_ours] == [None, False, None, None]
+    assert goals(runs, replicas=3, twin=twin, scenario="prefix-heavy")[2]["met"] is False
+    assert len(goals(runs, replicas=3, twin=twin, scenario="sync-burst")) == 2
+    assert goals({"predicted_ttft": _run(400, 0.9)}, replicas=3, twin=twin,
+                 scenario="hetero-3region")[2]["met"] is None  # no baseline run
+
+
+def predicted(index: int, ttft_ms: float | None, predicted_ms: float | None, *,
+              unpredicted_ms: float = 0.0, cls: str = "interactive",
+              failure: str | None = None) -> Outcome:
+    found = outcome(index, ttft_ms=ttft_ms, cls=cls, failure=failure)
+    found.predicted_ttft_ms = predicted_ms
+    found.unpredicted_ms = unpredicted_ms
+    return found
+
+
+def test_prediction_error_compares_the_prediction_with_what_it_covers() -> None:
+    outcomes = [
+        predicted(0, 200.0, 100.0),  # |200 - 100| / 200 = 0.5
+        predicted(1, 300.0, 100.0, unpredicted_ms=200.0),  # queued 200 ms: 0.0
+        predicted(2, 100.0, 125.0),  # 0.25
+        predicted(3, 100.0, None),  # no prediction: eligible, not counted
+        predicted(4, 100.0, 0.0),  # a baseline's 0.0 is no prediction
+        predicted(5, None, 90.0, failure="before_first_byte"),  # failed: not eligible
+        predicted(6, 100.0, 10.0, cls="batch"),  # batch: not eligible
+    ]
+    found = summarize(outcomes, slo_ms=1000, duration_s=1.0, regions=REGIONS)
+    assert found["prediction_error"] == {"p50_abs": 0.25, "p90_abs": 0.5, "count": 3,
+                                         "eligible": 5}
+    none = summarize([predicted(0, 100.0, None)], slo_ms=1000, duration_s=1.0,
+                     regions=REGIONS)["prediction_error"]
+    assert none == {"p50_abs": None, "p90_abs": None, "count": 0, "eligible": 1}
+
+
+def test_the_home_share_counts_requests_served_in_their_origin_region() -> None:
+    outcomes = [outcome(0, region="a", origin="a"), outcome(1, region="b", origin="a"),
+                outcome(2, region="b", origin="b"), outcome(3, region="b", origin="b"),
+                outcome(4, region=None, failure="before_first_byte")]
+    found = summarize(outcomes, slo_ms=1000, duration_s=1.0, regions=REGIONS)
+    assert found["home_share"] == 0.75
+
+
+def test_the_replayer_reads_the_prediction_and_the_time_it_does_not_cover() -> None:
+    assert predicted_ms("412.5") == 412.5
+    assert predicted_ms("0.0") is None and predicted_ms(None) is None
+    assert predicted_ms("soon") is None
+    assert unpredicted_ms("route;dur=0.210") == 0.0
+    assert unpredicted_ms("route;dur=0.2, queue;dur=150.500, retry;dur=20.25") == 170.75
+    assert unpredicted_ms('queue;desc="x";dur=5, retry;dur=bad') == 5.0
+    assert unpredicted_ms(None) == 0.0

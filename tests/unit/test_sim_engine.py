@@ -173,6 +173,22 @@ async def test_prefix_cache_matches_only_the_shared_prefix(make_engine: EngineFa
     assert second.cached_tokens == 64  # the 4 blocks of A's
 
 
+async def test_a_look_at_the_prefix_cache_changes_nothing(make_engine: EngineFactory) -> None:
+    """What an observer of exact state (the benchmark's oracle) may ask: how much of a
+    prompt is cached, without touching the cache's eviction order."""
+    engine, _ = make_engine(kv_blocks=8, max_model_len=128)  # the cache holds 8 blocks
+    a, b = text_prompt(64, text="a"), text_prompt(64, text="b")  # 4 blocks each
+    await finish_all([engine.submit("a", a, max_tokens=1)])
+    await finish_all([engine.submit("b", b, max_tokens=1)])
+    assert engine.cached_prefix_tokens(a) == 63  # the last token is always computed
+    assert engine.cached_prefix_tokens(text_prompt(64, text="c")) == 0
+    # `a` is the least recently used: a real admission of `c` evicts it, however often
+    # it was looked at (a match would have made it recent and evicted `b` instead).
+    await finish_all([engine.submit("c", text_prompt(64, text="c"), max_tokens=1)])
+    assert engine.cached_prefix_tokens(a) == 0
+    assert engine.cached_prefix_tokens(b) == 63
+
+
 async def test_abort_frees_slot_and_blocks(make_engine: EngineFactory) -> None:
     engine, _ = make_engine(max_num_seqs=1)
     long = engine.submit("long", text_prompt(20), max_tokens=500)

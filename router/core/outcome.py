@@ -94,6 +94,8 @@ class Attempt:
     # This router's event-loop lag so far when the attempt was sent (Health.lag_total_s):
     # what the loop lost while the attempt waited is the router's, not the worker's.
     lag_mark_s: float = 0.0
+    # The tokens it may generate, as committed to its worker (InFlight.commit); 0: unsaid.
+    committed_tokens: int = 0
     # A started stream's pace as the router passed it on: the reads from the worker
     # after the first event (each one gap between chunks) and when the relay ended.
     # Counted per stream, not timed per chunk: a clock read per chunk cost 5-15 % more

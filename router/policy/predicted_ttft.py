@@ -21,6 +21,7 @@ from router.core.outcome import Prediction
 from router.policy.base import Policy, RoutingContext, two_of
 from router.policy.filters import best_of_region, region_open, skipped_workers
 from router.policy.request import Decision, RouteRequest
+from router.registry.inflight import InFlight
 from router.registry.snapshot import RegionRanking, Snapshot
 from router.registry.worker_view import WorkerView
 
@@ -62,13 +63,26 @@ def predicted_ms(region_ms: float, engine_ms: float, tokens: int,
     return ms
 
 
+def queue_price_ms(view: WorkerView, inflight: InFlight, now_s: float) -> float:
+    """How long each request ahead in the worker's queue holds a new one up (ms): a batch
+    slot's service time over the slots. The service time is the worker's recent E2E, or,
+    when longer, what this router's own open requests there still have to generate (at
+    one token per engine step, if each generates all its max_tokens allows): right after
+    short requests finished, a batch of long ones would otherwise look short (seen with
+    real vLLM: 40 requests of 600 tokens priced by the 2-token answers before them).
+    Only read for a worker with requests ahead (`queued_ahead > 0`)."""
+    price = view.queue_ms_per_request
+    held = inflight.remaining_ms(view.worker_id, view.step_ms, now_s) / view.slots
+    return held if held > price else price
+
+
 def prediction(rtt_ms: float, region_ms: float, view: WorkerView, tokens: int,
-               queued_ahead: int) -> Prediction:
+               queued_ahead: int, queue_ms_per_request: float) -> Prediction:
     """`predicted_ms` for `view`, by its parts (made once per decision, for the chosen
     worker: metrics, traces and the benchmark compare each with what happened)."""
     queue_ms = view.kv_pressure_ms
     if queued_ahead > 0:
-        queue_ms += queued_ahead * view.queue_ms_per_request
+        queue_ms += queued_ahead * queue_ms_per_request
     return Prediction(rtt_ms, region_ms - rtt_ms, queue_ms, tokens * view.prefill_ms_per_token,
                       view.first_step_ms)
 
@@ -80,10 +94,13 @@ def predict(context: RoutingContext, view: WorkerView, request: RouteRequest) ->
     origin = request.origin_region
     rtt_ms = context.rtt_ms(origin, view.region) if origin else 0.0
     region_ms = rtt_ms
+    now_s = context.clock()
     if context.health is not None:
-        region_ms += context.health.region_penalty_ms(view.region, context.clock())
+        region_ms += context.health.region_penalty_ms(view.region, now_s)
+    inflight = context.inflight
     return prediction(rtt_ms, region_ms, view, request.prompt_tokens,
-                      view.queue_base + context.inflight.of(view.worker_id))
+                      view.queue_base + inflight.of(view.worker_id),
+                      queue_price_ms(view, inflight, now_s))
 
 
 # Affinity is followed while the remembered worker is predicted within this much of the
@@ -189,7 +206,8 @@ class PredictedTtft(Policy):
         now_s = context.clock()
         freshness_now = snapshot.freshness_now(now_s)
         exclude = request.exclude
-        open_requests = context.inflight.counts
+        inflight = context.inflight
+        open_requests = inflight.counts
         tokens = request.prompt_tokens
         region_ms: dict[str, float] = {}
         scored: list[tuple[float, WorkerView]] = []
@@ -201,8 +219,10 @@ class PredictedTtft(Policy):
             base = region_ms.get(region)
             if base is None:
                 base = region_ms[region] = self._region_ms(region, request, now_s)
-            score = predicted_ms(base, engine_ms, tokens, prefill_ms_per_token,
-                                 queue_base + open_requests.get(worker_id, 0),
+            queued = queue_base + open_requests.get(worker_id, 0)
+            if queued > 0:
+                queue_ms_per_request = queue_price_ms(view, inflight, now_s)
+            score = predicted_ms(base, engine_ms, tokens, prefill_ms_per_token, queued,
                                  queue_ms_per_request)
             scored.append((score, view))
             if score < best_ms:
@@ -216,9 +236,10 @@ class PredictedTtft(Policy):
         # `__new__` directly: half the cost of `Decision(...)` (a named tuple's Python
         # `__new__` gets the keywords as a dict through the type's call)
         region = view.region
+        queued = view.queue_base + open_requests.get(view.worker_id, 0)
         parts = prediction(context.rtt_ms(origin, region) if origin else 0.0,
-                           region_ms[region], view, tokens,
-                           view.queue_base + open_requests.get(view.worker_id, 0))
+                           region_ms[region], view, tokens, queued,
+                           queue_price_ms(view, inflight, now_s) if queued > 0 else 0.0)
         return Decision.__new__(Decision, worker=view, predicted_ttft_ms=score,
                                 reason="local" if origin is None or region == origin
                                 else "spillover", candidates=len(scored),
@@ -285,7 +306,8 @@ class PredictedTtft(Policy):
         cached_tokens: int, region_ms: dict[str, float], now_s: float,
     ) -> list[tuple[float, WorkerView]]:
         # Region terms are computed once per region (kept in `region_ms`).
-        open_requests = self.context.inflight.counts
+        inflight = self.context.inflight
+        open_requests = inflight.counts
         prompt_tokens = request.prompt_tokens
         scored: list[tuple[float, WorkerView]] = []
         for view in candidates:
@@ -297,9 +319,10 @@ class PredictedTtft(Policy):
             tokens = prompt_tokens
             if worker_id == affine_id:
                 tokens -= cached_tokens
+            queued = view.queue_base + open_requests.get(worker_id, 0)
             score = predicted_ms(base, view.engine_ms, tokens, view.prefill_ms_per_token,
-                                 view.queue_base + open_requests.get(worker_id, 0),
-                                 view.queue_ms_per_request)
+                                 queued, queue_price_ms(view, inflight, now_s) if queued > 0
+                                 else 0.0)
             scored.append((score, view))
         return scored
 
@@ -336,8 +359,11 @@ class PredictedTtft(Policy):
         origin = request.origin_region
         rtt_ms = context.rtt_ms(origin, view.region) if origin else 0.0
         tokens = request.prompt_tokens - cached_tokens
-        parts = prediction(rtt_ms, self._region_ms(view.region, request, context.clock()),
-                           view, tokens, view.queue_base + context.inflight.of(view.worker_id))
+        now_s = context.clock()
+        inflight = context.inflight
+        queued = view.queue_base + inflight.of(view.worker_id)
+        parts = prediction(rtt_ms, self._region_ms(view.region, request, now_s), view, tokens,
+                           queued, queue_price_ms(view, inflight, now_s) if queued > 0 else 0.0)
         budget = request.ttft_budget_ms
         return Decision(worker=view, predicted_ttft_ms=score, reason=reason, candidates=count,
                         budget_met=None if budget is None else score <= budget,

@@ -40,6 +40,9 @@ class RouteRequest(NamedTuple):
     # client's time-to-first-token budget in ms, if it sent one.
     traffic_class: str = "interactive"
     ttft_budget_ms: float | None = None
+    # The tokens it may generate (max_tokens x n), if it says: what it commits a batch
+    # slot to (router.registry.inflight.InFlight.commit).
+    completion_tokens: int | None = None
 
 
 class Decision(NamedTuple):

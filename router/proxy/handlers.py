@@ -243,6 +243,10 @@ class Proxy:
         self._worker_auth.authorize(headers, config, worker.region)
         if not counted:
             self.inflight.started(worker.worker_id)
+        tokens = route.completion_tokens
+        if tokens:
+            attempt.committed_tokens = tokens
+            self.inflight.commit(worker.worker_id, tokens, now)
         self.health.dispatched(attempt)
         if route.session_id or route.prefix_key is not None:
             # Remembered as it is sent, not when it ends: the worker holds the prompt
@@ -288,6 +292,9 @@ class Proxy:
         """However `attempt` ended: out of the in-flight counts, its room offered to a
         waiting request, and its outcome to health and the observers."""
         self.inflight.finished(attempt.worker_id)
+        if attempt.committed_tokens:
+            self.inflight.release(attempt.worker_id, attempt.committed_tokens,
+                                  attempt.started_s)
         if self.queue is not None:
             self.queue.capacity_freed()
         attempt.finished_s = time.monotonic()

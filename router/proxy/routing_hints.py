@@ -72,4 +72,5 @@ def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained
         prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,
         traffic_class=traffic_class,
         ttft_budget_ms=budget_ms,
+        completion_tokens=parsed.completion_tokens,
     )

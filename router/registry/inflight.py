@@ -27,7 +27,7 @@ _NONE: dict[str, int] = {}
 class InFlight:
     """Open requests per worker: this router's own, plus its peers' latest reports."""
 
-    __slots__ = ("_echo_new", "_echo_old", "_open", "_own", "_peers", "echo")
+    __slots__ = ("_echo_new", "_echo_old", "_open", "_own", "_peers", "_work", "echo")
 
     def __init__(self) -> None:
         self._open: dict[str, int] = {}  # own + peers' + echoes: what routing reads
@@ -38,6 +38,9 @@ class InFlight:
         self.echo = 0
         self._echo_new: dict[str, int] = {}
         self._echo_old: dict[str, int] = {}
+        # This router's open requests that said how many tokens they may generate, per
+        # worker: [how many, their tokens, the sum of their start times]. See `remaining_ms`.
+        self._work: dict[str, list[float]] = {}
 
     def started(self, worker_id: str) -> None:
         self._own[worker_id] = self._own.get(worker_id, 0) + 1
@@ -45,6 +48,39 @@ class InFlight:
         self._open[worker_id] = self._open.get(worker_id, 0) + 1 + echo
         if echo:
             self._echo_new[worker_id] = self._echo_new.get(worker_id, 0) + echo
+
+    def commit(self, worker_id: str, tokens: int, now_s: float) -> None:
+        """An own request sent to the worker may generate `tokens` (its max_tokens)."""
+        work = self._work.get(worker_id)
+        if work is None:
+            self._work[worker_id] = [1.0, float(tokens), now_s]
+        else:
+            work[0] += 1.0
+            work[1] += tokens
+            work[2] += now_s
+
+    def release(self, worker_id: str, tokens: int, started_s: float) -> None:
+        """The request `commit` counted has ended."""
+        work = self._work.get(worker_id)
+        if work is None:
+            return
+        if work[0] <= 1.0:
+            del self._work[worker_id]
+        else:
+            work[0] -= 1.0
+            work[1] -= tokens
+            work[2] -= started_s
+
+    def remaining_ms(self, worker_id: str, step_ms: float, now_s: float) -> float:
+        """How long this router's open requests on the worker still run, on average, at
+        one token per engine step (`step_ms`) if each generates all it may: the service
+        time of the batch slots they hold, which the engine's recent E2E cannot know
+        when they are longer than the requests that finished before them. 0: none said."""
+        work = self._work.get(worker_id)
+        if work is None:
+            return 0.0
+        count = work[0]
+        return max(0.0, work[1] / count * step_ms - (now_s - work[2] / count) * 1000.0)
 
     def roll_echo(self) -> None:
         """One report interval has passed: the echoes of the one before it end (the

@@ -129,3 +129,17 @@ def test_own_requests_echo_for_siblings_for_two_report_intervals() -> None:
     assert (inflight.of("w"), inflight.echoes()) == (1, 0)
     inflight.finished("w")
     assert inflight.of("w") == 0 and inflight.counts == {}
+
+
+def test_own_long_requests_are_counted_as_the_work_they_commit() -> None:
+    inflight = InFlight()
+    assert inflight.remaining_ms("w", 50.0, 10.0) == 0.0  # none said how long
+    inflight.commit("w", 600, 10.0)
+    inflight.commit("w", 200, 11.0)
+    # 400 tokens on average at 50 ms a step, 0.5 s already run on average.
+    assert inflight.remaining_ms("w", 50.0, 11.0) == pytest.approx(400 * 50.0 - 500.0)
+    inflight.release("w", 600, 10.0)
+    assert inflight.remaining_ms("w", 50.0, 12.0) == pytest.approx(200 * 50.0 - 1000.0)
+    assert inflight.remaining_ms("w", 50.0, 100.0) == 0.0  # overdue: nothing left to price
+    inflight.release("w", 200, 11.0)
+    assert inflight.remaining_ms("w", 50.0, 12.0) == 0.0

@@ -451,3 +451,28 @@ def test_two_of_draws_two_different_items_uniformly() -> None:
     assert len(pairs) == 12  # every ordered pair of different items
     assert min(pairs.values()) > 800 and max(pairs.values()) < 1200  # expected 1,000 each
     assert two_of(["a", "b"], rng) in (("a", "b"), ("b", "a"))
+
+
+def test_a_full_engine_of_long_requests_is_priced_by_the_work_they_committed() -> None:
+    """Right after 2-token answers (E2E 100 ms), 16 requests of 600 tokens fill us-east's
+    16 slots. Priced by that E2E, a 17th would wait 6 ms there and stay; priced by what
+    the open requests still have to generate (600 steps of 50 ms each), it goes 80 ms
+    away to eu-west's free slots."""
+    us = view("us-1", running=0, slots=16, e2e_ms=100.0, itl_ms=50.0)
+    eu = view("eu-1", "eu-west", running=0, slots=16, e2e_ms=100.0, itl_ms=50.0)
+    snap = snapshot(us, eu)
+    request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=10,
+                           completion_tokens=600)
+    blind = make_policy()
+    for _ in range(16):
+        blind.context.inflight.started("us-1")  # the burst, without its lengths
+    assert blind.pick(snap, request).worker.worker_id == "us-1"
+    seeing = make_policy()
+    clock = seeing.context.clock()
+    for _ in range(16):
+        seeing.context.inflight.started("us-1")
+        seeing.context.inflight.commit("us-1", 600, clock)
+    decision = seeing.pick(snap, request)
+    assert decision.worker.worker_id == "eu-1", decision
+    parts = seeing.pick(snapshot(us), request).prediction
+    assert parts is not None and parts.queue_ms == pytest.approx(600 * 50.0 / 16, rel=0.01)

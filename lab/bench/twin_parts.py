@@ -71,12 +71,19 @@ class TwinWorker:
             prefill_s = sum(first - scheduled for _, scheduled, first, *_ in done)
             decode_s = sum(last - first for _, _, first, _, _, _, last in done)
             decode_tokens = sum(max(0, generated - 1) for *_, generated, _ in done)
-            busy_s = prefill_busy_s(prefill_s, count, decode_tokens / decode_s
-                                    if decode_tokens > 0 and decode_s > 0 else None)
+            decode_rate = (decode_tokens / decode_s if decode_tokens > 0 and decode_s > 0
+                           else None)
+            busy_s = prefill_busy_s(prefill_s, count, decode_rate)
             if busy_s > 0:
                 fresh["prefill_tokens_per_s"] = sum(d[4] for d in done) / busy_s
+            if decode_rate is not None:
+                # vLLM's inter-token latency histogram's mean, and the per-sequence
+                # decode rate, as the agent reads them (the router's first-step term).
+                fresh["itl_ms"] = 1000.0 / decode_rate
+                fresh["decode_tokens_per_s"] = decode_rate
         values: dict[str, float] = {}
-        for name in ("e2e_ms", "ttft_ms", "prefill_tokens_per_s"):
+        for name in ("e2e_ms", "ttft_ms", "itl_ms", "prefill_tokens_per_s",
+                     "decode_tokens_per_s"):
             if name in fresh:
                 self.held[name] = (fresh[name], 0)
             elif name in self.held:

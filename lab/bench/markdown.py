@@ -107,6 +107,39 @@ def oracle_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def burst_table(results: dict[str, Any]) -> list[str]:
+    """Where each policy put the requests of a synchronized burst (test bed and twin)."""
+    lines = ["| policy | most of a burst on one worker: mean / worst (test bed) | burst TTFT "
+             "p50 / p90 (ms, test bed) | twin: mean / worst | twin: burst TTFT p50 / p90 |",
+             "|---|---|---|---|---|"]
+    names = list(dict.fromkeys([*results["policies"], *results.get("twin", {})]))
+    for name in names:
+        cells = []
+        for run in (results["policies"].get(name), results.get("twin", {}).get(name)):
+            found = (run or {}).get("sync_bursts")
+            if not found:
+                cells += ["-", "-"]
+                continue
+            cells += [f"{found['max_on_one_worker_mean']:g} / {found['max_on_one_worker']} "
+                      f"of {found['requests_per_burst']}",
+                      f"{_ms(found['ttft_ms']['p50'])} / {_ms(found['ttft_ms']['p90'])}"]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _burst_section(results: dict[str, Any]) -> list[str]:
+    scenario = results["scenario"]
+    sync = scenario.get("sync_bursts") or {}
+    if not sync.get("at"):
+        return []
+    burst = sync["requests"] * len(scenario["regions"])
+    workers = sum(spec["workers"] for spec in scenario["regions"].values())
+    return ["## Synchronized bursts", "",
+            f"Each burst: {burst} requests at one instant; spread evenly, {burst / workers:g} "
+            f"per worker ({workers} workers of {scenario['engine']['max_num_seqs']} slots).",
+            "", *burst_table(results), ""]
+
+
 def origin_table(results: dict[str, Any]) -> list[str]:
     regions = list(results["scenario"]["regions"])
     header = " | ".join(f"{r}: p99 / SLO / served here" for r in regions)
@@ -184,6 +217,7 @@ def render(results: dict[str, Any]) -> str:
         "",
         *oracle_table(results),
         "",
+        *_burst_section(results),
         "## Goals",
         "",
     ]

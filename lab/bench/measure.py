@@ -29,6 +29,7 @@ from lab.bench.replay import Outcome, Replayer
 from lab.bench.scenario import Scenario
 from lab.bench.testbed import KEY_PREFIX, Testbed
 from lab.bench.trace import PromptBuilder, Trace
+from lab.bench.workload import sync_moments
 
 Say = Callable[[str], None]
 
@@ -161,6 +162,7 @@ def _summarize(replayed: _Replayed, scenario: Scenario, trace: Trace,
         "by_origin": {origin: summary_of([o for o in outcomes if o.origin == origin])
                       for origin in regions},
         "oscillation": stats.oscillation(bins, regions),
+        "sync_bursts": stats.burst_placement(outcomes, sync_moments(scenario)),
         "heartbeats": replayed.heartbeats.summary(),
         "loadgen": stats.lag(outcomes, replayed.replayer.skipped),
         **replayed.host,

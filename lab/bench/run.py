@@ -27,7 +27,7 @@ from lab.bench.scenario import Scenario, load_scenario, resolve
 from lab.bench.testbed import Testbed
 from lab.bench.trace import Trace
 from lab.bench.twin import ORACLE, Twin
-from lab.bench.workload import generate
+from lab.bench.workload import generate, sync_moments
 
 Say = Callable[[str], None]
 
@@ -146,6 +146,8 @@ def twin_reference(scenario: Scenario, trace: Trace, policies: Sequence[str], re
                                             else round(result.prefix_hit_rate, 4))
         bins = stats.share_bins(result.outcomes, regions, trace.duration_s)
         found[policy]["oscillation"] = stats.oscillation(bins, regions)
+        found[policy]["sync_bursts"] = stats.burst_placement(result.outcomes,
+                                                             sync_moments(scenario))
     return found
 
 

@@ -145,6 +145,26 @@ def prediction_error(outcomes: Iterable[Outcome]) -> dict[str, Any]:
             "count": len(errors), "eligible": eligible}
 
 
+def burst_placement(outcomes: Sequence[Outcome], moments_s: Sequence[float]
+                    ) -> dict[str, Any] | None:
+    """How the requests sent at each synchronized-burst instant were spread: the most
+    of one burst on a single worker (mean over the bursts, and the worst), and their
+    TTFT. None without bursts. A herd shows as many on one worker."""
+    if not moments_s:
+        return None
+    bursts: dict[float, list[Outcome]] = {moment: [] for moment in moments_s}
+    for outcome in outcomes:
+        if outcome.scheduled_s in bursts:
+            bursts[outcome.scheduled_s].append(outcome)
+    most = [max(Counter(o.worker for o in burst if o.worker).values(), default=0)
+            for burst in bursts.values()]
+    return {"bursts": len(most), "requests_per_burst": max(map(len, bursts.values())),
+            "max_on_one_worker_mean": _round(sum(most) / len(most)),
+            "max_on_one_worker": max(most),
+            "ttft_ms": distribution(t for burst in bursts.values() for o in burst
+                                    if o.ok and (t := o.ttft_ms) is not None)}
+
+
 def share_bins(outcomes: Sequence[Outcome], regions: Sequence[str], duration_s: float,
                bin_s: float = 1.0) -> list[dict[str, Any]]:
     """Per bin of send time: successful requests, how many each region served, and the

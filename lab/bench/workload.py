@@ -172,10 +172,14 @@ def synchronized_bursts(scenario: Scenario) -> list[tuple[float, str]]:
     """`sync_bursts.requests` arrivals per origin region at exactly each burst moment:
     every router replica's clients send at the same instant (the replayer sends requests
     due at the same time back to back, without sleeping between them)."""
-    spec = scenario.sync_bursts
     origins = sorted(scenario.demand) or sorted(scenario.regions)
-    return [(round(at * scenario.duration_s, 4), origin) for at in spec.at
-            for origin in origins for _ in range(spec.requests)]
+    return [(at_s, origin) for at_s in sync_moments(scenario)
+            for origin in origins for _ in range(scenario.sync_bursts.requests)]
+
+
+def sync_moments(scenario: Scenario) -> list[float]:
+    """The instants (s, as the trace writes them) of the synchronized bursts."""
+    return [round(at * scenario.duration_s, 4) for at in scenario.sync_bursts.at]
 
 
 def calibration_sample(scenario: Scenario, seed: int) -> list[TraceRequest]:

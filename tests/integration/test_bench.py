@@ -6,7 +6,10 @@ region sharing one Valkey, and replays the quick skewed-3region trace (20 s, ~49
 requests) against predicted_ttft, nearest and power_of_two through the command. About
 3 minutes on 2 quiet cores (up to ~8 on a busy machine: the benchmark waits, bounded, for
 the CPUs to calm down and reruns a disturbed policy once), so it runs with
-`pytest -m slow` (as the drills do).
+`pytest -m slow` (as the drills do). Then prefix-heavy's quick trace against
+predicted_ttft alone (about a minute more): the other scenarios' quick variants run on
+the virtual-time twin in the unit tier (tests/unit/test_bench_scenarios.py), and in full
+on demand.
 """
 
 from __future__ import annotations
@@ -96,3 +99,35 @@ def test_affinity_raises_the_prefix_hit_rate_without_a_worse_tail(
     assert ours["slo_attainment"] >= spread["slo_attainment"] - 0.05
     assert (ours["interactive"]["ttft_ms"]["p90"]
             <= 1.25 * spread["interactive"]["ttft_ms"]["p90"])
+
+
+@pytest.fixture(scope="module")
+def prefix_heavy_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                     ) -> dict[str, Any]:
+    """prefix-heavy's quick variant, predicted_ttft only (~1 minute): the new scenarios'
+    test-bed path (a context length past the simulator's default, prompts of 4k-16k
+    tokens, the prediction read from every answer)."""
+    skip_unless_slow_tests_are_asked_for(request.config, QUICK_RUN)
+    out = tmp_path_factory.mktemp("bench-prefix") / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench", "--scenario", "prefix-heavy", "--quick",
+         "--policies", "predicted_ttft", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=420,
+    )
+    assert result.returncode in (0, 3), result.stdout[-3000:] + result.stderr[-3000:]
+    assert (out / "prediction_error.png").stat().st_size > 0
+    return dict(json.loads((out / "results.json").read_text()))
+
+
+def test_long_shared_prompts_are_served_cached_and_their_predictions_measured(
+        prefix_heavy_run: dict[str, Any]) -> None:
+    ours = prefix_heavy_run["policies"]["predicted_ttft"]
+    assert ours["errors"] == 0, ours["errors_by_phase"]  # no prompt past the context length
+    assert ours["routes"].get("affinity", 0) > 0
+    assert ours["prefix_hit_rate"] > 0.2
+    error = ours["prediction_error"]
+    assert error["count"] == error["eligible"] > 0  # every answer carried its prediction
+    assert 0 <= error["p50_abs"] <= error["p90_abs"]
+    twin = prefix_heavy_run["twin"]
+    assert set(twin) == {"predicted_ttft", "oracle"}
+    assert [goal["met"] is not None for goal in prefix_heavy_run["goals"]] == [True, True, False]

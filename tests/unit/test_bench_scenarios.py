@@ -175,6 +175,13 @@ def test_the_twin_runs_each_new_quick_variant_with_the_results_shape(
         assert 0 <= run["home_share"] <= 1 and 0 <= run["prefix_hit_rate"] <= 1
         assert set(run["prediction_error"]) == {"p50_abs", "p90_abs", "count", "eligible"}
     assert found["nearest"]["home_share"] == 1.0
+    bursts = found[ORACLE]["sync_bursts"]
+    if scenario.sync_bursts.at:
+        assert bursts["bursts"] == len(scenario.sync_bursts.at)
+        assert bursts["requests_per_burst"] == 3 * scenario.sync_bursts.requests
+        assert bursts["max_on_one_worker"] >= bursts["requests_per_burst"] / 6
+    else:
+        assert bursts is None
     # Every policy predicts with the router's one model, baselines too (they do not
     # choose by it), so each one's prediction error is measured.
     for policy in (*POLICIES, ORACLE):

@@ -10,6 +10,7 @@ from lab.bench.observe import EngineSample, parse_engine_metrics, prefix_hit_rat
 from lab.bench.replay import Outcome, predicted_ms, unpredicted_ms
 from lab.bench.report import goals
 from lab.bench.stats import (
+    burst_placement,
     distribution,
     oscillation,
     percentile,
@@ -196,3 +197,19 @@ def test_the_replayer_reads_the_prediction_and_the_time_it_does_not_cover() -> N
     assert unpredicted_ms("route;dur=0.2, queue;dur=150.500, retry;dur=20.25") == 170.75
     assert unpredicted_ms('queue;desc="x";dur=5, retry;dur=bad') == 5.0
     assert unpredicted_ms(None) == 0.0
+
+
+def test_burst_placement_finds_a_herd_on_one_worker() -> None:
+    def sent(index: int, at_s: float, worker: str, ttft_ms: float = 100.0) -> Outcome:
+        found = outcome(index, sent_s=at_s, ttft_ms=ttft_ms)
+        found.worker = worker
+        return found
+
+    spread = [sent(i, 1.0, f"w{i % 4}") for i in range(8)]  # 2 on each of 4
+    herd = [sent(10 + i, 2.0, "w0" if i < 6 else "w1", 400.0) for i in range(8)]
+    other = [sent(20, 1.5, "w0"), sent(21, 1.5, "w0")]  # not at a burst instant
+    found = burst_placement(spread + herd + other, [1.0, 2.0])
+    assert found == {"bursts": 2, "requests_per_burst": 8, "max_on_one_worker_mean": 4.0,
+                     "max_on_one_worker": 6,
+                     "ttft_ms": {"p50": 100.0, "p90": 400.0, "p99": 400.0}}
+    assert burst_placement(spread, []) is None

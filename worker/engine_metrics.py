@@ -37,6 +37,9 @@ PROMPT_TOKENS_HIST = "vllm:request_prompt_tokens"
 GENERATION_TOKENS_HIST = "vllm:request_generation_tokens"
 PROMPT_TOKENS_COUNTER = "vllm:prompt_tokens_total"
 GENERATION_TOKENS_COUNTER = "vllm:generation_tokens_total"
+# Prompt tokens found in the prefix cache (counted as requests are scheduled): not
+# computed in the prefill phase, so not part of the engine's prefill rate.
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
 
 
 class MetricsFormatError(ValueError):

@@ -18,6 +18,7 @@ from worker.engine_metrics import (
     GENERATION_TOKENS_HIST,
     ITL,
     PREFILL_TIME,
+    PREFIX_CACHE_HITS,
     PROMPT_TOKENS_COUNTER,
     PROMPT_TOKENS_HIST,
     TTFT,
@@ -36,7 +37,8 @@ def performance_between(before: MetricsSample, after: MetricsSample) -> Performa
     delta = _Delta(before.totals, after.totals)
     if delta.reset:
         return Performance()
-    prompt_tokens = delta.of(f"{PROMPT_TOKENS_HIST}_sum", PROMPT_TOKENS_COUNTER)
+    prompt_tokens = computed_tokens(delta.of(f"{PROMPT_TOKENS_HIST}_sum", PROMPT_TOKENS_COUNTER),
+                                    delta.of(PREFIX_CACHE_HITS))
     # The first generated token belongs to prefill; decode time covers the rest.
     decode_tokens: float | None
     if f"{GENERATION_TOKENS_HIST}_sum" in after.totals:
@@ -57,6 +59,26 @@ def performance_between(before: MetricsSample, after: MetricsSample) -> Performa
             decode_tokens_per_s)), MAX_TOKENS_PER_S),
         decode_tokens_per_s=within(decode_tokens_per_s, MAX_TOKENS_PER_S),
     )
+
+
+# Of the prompt tokens, at least this share counts as computed: the cache-hit counter
+# advances as requests are scheduled and the prompt-token histogram as they finish, so in
+# one interval the hits may belong to requests that have not finished yet.
+MIN_COMPUTED_SHARE = 0.05
+
+
+def computed_tokens(prompt_tokens: float, cache_hit_tokens: float) -> float:
+    """The prompt tokens an engine actually prefilled: those not in its prefix cache.
+
+    A prompt found in the cache costs only its uncached part, and the router prices
+    prefill by the uncached part (router.policy.predicted_ttft), so the rate must be
+    computed tokens per second: with whole prompts over the prefill time, a fleet of long
+    shared system prompts read as several times its engines' true rate (measured on the
+    benchmark's prefix-heavy scenario: it cost 10 points of SLO attainment on the twin).
+    """
+    if cache_hit_tokens <= 0:
+        return prompt_tokens
+    return max(prompt_tokens - cache_hit_tokens, MIN_COMPUTED_SHARE * prompt_tokens)
 
 
 # The decode-step share taken out of the prefill phase leaves at least this much of it.

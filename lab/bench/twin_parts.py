@@ -58,8 +58,9 @@ class TwinWorker:
     def performance(self) -> Performance:
         """As the agent reports it: means over the interval, each held for a few
         intervals when no request finished (worker.engine_performance.PerformanceTracker)."""
-        done = [(s.arrival_s, s.scheduled_s, s.first_token_s, s.finished_s, s.prompt.num_tokens,
-                 len(s.output), s.last_token_s) for s in self.finished
+        done = [(s.arrival_s, s.scheduled_s, s.first_token_s, s.finished_s,
+                 max(0, s.prompt.num_tokens - s.cached_tokens), len(s.output), s.last_token_s)
+                for s in self.finished
                 if s.scheduled_s is not None and s.first_token_s is not None
                 and s.finished_s is not None and s.last_token_s is not None]
         self.finished.clear()
@@ -75,6 +76,8 @@ class TwinWorker:
                            else None)
             busy_s = prefill_busy_s(prefill_s, count, decode_rate)
             if busy_s > 0:
+                # Computed tokens, as the agent counts them (worker.engine_performance
+                # .computed_tokens): the prefix cache's hits are not prefilled.
                 fresh["prefill_tokens_per_s"] = sum(d[4] for d in done) / busy_s
             if decode_rate is not None:
                 # vLLM's inter-token latency histogram's mean, and the per-sequence

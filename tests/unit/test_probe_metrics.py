@@ -137,6 +137,26 @@ def test_interval_delta_covers_only_new_requests() -> None:
     assert perf.decode_tokens_per_s is None
 
 
+def test_prompt_tokens_found_in_the_prefix_cache_are_not_prefill_work() -> None:
+    # 4,000 prompt tokens in 0.5 s of prefill, 3,000 of them from the prefix cache: the
+    # engine computed 1,000 (2,000 tokens/s), not 8,000 tokens/s.
+    before = parse_metrics(CAPTURE)
+    changes = {
+        "vllm:time_to_first_token_seconds_count": 260.0,
+        "vllm:request_prompt_tokens_sum": 8069.0 + 4000,
+        "vllm:request_prefill_time_seconds_sum": 5.59349799000438 + 0.5,
+        "vllm:prefix_cache_queries_total": 8069.0 + 4000,
+    }
+    cached = parse_metrics(with_values(CAPTURE, {**changes,
+                                                 "vllm:prefix_cache_hits_total": 3000.0}))
+    assert performance_between(before, cached).prefill_tokens_per_s == pytest.approx(2000.0)
+    # Hits counted as requests are scheduled may belong to requests not finished yet: a
+    # floor of 5 % of the prompt tokens keeps the rate from reading as zero.
+    ahead = parse_metrics(with_values(CAPTURE, {**changes,
+                                                "vllm:prefix_cache_hits_total": 9000.0}))
+    assert performance_between(before, ahead).prefill_tokens_per_s == pytest.approx(400.0)
+
+
 def test_the_prefill_rate_is_the_engine_s_not_the_prompt_mix_s() -> None:
     # An engine that prefills 10,000 tokens/s, in steps that also take 100 ms to advance
     # its running batch: ten 500-token prompts (each prefill phase: 50 + 100 ms), each

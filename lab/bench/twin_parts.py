@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from lab.sim.engine import Engine
 from lab.sim.sequence import Sequence as EngineSequence
-from worker.engine_performance import prefill_busy_s
+from worker.engine_performance import prefill_busy_s, smoothed_rate
 from worker.schema import Performance
 
 HOLD_INTERVALS = 4  # as worker.engine_performance.PerformanceTracker
@@ -88,7 +88,10 @@ class TwinWorker:
         for name in ("e2e_ms", "ttft_ms", "itl_ms", "prefill_tokens_per_s",
                      "decode_tokens_per_s"):
             if name in fresh:
-                self.held[name] = (fresh[name], 0)
+                value = fresh[name]
+                if name == "prefill_tokens_per_s":  # as the agent smooths it
+                    value = smoothed_rate(self.held.get(name, (None, 0))[0], value)
+                self.held[name] = (value, 0)
             elif name in self.held:
                 value, age = self.held[name]
                 self.held[name] = (value, age + 1)

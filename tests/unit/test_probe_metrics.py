@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from worker.engine_metrics import MetricsFormatError, MetricsSample, parse_metrics
-from worker.engine_performance import PerformanceTracker, performance_between, prefill_busy_s
+from worker.engine_performance import (
+    PerformanceTracker,
+    performance_between,
+    prefill_busy_s,
+    smoothed_rate,
+)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CAPTURE = (FIXTURES / "vllm-0.32-cpu-metrics.txt").read_text()
@@ -230,3 +235,11 @@ def test_tracker_holds_last_value_through_a_short_lull_then_forgets() -> None:
     assert tracker.update(busy).ttft_ms == pytest.approx(200.0)  # held, lull 1
     assert tracker.update(busy).ttft_ms == pytest.approx(200.0)  # held, lull 2
     assert tracker.update(busy).ttft_ms is None  # forgotten
+
+
+def test_the_prefill_rate_is_smoothed_across_intervals() -> None:
+    # The engine's rate, not one interval's few prefill phases: each new estimate moves
+    # it a quarter of the way (in log space), so one outlier of 4x moves it by 1.41x.
+    assert smoothed_rate(None, 8000.0) == 8000.0
+    assert smoothed_rate(10_000.0, 40_000.0) == pytest.approx(10_000.0 * 4 ** 0.25)
+    assert smoothed_rate(10_000.0, 10_000.0) == pytest.approx(10_000.0)

@@ -204,8 +204,8 @@ def test_every_way_of_scoring_predicts_the_same(many_workers: bool) -> None:
                             busy.prefill_ms_per_token, busy.queue_base,
                             busy.queue_ms_per_request)
     # RTT, queue, KV pressure, prefill, and the first step: the default step (no ITL
-    # reported yet) and half a step more, since the engine is busy.
-    assert expected == pytest.approx(1 + 900 + 400 + 500 + 25 * 1.5)
+    # reported yet).
+    assert expected == pytest.approx(1 + 900 + 400 + 500 + 25)
     decision = make_policy().pick(snap, request)
     assert decision.worker.worker_id == "us-1"  # the same terms, 80 ms nearer
     assert decision.predicted_ttft_ms == pytest.approx(expected)
@@ -214,16 +214,16 @@ def test_every_way_of_scoring_predicts_the_same(many_workers: bool) -> None:
     for chosen in (decision, general):
         assert chosen.prediction is not None
         assert chosen.prediction.total_ms == pytest.approx(expected)
-        assert chosen.prediction.first_step_ms == pytest.approx(37.5)
+        assert chosen.prediction.first_step_ms == pytest.approx(25.0)
         assert chosen.prediction.queue_ms == pytest.approx(900 + 400)
 
 
 def test_the_first_step_is_the_engines_inter_token_latency() -> None:
-    """The first token comes at the end of the step that prefills the prompt: one ITL on
-    an idle engine, and half a step more on a busy one (the step under way ends first)."""
+    """The first token comes at the end of the step that prefills the prompt: one ITL
+    (busy or not: see WorkerView._derive)."""
     idle = view("us-1", running=0, itl_ms=40.0)
     busy = view("us-2", running=3, itl_ms=40.0)
-    assert (idle.first_step_ms, busy.first_step_ms) == (40.0, 60.0)
+    assert (idle.first_step_ms, busy.first_step_ms) == (40.0, 40.0)
     no_itl = view("us-3", running=0, decode_tokens_per_s=50.0)
     assert no_itl.first_step_ms == pytest.approx(20.0)  # 1 / decode rate
     snap = snapshot(idle)
@@ -241,7 +241,7 @@ def test_baselines_predict_with_the_same_model(name: str) -> None:
                                                          prompt_tokens=100))
     assert decision.prediction is not None
     assert decision.predicted_ttft_ms == pytest.approx(decision.prediction.total_ms)
-    assert decision.prediction.first_step_ms == pytest.approx(45.0)
+    assert decision.prediction.first_step_ms == pytest.approx(30.0)
 
 
 def test_round_robin_baseline_cycles() -> None:

@@ -91,9 +91,6 @@ class Attempt:
     # The predicted TTFT's parts (None: the policy predicts none; predicted_ttft_ms is
     # their total when given).
     prediction: Prediction | None = None
-    # This router's event-loop lag so far when the attempt was sent (Health.lag_total_s):
-    # what the loop lost while the attempt waited is the router's, not the worker's.
-    lag_mark_s: float = 0.0
     # The tokens it may generate, as committed to its worker (InFlight.commit); 0: unsaid.
     committed_tokens: int = 0
     # A started stream's pace as the router passed it on: the reads from the worker

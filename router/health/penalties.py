@@ -3,9 +3,10 @@ been lately, beyond the other regions', learnt from streamed attempts' TTFT.
 
 A penalty is for what heartbeats cannot show: a slow or congested path to a region. So
 what is learnt from an attempt is only what the path and nothing else explains:
-- the router's own delays are kept out: an attempt during which this router's event loop
-  ran late (a busy host, a CPU hog beside it: `lagged`) teaches nothing, since its
-  first byte was read late here, not sent late there;
+- the router's own delays are kept out: how long this router's event loop could not run
+  when an attempt's first byte came (a busy host, a CPU hog beside it:
+  router.health.loop_lag) is taken off its TTFB, since that first byte was read late
+  here, not sent late there; an attempt whose wait was mostly that teaches nothing;
 - the engine's part is taken as the larger of what was predicted for it and what the
   worker's own heartbeat says its requests waited for a first token lately (an engine
   busier than predicted is the engine's, and its queue terms already price it);
@@ -52,7 +53,7 @@ class RegionPenalties:
         self._excess_ms: dict[str, dict[str, tuple[float, float]]] = {}
         self._penalties: dict[str, float] = {}  # region -> penalty, as of _penalties_at_s
         self._penalties_at_s = -1e18
-        self.skipped_lagged = 0  # samples not learnt: the router itself ran late
+        self.skipped_lagged = 0  # samples not learnt: mostly the router's own delay
 
     def penalty_ms(self, region: str, now_s: float) -> float:
         """How much slower than predicted this region's first bytes have been lately,
@@ -101,16 +102,17 @@ class RegionPenalties:
         self._penalties = penalties
         self._penalties_at_s = now_s
 
-    def learn(self, attempt: Attempt, now_s: float, *, lagged: bool = False,
+    def learn(self, attempt: Attempt, now_s: float, *, router_delay_s: float = 0.0,
               engine_ttft_ms: float | None = None) -> None:
         """Take in how far `attempt`'s first byte missed what its path and its engine
-        explain. `lagged`: this router's event loop ran late while the attempt waited
-        (nothing is learnt); `engine_ttft_ms`: the worker's own recent mean TTFT, from
-        its heartbeat (None: not reported)."""
+        explain. `router_delay_s`: how long this router's event loop could not run while
+        the attempt waited (taken off; more than half the wait, and nothing is learnt);
+        `engine_ttft_ms`: the worker's own recent mean TTFT, from its heartbeat (None:
+        not reported)."""
         ttfb_s = attempt.ttfb_s
         if ttfb_s is None or not attempt.streamed:
             return  # a non-streaming answer's first byte is its last: not a TTFT
-        if lagged:
+        if router_delay_s > 0.5 * ttfb_s:
             self.skipped_lagged += 1
             return
         parts = attempt.prediction
@@ -123,7 +125,7 @@ class RegionPenalties:
             if engine_ttft_ms is not None and engine_ttft_ms > engine_ms:
                 engine_ms = engine_ttft_ms
             expected_ms = parts.rtt_ms + engine_ms
-        excess = ttfb_s * 1000.0 - expected_ms
+        excess = (ttfb_s - router_delay_s) * 1000.0 - expected_ms
         workers = self._excess_ms.setdefault(attempt.region, {})
         previous = workers.get(attempt.worker_id)
         ewma = excess if previous is None else (

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from router.core.outcome import Attempt, Failure, RequestRecord
 from router.health.breaker import Breaker, BreakerPolicy, BreakerState
+from router.health.loop_lag import LoopLag
 from router.health.penalties import RegionPenalties
 from router.health.stalls import StallWatch
 from router.registry.collector import STALL_TOLERANCE_S  # one notion of "not running"
@@ -35,13 +36,6 @@ BUSY_MAX_S = 10.0
 STALL_CHECK_S = 0.25
 # How often what passive health remembers is pruned (s): see Health.prune.
 PRUNE_EVERY_S = 5.0
-# The event loop's lag is sampled this often (s): a timer's lateness beyond
-# LAG_TOLERANCE_S is time the loop could not run (50 wakeups a second: ~0.1 % of a core).
-LAG_TICK_S = 0.02
-LAG_TOLERANCE_S = 0.002
-# An attempt during which the loop lost more than this (s) teaches the region penalties
-# nothing: its first byte may have been read that late here.
-LAGGED_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +66,7 @@ class Health:
         self._breakers: dict[str, Breaker] = {}
         self._busy_until_s: dict[str, float] = {}
         self._penalties = RegionPenalties(latency_half_life_s, self._workers_per_region)
-        self.lag_total_s = 0.0  # the event loop's lateness so far (watch_loop_lag)
+        self.loop_lag = LoopLag(clock)  # the router's own delays (watch_loop_lag)
         self._region_fraction = region_eject_fraction
         self._views = views  # the current snapshot's workers, for their own reports
         self._stalls = StallWatch(stall_after_s=stall_after_s, stall_factor=stall_factor,
@@ -138,7 +132,6 @@ class Health:
 
     # --- the proxy's calls ------------------------------------------------------------
     def dispatched(self, attempt: Attempt) -> None:
-        attempt.lag_mark_s = self.lag_total_s
         breaker = self._breakers.get(attempt.worker_id)
         if breaker is not None:
             breaker.dispatched()
@@ -198,8 +191,10 @@ class Health:
         if not attempt.streamed:
             return
         view = self._views().get(attempt.worker_id)
-        self._penalties.learn(attempt, now_s,
-                              lagged=self.lag_total_s - attempt.lag_mark_s > LAGGED_S,
+        first_byte_s = attempt.first_byte_s
+        delay_s = 0.0 if first_byte_s is None else min(
+            self.loop_lag.around(first_byte_s), first_byte_s - attempt.started_s)
+        self._penalties.learn(attempt, now_s, router_delay_s=delay_s,
                               engine_ttft_ms=None if view is None else view.ttft_ms)
 
     def _workers_per_region(self) -> dict[str, int]:
@@ -213,18 +208,9 @@ class Health:
         """Streamed attempts not learnt from: this router's event loop ran late meanwhile."""
         return self._penalties.skipped_lagged
 
-    async def watch_loop_lag(self, tick_s: float = LAG_TICK_S) -> None:
-        """Add up how late this process's event loop runs (`lag_total_s`) until cancelled:
-        a timer due every `tick_s` that fires later than that by more than
-        LAG_TOLERANCE_S means the loop could not run meanwhile (a busy host, a CPU hog,
-        this router's own backlog). Attempts that waited through it are not learnt from."""
-        loop = asyncio.get_running_loop()
-        while True:
-            before = loop.time()
-            await asyncio.sleep(tick_s)
-            late_s = loop.time() - before - tick_s
-            if late_s > LAG_TOLERANCE_S:
-                self.lag_total_s += late_s
+    async def watch_loop_lag(self) -> None:
+        """Measure this process's event-loop lag until cancelled (LoopLag.watch)."""
+        await self.loop_lag.watch()
 
     def reported_down(self, worker_id: str, region: str, detail: str) -> None:
         """The worker's own heartbeat says it stopped serving (ready -> degraded).

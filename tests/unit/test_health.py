@@ -9,6 +9,7 @@ import pytest
 
 from router.core.outcome import Attempt, Failure, Prediction
 from router.health import Breaker, BreakerPolicy, BreakerState, Health, RetryBudget
+from router.health.loop_lag import LoopLag
 from router.health.penalties import PENALTY_FLOOR_MS
 from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import FakeClock, view
@@ -172,17 +173,47 @@ def test_one_slow_worker_does_not_penalise_its_region() -> None:
     assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(300.0 - FLOOR, rel=0.05)
 
 
-def test_attempts_through_the_routers_own_lag_teach_nothing() -> None:
-    """A CPU hog beside the router delays its reading of first bytes: those attempts are
-    not learnt from, and the local region keeps its traffic."""
-    health = Health(POLICY, clock=FakeClock(0.0))
-    for _ in range(20):
-        sent = attempt("us-1", None, "us-east", ttfb_s=0.450, predicted_ms=50.0)
-        health.dispatched(sent)
-        health.lag_total_s += 0.2  # the loop lost 200 ms while it waited
-        health.attempt_finished(sent)
-    assert health.region_penalty_ms("us-east", 0.0) == 0.0
-    assert health.penalty_samples_skipped == 20
+def test_the_routers_own_lag_is_kept_out_of_what_is_learnt() -> None:
+    """A CPU hog beside the router delays its reading of first bytes: the time its loop
+    could not run while an attempt waited is taken off that attempt's TTFB, and an
+    attempt whose wait was mostly that teaches nothing."""
+
+    def teach(health: Health, lost_s: float, at_s: float = 0.45) -> None:
+        for index in range(20):
+            sent = attempt("us-1", None, "us-east", ttfb_s=0.450, predicted_ms=50.0)
+            sent.started_s, sent.first_byte_s = 10.0 * index, 10.0 * index + 0.450
+            if lost_s:
+                health.loop_lag.record(lost_s, 10.0 * index + at_s)
+            health.attempt_finished(sent)
+
+    partly = Health(POLICY, clock=FakeClock(0.0))
+    teach(partly, 0.2)  # 450 ms, 200 of them here: 200 ms beyond the prediction
+    assert partly.region_penalty_ms("us-east", 0.0) == pytest.approx(200.0 - FLOOR, rel=0.05)
+    assert partly.penalty_samples_skipped == 0
+    mostly = Health(POLICY, clock=FakeClock(0.0))
+    teach(mostly, 0.3)  # more than half the wait
+    assert mostly.region_penalty_ms("us-east", 0.0) == 0.0
+    assert mostly.penalty_samples_skipped == 20
+    # Lost long before the first byte (the worker was busy meanwhile anyway) or after it:
+    # not the attempt's wait; the path's 400 ms are learnt.
+    after = Health(POLICY, clock=FakeClock(0.0))
+    teach(after, 5.0, at_s=0.9)
+    teach(after, 0.1, at_s=0.1)
+    assert after.region_penalty_ms("us-east", 0.0) == pytest.approx(400.0 - FLOOR, rel=0.05)
+
+
+def test_loop_lag_around_a_moment() -> None:
+    lag = LoopLag()
+    assert lag.around(5.0) == 0.0
+    for moment in (1.0, 1.01, 2.0):
+        lag.record(0.003, moment)  # a busy loop: every tick a little late
+    lag.record(0.2, 3.0)  # a stall
+    # The longest wait seen within a tick of the moment, not the sum of the waits.
+    assert (lag.around(1.005), lag.around(2.999), lag.around(2.5)) == (0.003, 0.2, 0.0)
+    for index in range(5000):  # bounded: the oldest half goes
+        lag.record(0.001, 4.0 + index)
+    assert lag.around(1.0) == 0.0 and lag.around(4.0 + 4999) == 0.001
+    assert lag.total_s == pytest.approx(0.009 + 0.2 + 5.0)
 
 
 def test_an_engine_slower_than_predicted_is_the_engines_not_the_paths() -> None:
@@ -210,13 +241,13 @@ def test_an_engine_slower_than_predicted_is_the_engines_not_the_paths() -> None:
 async def test_the_loop_lag_watch_adds_up_lost_time() -> None:
     health = Health(POLICY)
     started_s = time.monotonic()
-    task = asyncio.create_task(health.watch_loop_lag(tick_s=0.01))
+    task = asyncio.create_task(health.loop_lag.watch(tick_s=0.01))
     await asyncio.sleep(0.05)
     time.sleep(0.1)  # noqa: ASYNC251 (the loop cannot run: a hog, or a blocking call)
     await asyncio.sleep(0.05)
     task.cancel()
     # At least the blocked 100 ms (less a tick), never more than the time that passed.
-    assert 0.08 <= health.lag_total_s <= time.monotonic() - started_s
+    assert 0.08 <= health.loop_lag.total_s <= time.monotonic() - started_s
 
 
 def test_a_degraded_heartbeat_ejects_through_the_breaker() -> None:

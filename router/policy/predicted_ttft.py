@@ -51,8 +51,8 @@ def predicted_ms(region_ms: float, engine_ms: float, tokens: int,
     slots freeing at one per `queue_ms_per_request` (the worker's recent E2E over its
     slots). `engine_ms`: what every request pays there, `WorkerView.engine_ms`: a share
     of a service time when the KV cache is nearly full (`kv_pressure_ms`) and the engine
-    step that makes the first token (`first_step_ms`: the worker's inter-token latency,
-    half as much again while the engine is busy). Prefill: the `tokens` of the prompt not
+    step that makes the first token (`first_step_ms`: the worker's inter-token
+    latency). Prefill: the `tokens` of the prompt not
     in the worker's prefix cache, at its measured rate. The terms are the worker view's
     (router.registry.worker_view.WorkerView); a region's least terms give a floor that no
     worker of it can beat. `prediction` gives the same total by its parts.

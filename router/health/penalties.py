@@ -27,8 +27,12 @@ from router.core.outcome import Attempt
 # A region's first bytes must miss their predictions by this much more than the other
 # regions' before it is penalised (ms): smaller misses are scheduling noise.
 PENALTY_FLOOR_MS = 25.0
-# Penalties are recomputed at most this often (s), or after a new sample.
+# Penalties are recomputed at least this often when asked (s), and after a new sample
+# once `REFRESH_S_PER_WORKER` x the workers sampled has passed: a recomputation visits every
+# sampled worker (~1 us each), and at 10,000 of them, after every sample, it would cost
+# more than the routing decision; so it takes at most ~1 % of a core.
 PENALTY_REFRESH_S = 0.05
+REFRESH_S_PER_WORKER = 1e-4
 # A worker's samples are forgotten once they have decayed over this many half-lives.
 FORGET_HALF_LIVES = 8.0
 # How many of a region's workers must have shown a miss for the region to be penalised
@@ -53,6 +57,8 @@ class RegionPenalties:
         self._excess_ms: dict[str, dict[str, tuple[float, float]]] = {}
         self._penalties: dict[str, float] = {}  # region -> penalty, as of _penalties_at_s
         self._penalties_at_s = -1e18
+        self._dirty = False  # a sample came since the last recomputation
+        self._gap_s = 0.0  # the least time between recomputations for new samples
         self.skipped_lagged = 0  # samples not learnt: mostly the router's own delay
 
     def penalty_ms(self, region: str, now_s: float) -> float:
@@ -67,7 +73,8 @@ class RegionPenalties:
         """
         if region not in self._excess_ms:
             return 0.0
-        if now_s - self._penalties_at_s > PENALTY_REFRESH_S or now_s < self._penalties_at_s:
+        since_s = now_s - self._penalties_at_s
+        if since_s > PENALTY_REFRESH_S or since_s < 0 or (self._dirty and since_s >= self._gap_s):
             self._refresh(now_s)
         return self._penalties.get(region, 0.0)
 
@@ -101,6 +108,9 @@ class RegionPenalties:
             penalties[region] = max(0.0, excess - max(0.0, baseline) - PENALTY_FLOOR_MS)
         self._penalties = penalties
         self._penalties_at_s = now_s
+        self._dirty = False
+        sampled = sum(len(workers) for workers in self._excess_ms.values())
+        self._gap_s = sampled * REFRESH_S_PER_WORKER if sampled > 100 else 0.0
 
     def learn(self, attempt: Attempt, now_s: float, *, router_delay_s: float = 0.0,
               engine_ttft_ms: float | None = None) -> None:
@@ -131,4 +141,4 @@ class RegionPenalties:
         ewma = excess if previous is None else (
             0.8 * previous[0] * 0.5 ** ((now_s - previous[1]) / self._half_life_s) + 0.2 * excess)
         workers[attempt.worker_id] = (ewma, now_s)
-        self._penalties_at_s = -1e18  # recompute at the next question
+        self._dirty = True  # recompute at the next question (see PENALTY_REFRESH_S)

@@ -67,6 +67,8 @@ class Health:
         self._busy_until_s: dict[str, float] = {}
         self._penalties = RegionPenalties(latency_half_life_s, self._workers_per_region)
         self.loop_lag = LoopLag(clock)  # the router's own delays (watch_loop_lag)
+        self._counted_views: Mapping[str, WorkerView] | None = None
+        self._region_counts: dict[str, int] = {}
         self._region_fraction = region_eject_fraction
         self._views = views  # the current snapshot's workers, for their own reports
         self._stalls = StallWatch(stall_after_s=stall_after_s, stall_factor=stall_factor,
@@ -198,10 +200,14 @@ class Health:
                               engine_ttft_ms=None if view is None else view.ttft_ms)
 
     def _workers_per_region(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for view in self._views().values():
-            counts[view.region] = counts.get(view.region, 0) + 1
-        return counts
+        """Workers per region in the current fleet view, counted once per view."""
+        views = self._views()
+        if views is not self._counted_views:
+            counts: dict[str, int] = {}
+            for view in views.values():
+                counts[view.region] = counts.get(view.region, 0) + 1
+            self._region_counts, self._counted_views = counts, views
+        return self._region_counts
 
     @property
     def penalty_samples_skipped(self) -> int:

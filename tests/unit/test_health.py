@@ -10,7 +10,7 @@ import pytest
 from router.core.outcome import Attempt, Failure, Prediction
 from router.health import Breaker, BreakerPolicy, BreakerState, Health, RetryBudget
 from router.health.loop_lag import LoopLag
-from router.health.penalties import PENALTY_FLOOR_MS
+from router.health.penalties import PENALTY_FLOOR_MS, RegionPenalties
 from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import FakeClock, view
 
@@ -380,3 +380,19 @@ def test_a_probe_whose_client_left_readmits_nobody_and_frees_the_probe() -> None
     health.attempt_finished(probe)
     assert health.state_of("a") is BreakerState.HALF_OPEN  # not readmitted
     assert [v.worker_id for v in health.filter([view("a"), view("b")], 1.6)] == ["a", "b"]
+
+
+def test_penalties_of_a_large_fleet_are_recomputed_at_a_bounded_rate() -> None:
+    """A recomputation visits every sampled worker: with many, a new sample waits for
+    REFRESH_S_PER_WORKER x their number before it shows (at most ~1 % of a core), never
+    longer than PENALTY_REFRESH_S."""
+    penalties = RegionPenalties(10.0)
+    for index in range(400):
+        sent = attempt(f"us-{index}", None, "us-east", ttfb_s=0.050, predicted_ms=50.0)
+        penalties.learn(sent, 0.0)
+    assert penalties.penalty_ms("us-east", 0.0) == 0.0  # computed: as predicted
+    for index in range(400):
+        slow = attempt(f"us-{index}", None, "us-east", ttfb_s=5.050, predicted_ms=50.0)
+        penalties.learn(slow, 0.0)
+    assert penalties.penalty_ms("us-east", 0.01) == 0.0  # 400 workers: 40 ms between
+    assert penalties.penalty_ms("us-east", 0.04) > 900.0

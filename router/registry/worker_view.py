@@ -9,9 +9,12 @@ from worker.schema import MAX_LATENCY_MS, Heartbeat, LifecycleState
 # Used until a worker has reported its own figures (no traffic yet).
 DEFAULT_PREFILL_TOKENS_PER_S = 4000.0
 DEFAULT_SERVICE_MS = 2000.0
-# An engine step (one decode iteration of the batch, ms) until the worker has reported its
-# inter-token latency: a typical GPU engine's.
-DEFAULT_STEP_MS = 25.0
+# An engine step (one decode iteration of the batch, ms) while the worker reports no
+# inter-token latency (it has had no traffic lately): none. Any figure would make such a
+# worker look slower than busy ones that report a shorter step, so that it would get no
+# request to show its own, and a worker readmitted after a fault (its figures gone with
+# its traffic) would never be chosen again (tests/integration/test_hung_workers.py).
+DEFAULT_STEP_MS = 0.0
 # Above this KV usage new sequences start to wait for blocks even with free batch slots.
 KV_PRESSURE_START = 0.9
 # A prefill rate below this (tokens/s) is read as this: 1,000 s a token. The schema lets

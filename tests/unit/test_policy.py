@@ -203,9 +203,8 @@ def test_every_way_of_scoring_predicts_the_same(many_workers: bool) -> None:
     expected = predicted_ms(RTT["us-east", "us-east"], busy.engine_ms, 5000,
                             busy.prefill_ms_per_token, busy.queue_base,
                             busy.queue_ms_per_request)
-    # RTT, queue, KV pressure, prefill, and the first step: the default step (no ITL
-    # reported yet).
-    assert expected == pytest.approx(1 + 900 + 400 + 500 + 25)
+    # RTT, queue, KV pressure, prefill, and the first step: none, as no ITL is reported.
+    assert expected == pytest.approx(1 + 900 + 400 + 500)
     decision = make_policy().pick(snap, request)
     assert decision.worker.worker_id == "us-1"  # the same terms, 80 ms nearer
     assert decision.predicted_ttft_ms == pytest.approx(expected)
@@ -214,7 +213,7 @@ def test_every_way_of_scoring_predicts_the_same(many_workers: bool) -> None:
     for chosen in (decision, general):
         assert chosen.prediction is not None
         assert chosen.prediction.total_ms == pytest.approx(expected)
-        assert chosen.prediction.first_step_ms == pytest.approx(25.0)
+        assert chosen.prediction.first_step_ms == 0.0
         assert chosen.prediction.queue_ms == pytest.approx(900 + 400)
 
 
@@ -337,8 +336,7 @@ def test_ttft_budget_is_honoured_when_it_can_be_and_reported() -> None:
     cheap_in_budget = RouteRequest(model="m", origin_region="us-east", traffic_class="batch",
                                    ttft_budget_ms=40.0)
     decision = make_policy().pick(snap, cheap_in_budget)
-    # eu-west is cheaper but 80 ms away: over the 40 ms budget (us-east: 1 ms RTT and a
-    # 25 ms first step), so us-east it is.
+    # eu-west is cheaper but 80 ms away: over the 40 ms budget, so us-east it is.
     assert (decision.worker.worker_id, decision.budget_met) == ("us-1", True)
     tight = RouteRequest(model="m", origin_region="eu-west", ttft_budget_ms=0.5)
     assert make_policy().pick(snap, tight).budget_met is False

@@ -38,7 +38,7 @@ from lab.sim.tokens import Prompt, prompt_from_text
 from router.admission.queue import POLL_S as QUEUE_POLL_S
 from router.admission.queue import Backlog
 from router.config import QueueConfig, RouterConfig
-from router.core.parse import PREFIX_TOKENS, ParsedRequest, parse_body
+from router.core.parse import ParsedRequest, parse_body
 from router.policy import Decision, Policy, RouteRequest, RoutingContext, create_policy
 from router.policy.affinity import AffinityTable
 from router.registry.inflight import InFlight
@@ -193,8 +193,7 @@ class Twin:
         route = RouteRequest(
             model=self.scenario.model, origin_region=request.origin,
             prompt_tokens=parsed.prompt_tokens, stream=True,
-            session_id=request.session_id, prefix_key=parsed.prefix_key,
-            prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,
+            session_id=request.session_id, prefix_keys=parsed.prefix_keys,
             traffic_class=request.traffic_class, ttft_budget_ms=request.ttft_budget_ms)
 
         def pick(policy: Policy = policy) -> Decision:
@@ -245,11 +244,9 @@ class Twin:
         prediction (<= 0: none) and the time the request waited for it at its router."""
         worker.in_transit += 1
         policy = self._routers[request.origin][0]
-        prefix_key = parsed.prefix_key
-        if policy is not None and (request.session_id or prefix_key is not None):
-            policy.context.affinity.remember(
-                request.session_id, prefix_key, worker.name, prompt_tokens=parsed.prompt_tokens,
-                prefix_tokens=PREFIX_TOKENS if prefix_key is not None else 0)
+        if policy is not None and (request.session_id or parsed.prefix_keys):
+            policy.context.affinity.remember(request.session_id, parsed.prefix_keys,
+                                             worker.name, prompt_tokens=parsed.prompt_tokens)
         outcome = Outcome(index=request.index, origin=request.origin,
                           traffic_class=request.traffic_class, scheduled_s=request.at_s,
                           sent_s=request.at_s, status=200, region=worker.region,

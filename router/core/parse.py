@@ -11,8 +11,20 @@ from pydantic_core import from_json
 from router.core.errors import ApiError
 
 CHARS_PER_TOKEN = 4  # a cheap, tokenizer-free estimate; only relative sizes matter
+# Prefix keys: one of the prompt's first PREFIX_CHARS characters (its UTF-8 bytes), one of
+# twice as many, and so on while the prompt is that long, up to PREFIX_LEVELS keys (128k
+# bytes, about 32k tokens). A worker that served a prompt holds its prefix in its KV
+# cache: the longest key that another request shares with it says how much of that
+# request's prompt it finds cached there (router.policy.affinity).
 PREFIX_CHARS = 1024
 PREFIX_TOKENS = PREFIX_CHARS // CHARS_PER_TOKEN
+PREFIX_LEVELS = 8
+PREFIX_MAX_CHARS = PREFIX_CHARS << (PREFIX_LEVELS - 1)
+
+
+def prefix_level_tokens(level: int) -> int:
+    """The prompt tokens that prefix key number `level` (from 0) covers."""
+    return PREFIX_TOKENS << level
 
 
 def _text_head(content: Any, head: list[str], room: int) -> int:
@@ -32,14 +44,27 @@ def _text_head(content: Any, head: list[str], room: int) -> int:
     return room
 
 
-def prefix_key_of(contents: list[Any]) -> int | None:
+def prefix_keys_of(contents: list[Any]) -> tuple[int, ...]:
+    """The keys of the contents' (joined) first PREFIX_CHARS, 2 x PREFIX_CHARS, ... bytes,
+    shortest first, as many as the text is long (none for a short one). One CRC pass over
+    at most PREFIX_MAX_CHARS: each key continues the one before."""
     head: list[str] = []
-    room = PREFIX_CHARS
+    room = PREFIX_MAX_CHARS
     for content in contents:
         room = _text_head(content, head, room)
         if room <= 0:
-            return zlib.crc32("\x1f".join(head).encode("utf-8", "surrogatepass"))
-    return None
+            break
+    text = memoryview("\x1f".join(head).encode("utf-8", "surrogatepass"))
+    keys: list[int] = []
+    key = 0
+    start = 0
+    end = PREFIX_CHARS
+    while end <= len(text):
+        key = zlib.crc32(text[start:end], key)
+        keys.append(key)
+        start = end
+        end <<= 1
+    return tuple(keys)
 
 
 class ParsedRequest(NamedTuple):
@@ -48,10 +73,11 @@ class ParsedRequest(NamedTuple):
     prompt_tokens: int
     # max_tokens (or max_completion_tokens) times n; None when the request names none.
     completion_tokens: int | None = None
-    # A key of the prompt's first PREFIX_CHARS characters, when the prompt is that long:
-    # requests sharing a long prefix (system prompt, few-shot examples, a document) share
-    # it, and a worker that served one has that prefix in its KV cache.
-    prefix_key: int | None = None
+    # Keys of the prompt's first PREFIX_CHARS characters, twice as many, ... as far as the
+    # prompt is long (`prefix_keys_of`; none when it is shorter): requests sharing a long
+    # prefix (system prompt, few-shot examples, a document) share its keys, and a worker
+    # that served one has that prefix in its KV cache.
+    prefix_keys: tuple[int, ...] = ()
     choices: int = 1  # n
 
 
@@ -153,21 +179,21 @@ def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
                                param="messages")
             content = message.get("content")
             chars += len(content) if type(content) is str else _text_chars(content)
-        prefix_key = (prefix_key_of([m.get("content") for m in messages])
-                      if chars >= PREFIX_CHARS else None)
+        prefix_keys = (prefix_keys_of([m.get("content") for m in messages])
+                       if chars >= PREFIX_CHARS else ())
     elif kind == "completions":
         if "prompt" not in document:
             raise ApiError(400, "'prompt' is required", param="prompt")
         chars = _text_chars(document["prompt"])
-        prefix_key = prefix_key_of([document["prompt"]]) if chars >= PREFIX_CHARS else None
+        prefix_keys = prefix_keys_of([document["prompt"]]) if chars >= PREFIX_CHARS else ()
     else:
         if "input" not in document:
             raise ApiError(400, "'input' is required", param="input")
         chars = _text_chars(document["input"])
-        prefix_key = None
+        prefix_keys = ()
     choices = _choices(document) if "n" in document else 1
     # `__new__` directly: half the cost of `ParsedRequest(...)` (see handlers' RouteRequest)
     return ParsedRequest.__new__(
         ParsedRequest, model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
         completion_tokens=0 if kind == "embeddings" else _requested_tokens(document, choices),
-        prefix_key=prefix_key, choices=choices)
+        prefix_keys=prefix_keys, choices=choices)

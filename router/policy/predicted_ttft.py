@@ -46,7 +46,7 @@ def predicted_ms(region_ms: float, engine_ms: float, tokens: int,
     way of scoring uses.
 
     `region_ms`: the RTT to the worker's region plus what this router measured beyond
-    its predictions there (`PredictedTtft._region_ms`). Queue wait: `queued_ahead`
+    its predictions there (`region_ms`). Queue wait: `queued_ahead`
     requests that cannot start until a batch slot frees (none when it is 0 or less),
     slots freeing at one per `queue_ms_per_request` (the worker's recent E2E over its
     slots). `engine_ms`: what every request pays there, `WorkerView.engine_ms`: a share
@@ -72,19 +72,34 @@ def queue_price_ms(view: WorkerView, inflight: InFlight, now_s: float) -> float:
     real vLLM: 40 requests of 600 tokens priced by the 2-token answers before them).
     Only read for a worker with requests ahead (`queued_ahead > 0`)."""
     price = view.queue_ms_per_request
-    held = inflight.remaining_ms(view.worker_id, view.step_ms, now_s) / view.slots
+    held = inflight.remaining_ms(view.worker_id, view.first_step_ms, now_s) / view.slots
     return held if held > price else price
 
 
-def prediction(rtt_ms: float, region_ms: float, view: WorkerView, tokens: int,
-               queued_ahead: int, queue_ms_per_request: float) -> Prediction:
-    """`predicted_ms` for `view`, by its parts (made once per decision, for the chosen
-    worker: metrics, traces and the benchmark compare each with what happened)."""
+def region_ms(context: RoutingContext, region: str, origin: str | None,
+              now_s: float) -> float:
+    """A request's cost of going to `region` at all: RTT from its origin plus what this
+    router measured beyond its predictions there lately (a slow or congested path that
+    heartbeats cannot see)."""
+    base = context.rtt_ms(origin, region) if origin else 0.0
+    if context.health is not None:
+        base += context.health.region_penalty_ms(region, now_s)
+    return base
+
+
+def prediction(context: RoutingContext, view: WorkerView, origin: str | None, tokens: int,
+               region_cost_ms: float, now_s: float) -> Prediction:
+    """`predicted_ms` for `view`, by its parts, for a prompt of which `tokens` are not in
+    its prefix cache, `region_cost_ms` being `region_ms` (made once per decision, for the
+    chosen worker: metrics, traces and the benchmark compare each with what happened)."""
+    rtt_ms = context.rtt_ms(origin, view.region) if origin else 0.0
+    inflight = context.inflight
+    queued = view.queue_base + inflight.of(view.worker_id)
     queue_ms = view.kv_pressure_ms
-    if queued_ahead > 0:
-        queue_ms += queued_ahead * queue_ms_per_request
-    return Prediction(rtt_ms, region_ms - rtt_ms, queue_ms, tokens * view.prefill_ms_per_token,
-                      view.first_step_ms)
+    if queued > 0:
+        queue_ms += queued * queue_price_ms(view, inflight, now_s)
+    return Prediction(rtt_ms, region_cost_ms - rtt_ms, queue_ms,
+                      tokens * view.prefill_ms_per_token, view.first_step_ms)
 
 
 def predict(context: RoutingContext, view: WorkerView, request: RouteRequest) -> Prediction:
@@ -92,15 +107,9 @@ def predict(context: RoutingContext, view: WorkerView, request: RouteRequest) ->
     (without prefix-cache affinity): for the baselines, which choose otherwise but whose
     choices' outcomes are measured against the same model."""
     origin = request.origin_region
-    rtt_ms = context.rtt_ms(origin, view.region) if origin else 0.0
-    region_ms = rtt_ms
     now_s = context.clock()
-    if context.health is not None:
-        region_ms += context.health.region_penalty_ms(view.region, now_s)
-    inflight = context.inflight
-    return prediction(rtt_ms, region_ms, view, request.prompt_tokens,
-                      view.queue_base + inflight.of(view.worker_id),
-                      queue_price_ms(view, inflight, now_s))
+    return prediction(context, view, origin, request.prompt_tokens,
+                      region_ms(context, view.region, origin, now_s), now_s)
 
 
 # Affinity is followed while the remembered worker is predicted within this much of the
@@ -132,16 +141,17 @@ def _plain(request: RouteRequest) -> bool:
     workers are allowed)."""
     return (request.traffic_class != "batch" and request.allowed_regions is None
             and not request.drained and not request.avoid_regions
-            and request.session_id is None and request.prefix_key is None)
+            and request.session_id is None and not request.prefix_keys)
 
 
 class PredictedTtft(Policy):
     """Lowest predicted TTFT wins; near-equal candidates are split by power of two choices.
 
-    Affinity: a request whose session or long prefix a worker served recently goes back
-    to it while it is predicted nearly as fast as the best (its prefill is discounted by
-    the cached prefix). Batch: the cheapest region with spare batch slots, within the
-    request's TTFT budget when one is given.
+    Affinity: a worker that served the request's session or long prefix recently is
+    scored with that part of the prompt cached (router.policy.affinity), and the best of
+    those workers is chosen while it is predicted nearly as fast as the best of all.
+    Batch: the cheapest region with spare batch slots, within the request's TTFT budget
+    when one is given.
     """
 
     name: ClassVar[str] = "predicted_ttft"
@@ -167,30 +177,34 @@ class PredictedTtft(Policy):
         context = self.context
         now_s = context.clock()
         freshness_now = snapshot.freshness_now(now_s)
-        affine_id, cached_tokens = self._affine(request)
-        tokens = request.prompt_tokens - cached_tokens  # the affine worker's, the least
-        region_ms: dict[str, float] = {}
+        cached = self._cached(request)
+        # the least uncached tokens of any worker: a region's floor
+        tokens = request.prompt_tokens - max(cached.values(), default=0)
+        origin = request.origin_region
+        region_costs: dict[str, float] = {}
         floors: list[tuple[float, RegionRanking]] = []
         for ranking in ranked:
             if region_open(ranking.region, request):
-                base = region_ms[ranking.region] = self._region_ms(ranking.region, request, now_s)
+                base = region_costs[ranking.region] = region_ms(context, ranking.region,
+                                                                origin, now_s)
                 floors.append((predicted_ms(base, ranking.min_engine_ms, tokens,
                                             ranking.min_prefill_ms_per_token, 0, 0.0), ranking))
         floors.sort(key=_first)
         skip = skipped_workers(request)
+        within_ms = self._within_ms
         scored: list[tuple[float, WorkerView]] = []
         best_ms = math.inf
         for floor_ms, ranking in floors:
-            if floor_ms > best_ms + self._within_ms(best_ms, affine_id):
-                break  # neither the best, nor near-equal to it, nor the affine choice
+            if floor_ms > best_ms + within_ms(best_ms, bool(cached)):
+                break  # neither the best, nor near-equal to it, nor an affine choice
             region_scored = self._score(best_of_region(ranking, skip, freshness_now),
-                                        request, affine_id, cached_tokens, region_ms, now_s)
+                                        request, cached, region_costs, now_s)
             if region_scored:
                 scored += region_scored
                 best_ms = min(best_ms, min(score for score, _ in region_scored))
         if not scored:
             return super().pick(snapshot, request)  # says why there is no route
-        return self._decide(scored, request, affine_id, cached_tokens)
+        return self._decide(scored, request, cached)
 
     def _pick_plain(self, snapshot: Snapshot, request: RouteRequest) -> Decision | None:
         """The general path's choice for the usual request to a pool too small to rank
@@ -209,16 +223,17 @@ class PredictedTtft(Policy):
         inflight = context.inflight
         open_requests = inflight.counts
         tokens = request.prompt_tokens
-        region_ms: dict[str, float] = {}
+        origin = request.origin_region
+        region_costs: dict[str, float] = {}
         scored: list[tuple[float, WorkerView]] = []
         best_ms = math.inf
         for (view, worker_id, region, expires_at_s, engine_ms, prefill_ms_per_token,
              queue_base, queue_ms_per_request) in rows:
             if expires_at_s <= freshness_now or (exclude and worker_id in exclude):
                 continue
-            base = region_ms.get(region)
+            base = region_costs.get(region)
             if base is None:
-                base = region_ms[region] = self._region_ms(region, request, now_s)
+                base = region_costs[region] = region_ms(context, region, origin, now_s)
             queued = queue_base + open_requests.get(worker_id, 0)
             if queued > 0:
                 queue_ms_per_request = queue_price_ms(view, inflight, now_s)
@@ -231,94 +246,79 @@ class PredictedTtft(Policy):
             return None
         score, view = scored[0] if len(scored) == 1 else _one_of_the_best(
             scored, best_ms + context.near_equal_ms, context.rng)
-        origin = request.origin_region
         budget = request.ttft_budget_ms
+        region = view.region
         # `__new__` directly: half the cost of `Decision(...)` (a named tuple's Python
         # `__new__` gets the keywords as a dict through the type's call)
-        region = view.region
-        queued = view.queue_base + open_requests.get(view.worker_id, 0)
-        parts = prediction(context.rtt_ms(origin, region) if origin else 0.0,
-                           region_ms[region], view, tokens, queued,
-                           queue_price_ms(view, inflight, now_s) if queued > 0 else 0.0)
         return Decision.__new__(Decision, worker=view, predicted_ttft_ms=score,
                                 reason="local" if origin is None or region == origin
                                 else "spillover", candidates=len(scored),
                                 budget_met=None if budget is None else score <= budget,
-                                prediction=parts)
+                                prediction=prediction(context, view, origin, tokens,
+                                                      region_costs[region], now_s))
 
-    def _within_ms(self, best_ms: float, affine_id: str | None) -> float:
-        """How far above the best a candidate can still be chosen."""
+    def _within_ms(self, best_ms: float, affine: bool) -> float:
+        """How far above the best a candidate can still be chosen (`affine`: a worker
+        that holds part of the prompt may be among them)."""
         near_ms = self.context.near_equal_ms
-        if affine_id is None:
+        if not affine:
             return near_ms
         return max(near_ms, AFFINITY_SLACK_MS, AFFINITY_SLACK_SHARE * best_ms)
 
     def choose(self, candidates: list[WorkerView], request: RouteRequest) -> Decision:
-        affine_id, cached_tokens = self._affine(request)
-        scored = self._score(candidates, request, affine_id, cached_tokens, {},
-                             self.context.clock())
+        cached = self._cached(request)
+        scored = self._score(candidates, request, cached, {}, self.context.clock())
         if request.traffic_class == "batch":
-            return self._choose_batch(scored, request, affine_id, cached_tokens)
-        return self._decide(scored, request, affine_id, cached_tokens)
+            return self._choose_batch(scored, request, cached)
+        return self._decide(scored, request, cached)
 
-    def _affine(self, request: RouteRequest) -> tuple[str | None, int]:
-        """The worker that served the request's session or prefix last, and how many of
-        this request's prompt tokens it should find in its prefix cache: the previous
-        turn's whole prompt for a session, the shared prefix for a prefix key."""
-        if request.session_id is None and request.prefix_key is None:
-            return None, 0
-        entry = self.context.affinity.lookup(request.session_id, request.prefix_key)
-        if entry is None:
-            return None, 0
-        worker_id, cached_tokens = entry
-        return worker_id, min(request.prompt_tokens, max(cached_tokens, request.prefix_tokens))
+    def _cached(self, request: RouteRequest) -> dict[str, int]:
+        """Worker id -> how many of the request's prompt tokens it should find in its
+        prefix cache (router.policy.affinity: the session's earlier prompt, else the
+        longest prefix it served); empty when no worker is known to hold any."""
+        if request.session_id is None and not request.prefix_keys:
+            return {}
+        cached = self.context.affinity.lookup(request.session_id, request.prefix_keys)
+        prompt_tokens = request.prompt_tokens
+        for worker_id, tokens in cached.items():
+            if tokens > prompt_tokens:
+                cached[worker_id] = prompt_tokens
+        return cached
 
     def _decide(self, scored: list[tuple[float, WorkerView]], request: RouteRequest,
-                affine_id: str | None, cached_tokens: int = 0) -> Decision:
+                cached: dict[str, int]) -> Decision:
         context = self.context
         best_ms = min(score for score, _ in scored)
-        if affine_id is not None:
-            for score, view in scored:
-                if view.worker_id == affine_id:
-                    if score <= best_ms + max(AFFINITY_SLACK_MS, AFFINITY_SLACK_SHARE * best_ms):
-                        return self._decision(view, score, "affinity", request, len(scored),
-                                              cached_tokens)
-                    break
+        if cached:
+            affine = [item for item in scored if item[1].worker_id in cached]
+            if affine:
+                score, view = min(affine, key=_first)
+                if score <= best_ms + max(AFFINITY_SLACK_MS, AFFINITY_SLACK_SHARE * best_ms):
+                    return self._decision(view, score, "affinity", request, len(scored),
+                                          cached)
         score, view = _one_of_the_best(scored, best_ms + context.near_equal_ms, context.rng)
         origin = request.origin_region
         reason = "local" if origin is None or view.region == origin else "spillover"
-        return self._decision(view, score, reason, request, len(scored),
-                              cached_tokens if view.worker_id == affine_id else 0)
-
-    def _region_ms(self, region: str, request: RouteRequest, now_s: float) -> float:
-        """The request's cost of going to `region` at all: RTT plus what this router
-        measured beyond its predictions there lately (a slow or congested path that
-        heartbeats cannot see)."""
-        context = self.context
-        origin = request.origin_region
-        base = context.rtt_ms(origin, region) if origin else 0.0
-        if context.health is not None:
-            base += context.health.region_penalty_ms(region, now_s)
-        return base
+        return self._decision(view, score, reason, request, len(scored), cached)
 
     def _score(
-        self, candidates: list[WorkerView], request: RouteRequest, affine_id: str | None,
-        cached_tokens: int, region_ms: dict[str, float], now_s: float,
+        self, candidates: list[WorkerView], request: RouteRequest, cached: dict[str, int],
+        region_costs: dict[str, float], now_s: float,
     ) -> list[tuple[float, WorkerView]]:
-        # Region terms are computed once per region (kept in `region_ms`).
-        inflight = self.context.inflight
+        # Region terms are computed once per region (kept in `region_costs`).
+        context = self.context
+        inflight = context.inflight
         open_requests = inflight.counts
         prompt_tokens = request.prompt_tokens
+        origin = request.origin_region
         scored: list[tuple[float, WorkerView]] = []
         for view in candidates:
             region = view.region
-            base = region_ms.get(region)
+            base = region_costs.get(region)
             if base is None:
-                base = region_ms[region] = self._region_ms(region, request, now_s)
+                base = region_costs[region] = region_ms(context, region, origin, now_s)
             worker_id = view.worker_id
-            tokens = prompt_tokens
-            if worker_id == affine_id:
-                tokens -= cached_tokens
+            tokens = prompt_tokens - cached.get(worker_id, 0) if cached else prompt_tokens
             queued = view.queue_base + open_requests.get(worker_id, 0)
             score = predicted_ms(base, view.engine_ms, tokens, view.prefill_ms_per_token,
                                  queued, queue_price_ms(view, inflight, now_s) if queued > 0
@@ -326,10 +326,8 @@ class PredictedTtft(Policy):
             scored.append((score, view))
         return scored
 
-    def _choose_batch(
-        self, scored: list[tuple[float, WorkerView]], request: RouteRequest,
-        affine_id: str | None = None, cached_tokens: int = 0,
-    ) -> Decision:
+    def _choose_batch(self, scored: list[tuple[float, WorkerView]], request: RouteRequest,
+                      cached: dict[str, int]) -> Decision:
         inflight = self.context.inflight
         spare = [
             (score, view) for score, view in scored
@@ -342,28 +340,21 @@ class PredictedTtft(Policy):
             spare = within or spare
         if not spare:
             # Every worker is busy with interactive work: the least bad place, marked so.
-            score, view = min(scored, key=lambda item: item[0])
-            return self._decision(view, score, "batch_queued", request, len(scored),
-                                  cached_tokens if view.worker_id == affine_id else 0)
+            score, view = min(scored, key=_first)
+            return self._decision(view, score, "batch_queued", request, len(scored), cached)
         cost = self.context.region_cost
         score, view = min(spare, key=lambda item: (cost(item[1].region), item[0]))
-        return self._decision(view, score, "batch", request, len(scored),
-                              cached_tokens if view.worker_id == affine_id else 0)
+        return self._decision(view, score, "batch", request, len(scored), cached)
 
-    def _decision(
-        self, view: WorkerView, score: float, reason: str, request: RouteRequest, count: int,
-        cached_tokens: int = 0,
-    ) -> Decision:
-        """`cached_tokens`: of the prompt, in the chosen worker's prefix cache (scored so)."""
+    def _decision(self, view: WorkerView, score: float, reason: str, request: RouteRequest,
+                  count: int, cached: dict[str, int]) -> Decision:
+        """The decision for `view`, scored `score` with `cached` (see `_cached`)."""
         context = self.context
         origin = request.origin_region
-        rtt_ms = context.rtt_ms(origin, view.region) if origin else 0.0
-        tokens = request.prompt_tokens - cached_tokens
         now_s = context.clock()
-        inflight = context.inflight
-        queued = view.queue_base + inflight.of(view.worker_id)
-        parts = prediction(rtt_ms, self._region_ms(view.region, request, now_s), view, tokens,
-                           queued, queue_price_ms(view, inflight, now_s) if queued > 0 else 0.0)
+        parts = prediction(context, view, origin,
+                           request.prompt_tokens - cached.get(view.worker_id, 0),
+                           region_ms(context, view.region, origin, now_s), now_s)
         budget = request.ttft_budget_ms
         return Decision(worker=view, predicted_ttft_ms=score, reason=reason, candidates=count,
                         budget_met=None if budget is None else score <= budget,

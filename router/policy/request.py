@@ -31,11 +31,10 @@ class RouteRequest(NamedTuple):
     # Data residency: the only regions this request may be served in (None: any). Holds
     # for every attempt: a retry or failover never leaves these regions.
     allowed_regions: frozenset[str] | None = None
-    # Cache affinity: a session id from the client, and a key of the prompt's long shared
-    # prefix (None when the prompt is short) with that prefix's size in tokens.
+    # Cache affinity: a session id from the client, and the keys of the prompt's leading
+    # 1k, 2k, 4k, ... characters (router.core.parse.prefix_keys_of; none when it is short).
     session_id: str | None = None
-    prefix_key: int | None = None
-    prefix_tokens: int = 0
+    prefix_keys: tuple[int, ...] = ()
     # "interactive" (default) or "batch" (cheapest region with spare capacity), and the
     # client's time-to-first-token budget in ms, if it sent one.
     traffic_class: str = "interactive"

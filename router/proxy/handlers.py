@@ -248,14 +248,14 @@ class Proxy:
             attempt.committed_tokens = tokens
             self.inflight.commit(worker.worker_id, tokens, now)
         self.health.dispatched(attempt)
-        if route.session_id or route.prefix_key is not None:
+        if route.session_id or route.prefix_keys:
             # Remembered as it is sent, not when it ends: the worker holds the prompt
             # once prefilled, and requests sharing the prefix that arrive meanwhile
             # should find it there (twin: prefix hits +1.8 points over six traces, +4.5
             # on the quick one). A failed attempt's retry is remembered in its place.
             self.policy.context.affinity.remember(
-                route.session_id, route.prefix_key, worker.worker_id,
-                prompt_tokens=route.prompt_tokens, prefix_tokens=route.prefix_tokens)
+                route.session_id, route.prefix_keys, worker.worker_id,
+                prompt_tokens=route.prompt_tokens)
         return attempt
 
     def _forward(self, config: RouterConfig, exchange: Exchange, decision: Decision,

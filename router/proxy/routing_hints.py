@@ -9,7 +9,7 @@ from router.auth.keys import Principal
 from router.config import GlobalConfig
 from router.core.errors import ApiError
 from router.core.outcome import RequestRecord
-from router.core.parse import PREFIX_TOKENS, ParsedRequest
+from router.core.parse import ParsedRequest
 from router.policy import RouteRequest
 from router.registry.drained import Drained
 
@@ -68,8 +68,7 @@ def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained
         drained=drained,
         allowed_regions=allowed,
         session_id=session_id,
-        prefix_key=parsed.prefix_key,
-        prefix_tokens=PREFIX_TOKENS if parsed.prefix_key is not None else 0,
+        prefix_keys=parsed.prefix_keys,
         traffic_class=traffic_class,
         ttft_budget_ms=budget_ms,
         completion_tokens=parsed.completion_tokens,

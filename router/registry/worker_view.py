@@ -64,8 +64,8 @@ class WorkerView:
         # Scoring terms, so that a routing decision is a few multiplications per candidate
         # (see router.policy.predicted_ttft, which documents what they mean).
         "reported_load", "slots", "queue_base", "queue_ms_per_request", "kv_pressure_ms",
-        "prefill_ms_per_token", "first_step_ms",
-        "step_ms",  # one engine step (its inter-token latency)
+        "prefill_ms_per_token",
+        "first_step_ms",  # one engine step (its inter-token latency)
         "engine_ms",  # kv_pressure_ms + first_step_ms: the engine's part of every request
         "utilisation",  # reported load per batch slot: what a region's ranking sorts by
     )
@@ -98,7 +98,6 @@ class WorkerView:
     kv_pressure_ms: float
     prefill_ms_per_token: float
     first_step_ms: float
-    step_ms: float
     engine_ms: float
     utilisation: float
 
@@ -170,7 +169,6 @@ class WorkerView:
         self.queue_ms_per_request = service_ms / slots
         self.kv_pressure_ms = pressure * service_ms
         self.prefill_ms_per_token = 1000.0 / rate
-        self.step_ms = step_ms
         self.first_step_ms = step_ms
         self.engine_ms = self.kv_pressure_ms + self.first_step_ms
 
@@ -222,7 +220,6 @@ class WorkerView:
         view.kv_pressure_ms = self.kv_pressure_ms
         view.prefill_ms_per_token = self.prefill_ms_per_token
         view.first_step_ms = self.first_step_ms
-        view.step_ms = self.step_ms
         view.engine_ms = self.engine_ms
         return view
 

@@ -132,10 +132,10 @@ def test_shared_prefixes_are_long_enough_for_the_router_prefix_key(
     for request in skewed_trace.requests[:300]:
         parsed = parse_body(builder.body(request), "chat")
         if request.prefix_group is not None:
-            keys.setdefault(request.prefix_group, set()).add(parsed.prefix_key)
+            keys.setdefault(request.prefix_group, set()).add(parsed.prefix_keys[0])
         if request.system is not None:
             assert request.system[1] >= PREFIX_CHARS
-            assert parsed.prefix_key is not None
+            assert parsed.prefix_keys
     assert keys and all(len(group_keys) == 1 for group_keys in keys.values())
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from router.core.errors import ApiError
-from router.core.parse import PREFIX_CHARS, ParsedRequest, parse_body
+from router.core.parse import PREFIX_CHARS, PREFIX_LEVELS, ParsedRequest, parse_body
 
 
 def _chat(content: str, **extra: object) -> bytes:
@@ -18,10 +18,36 @@ def _chat(content: str, **extra: object) -> bytes:
 def test_a_chat_request_gives_model_stream_and_sizes() -> None:
     parsed = parse_body(_chat("x" * 400, stream=True, max_tokens=30, n=2), "chat")
     assert parsed == ParsedRequest(model="m", stream=True, prompt_tokens=100,
-                                   completion_tokens=60, prefix_key=None, choices=2)
+                                   completion_tokens=60, prefix_keys=(), choices=2)
     long = parse_body(_chat("y" * (PREFIX_CHARS + 5)), "chat")
-    assert long.prefix_key is not None and long.completion_tokens is None
-    assert parse_body(_chat("y" * (PREFIX_CHARS + 9)), "chat").prefix_key == long.prefix_key
+    assert len(long.prefix_keys) == 1 and long.completion_tokens is None
+    assert parse_body(_chat("y" * (PREFIX_CHARS + 9)), "chat").prefix_keys == long.prefix_keys
+
+
+def test_prefix_keys_cover_doubling_lengths_and_part_where_prompts_part() -> None:
+    shared = "s" * 5000  # a system prompt: levels of 1k, 2k and 4k characters fit in it
+
+    def keys(*contents: str, kind: str = "chat") -> tuple[int, ...]:
+        if kind == "completions":
+            body = json.dumps({"model": "m", "prompt": "".join(contents)}).encode()
+            return parse_body(body, kind).prefix_keys
+        messages = [{"role": "system", "content": contents[0]},
+                    *({"role": "user", "content": c} for c in contents[1:])]
+        return parse_body(json.dumps({"model": "m", "messages": messages}).encode(),
+                          "chat").prefix_keys
+
+    one, other = keys(shared, "a" * 4000), keys(shared, "b" * 4000)
+    assert len(one) == len(other) == 4  # 9,001 characters: 1k, 2k, 4k and 8k
+    assert one[:3] == other[:3] and one[3] != other[3]
+    # a change at character 1,500 parts the keys from the 2k one on
+    edited = keys(shared[:1500] + "x" + shared[1501:], "a" * 4000)
+    assert edited[0] == one[0] and edited[1] != one[1]
+    # content parts and non-ASCII text (keys are of UTF-8 bytes)
+    parts = parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\u00fc" * 1500}]}]}).encode(), "chat").prefix_keys
+    assert len(parts) == 2  # 3,000 bytes
+    # at most PREFIX_LEVELS keys, however long the prompt
+    assert len(keys("z" * (PREFIX_CHARS << PREFIX_LEVELS), kind="completions")) == PREFIX_LEVELS
 
 
 @pytest.mark.parametrize("body", [

@@ -274,10 +274,10 @@ def test_baselines_are_registered_and_behave() -> None:
 
 def test_affinity_returns_to_the_worker_with_the_cached_prefix() -> None:
     affinity = AffinityTable()
-    affinity.remember("session-1", None, "us-2")
+    affinity.remember("session-1", (), "us-2", prompt_tokens=1500)
     snap = snapshot(view("us-1"), view("us-2", running=2))
     request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=2000,
-                           session_id="session-1", prefix_key=7, prefix_tokens=1500)
+                           session_id="session-1", prefix_keys=(7,))
     decision = make_policy(affinity=affinity).pick(snap, request)
     assert (decision.worker.worker_id, decision.reason) == ("us-2", "affinity")
     assert affinity.hits == 1
@@ -285,11 +285,11 @@ def test_affinity_returns_to_the_worker_with_the_cached_prefix() -> None:
 
 def test_affinity_never_follows_onto_an_overloaded_worker() -> None:
     affinity = AffinityTable()
-    affinity.remember(None, 42, "us-2")
+    affinity.remember(None, (41, 42, 43), "us-2")
     # us-2 has 40 requests queued: seconds of wait; the cached prefix cannot make up for it.
     snap = snapshot(view("us-1"), view("us-2", running=8, waiting=40))
     request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=2000,
-                           prefix_key=42, prefix_tokens=1500)
+                           prefix_keys=(41, 42, 43))
     decision = make_policy(affinity=affinity).pick(snap, request)
     assert (decision.worker.worker_id, decision.reason) == ("us-1", "local")
 
@@ -301,21 +301,48 @@ def test_a_session_turn_is_priced_with_its_history_cached_on_the_affine_worker()
     # Only the shared prefix (256 tokens) would price us-2 at 824 ms: not followed.
     snap = snapshot(view("us-1"), view("us-2", running=8, waiting=1))
 
-    def chosen(affinity: AffinityTable, session_id: str | None, prefix_key: int) -> str:
+    def chosen(affinity: AffinityTable, session_id: str | None, prefix_keys: tuple[int, ...]
+               ) -> str:
         request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=6000,
-                               session_id=session_id, prefix_key=prefix_key,
-                               prefix_tokens=256)
+                               session_id=session_id, prefix_keys=prefix_keys)
         decision = make_policy(affinity=affinity).pick(snap, request)
         return f"{decision.worker.worker_id} {decision.reason}"
 
     session = AffinityTable()
-    session.remember("session-1", 7, "us-2", prompt_tokens=5000, prefix_tokens=256)
-    assert chosen(session, "session-1", 7) == "us-2 affinity"
-    assert session.lookup("session-1", 7) == ("us-2", 5000)
-    # Another conversation that shares only the prefix key gets the prefix's discount.
-    assert session.lookup(None, 7) == ("us-2", 256)
-    assert chosen(session, "session-2", 7) == "us-1 local"
-    assert chosen(AffinityTable(), "session-1", 7) == "us-1 local"
+    session.remember("session-1", (7,), "us-2", prompt_tokens=5000)
+    assert chosen(session, "session-1", (7,)) == "us-2 affinity"
+    assert session.lookup("session-1", (7,)) == {"us-2": 5000}
+    # Another conversation that shares only the first 1k characters (256 tokens) gets
+    # that discount only.
+    assert session.lookup(None, (7, 8)) == {"us-2": 256}
+    assert chosen(session, "session-2", (7, 8)) == "us-1 local"
+    assert chosen(AffinityTable(), "session-1", (7,)) == "us-1 local"
+
+
+def test_a_long_shared_prefix_is_credited_by_its_longest_shared_key() -> None:
+    # 6,000 prompt tokens; us-2 served a request sharing the first 16k characters (keys
+    # of 1k..16k: 4,096 tokens): 600 - 410 ms of prefill saved outweighs its queue.
+    snap = snapshot(view("us-1"), view("us-2", running=8, waiting=1))
+    affinity = AffinityTable()
+    affinity.remember(None, (1, 2, 3, 4, 5, 90), "us-2")  # then another 16k differed
+    affinity.remember(None, (1, 2, 3), "us-3")
+    assert affinity.lookup(None, (1, 2, 3, 4, 5, 6)) == {"us-2": 4096, "us-3": 1024}
+    request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=6000,
+                           prefix_keys=(1, 2, 3, 4, 5, 6))
+    decision = make_policy(affinity=affinity).pick(snap, request)
+    assert (decision.worker.worker_id, decision.reason) == ("us-2", "affinity")
+    assert decision.prediction is not None
+    assert decision.prediction.prefill_ms == pytest.approx((6000 - 4096) * 0.1)
+
+
+def test_every_recent_holder_of_a_prefix_is_credited() -> None:
+    affinity = AffinityTable()
+    for worker in ("a", "b", "c", "d", "e", "b"):
+        affinity.remember(None, (1,), worker)
+    # the four most recent distinct holders, the latest first
+    assert list(affinity.lookup(None, (1,))) == ["b", "e", "d", "c"]
+    assert affinity.lookup(None, (2,)) == {}
+    assert (affinity.lookups, affinity.hits) == (2, 1)
 
 
 
@@ -374,7 +401,8 @@ def test_large_pools_skip_regions_that_cannot_win_and_choose_as_if_they_had_not(
         inflight.started(chosen.worker_id)
     affinity = AffinityTable()
     for session in range(20):
-        affinity.remember(f"s-{session}", None, rng.choice(views).worker_id)
+        affinity.remember(f"s-{session}", (session,), rng.choice(views).worker_id,
+                          prompt_tokens=rng.randint(0, 500))
     # near_equal_ms=0: the best candidate wins outright, so both paths must agree exactly.
     policy = create_policy("predicted_ttft", RoutingContext(
         rtt_ms=ten_regions().rtt_ms, inflight=inflight, clock=FakeClock(), near_equal_ms=0.0,
@@ -383,7 +411,8 @@ def test_large_pools_skip_regions_that_cannot_win_and_choose_as_if_they_had_not(
     for i in range(400):
         request = RouteRequest(
             model=MODEL, origin_region=rng.choice(REGIONS), prompt_tokens=rng.randint(10, 2000),
-            session_id=f"s-{i % 40}" if i % 3 == 0 else None, prefix_tokens=rng.randint(0, 500))
+            session_id=f"s-{i % 40}" if i % 3 == 0 else None,
+            prefix_keys=(i % 30, 100) if i % 5 == 0 else ())
         fast = policy.pick(snap, request)
         slow = Policy.pick(policy, snap, request)  # every region's candidates, then choose
         assert (fast.worker.worker_id, fast.reason) == (slow.worker.worker_id, slow.reason)

@@ -157,11 +157,13 @@ class Twin:
         """Publish `worker`'s heartbeat to every router, then again one interval later
         (or after `next_in_s`, to stagger the workers as the agents' jitter does)."""
         engine = worker.engine
+        engine_config = self.scenario.engine_for(worker.region)  # as cache_config_info says
         worker.seq += 1
         heartbeat = Heartbeat(
             worker_id=worker.name, region=worker.region, endpoint=f"http://twin/{worker.name}",
             models=(self.scenario.model,), state=LifecycleState.READY,
-            capacity=Capacity(max_num_seqs=worker.slots),
+            capacity=Capacity(max_num_seqs=worker.slots, kv_blocks_total=engine_config.kv_blocks,
+                              block_size_tokens=engine_config.block_size),
             load=Load(running=engine.num_running, waiting=engine.num_waiting,
                       kv_cache_usage=engine.kv_usage),
             performance=self._performance(worker), seq=worker.seq, sent_at_s=self.clock.now_s,
@@ -212,7 +214,7 @@ class Twin:
             self._poll_backlogs()  # it waits at the router, as RouterQueue.turn does
             return
         self._dispatch(request, body, parsed, self._worker(decision), decision.reason,
-                       decision.predicted_ttft_ms)
+                       decision.predicted_ttft_ms, decision.cached_tokens)
 
     def _worker(self, decision: Decision) -> TwinWorker:
         return next(w for w in self.workers if w.name == decision.worker.worker_id)
@@ -227,7 +229,7 @@ class Twin:
                 if isinstance(outcome, BaseException):
                     raise outcome  # the twin's fleet never loses its last worker
                 self._dispatch(request, body, parsed, self._worker(outcome), outcome.reason,
-                               outcome.predicted_ttft_ms)
+                               outcome.predicted_ttft_ms, outcome.cached_tokens)
             waiting |= bool(len(backlog))
         if waiting and not self._polling:
             self._polling = True
@@ -238,15 +240,21 @@ class Twin:
         self._poll_backlogs()
 
     def _dispatch(self, request: TraceRequest, body: bytes, parsed: ParsedRequest,
-                  worker: TwinWorker, reason: str, predicted_ms: float) -> None:
+                  worker: TwinWorker, reason: str, predicted_ms: float,
+                  cached_tokens: int = 0) -> None:
         """Send to `worker` (already counted in its router's open requests), remembered
-        for affinity as the proxy does when it sends. The outcome keeps the decision's
+        for affinity as the proxy does when it sends (`cached_tokens`: of the prompt, in
+        its prefix cache as the decision scored it). The outcome keeps the decision's
         prediction (<= 0: none) and the time the request waited for it at its router."""
         worker.in_transit += 1
-        policy = self._routers[request.origin][0]
-        if policy is not None and (request.session_id or parsed.prefix_keys):
-            policy.context.affinity.remember(request.session_id, parsed.prefix_keys,
-                                             worker.name, prompt_tokens=parsed.prompt_tokens)
+        policy, _, views = self._routers[request.origin]
+        if policy is not None:
+            affinity = policy.context.affinity
+            affinity.wrote(worker.name, parsed.prompt_tokens - cached_tokens
+                           + (parsed.completion_tokens or 0), views[worker.name].cache_tokens)
+            if request.session_id or parsed.prefix_keys:
+                affinity.remember(request.session_id, parsed.prefix_keys, worker.name,
+                                  prompt_tokens=parsed.prompt_tokens)
         outcome = Outcome(index=request.index, origin=request.origin,
                           traffic_class=request.traffic_class, scheduled_s=request.at_s,
                           sent_s=request.at_s, status=200, region=worker.region,

@@ -21,15 +21,36 @@ HOLDERS = 4
 class AffinityTable:
     """An LRU map from session ids and prefix keys to the workers that last served them,
     each with how many of a request's prompt tokens that key says are in that worker's
-    prefix cache since."""
+    prefix cache since.
 
-    __slots__ = ("_capacity", "_entries", "hits", "lookups")
+    A holder is dropped once this router has sent the worker more new tokens since (its
+    requests' uncached prompts and their answers, `wrote`) than the worker's KV cache
+    holds: the engine has evicted that prefix by then (vLLM reuses its least recently
+    freed blocks first), even counting only this router's traffic (twin, prefix-heavy:
+    a third of the remembered holders were stale so).
+    """
+
+    __slots__ = ("_cache_tokens", "_capacity", "_entries", "_written", "hits", "lookups")
 
     def __init__(self, capacity: int = 100_000) -> None:
         self._capacity = capacity
-        self._entries: OrderedDict[str | int, tuple[tuple[str, int], ...]] = OrderedDict()
+        # key -> ((worker id, cached tokens, the worker's `_written` when it served it), ...)
+        self._entries: OrderedDict[str | int, tuple[tuple[str, int, int], ...]] = OrderedDict()
+        self._written: dict[str, int] = {}  # worker id -> new tokens sent it, in all
+        self._cache_tokens: dict[str, int] = {}  # worker id -> its KV cache's size
         self.lookups = 0  # requests looked up
         self.hits = 0  # of those, found
+
+    def wrote(self, worker_id: str, tokens: int, cache_size: int | None) -> None:
+        """A request that adds `tokens` to the worker's KV cache was sent to it; its cache
+        holds `cache_size` tokens (None: unknown, and its holders are never dropped)."""
+        written = self._written
+        if len(written) >= self._capacity and worker_id not in written:
+            written.clear()  # workers gone long ago; the others' holders look fresh
+            self._cache_tokens.clear()
+        written[worker_id] = written.get(worker_id, 0) + tokens
+        if cache_size is not None:
+            self._cache_tokens[worker_id] = cache_size
 
     def lookup(self, session_id: str | None, prefix_keys: tuple[int, ...]) -> dict[str, int]:
         """Worker id -> the request's prompt tokens in that worker's prefix cache: its
@@ -50,7 +71,11 @@ class AffinityTable:
         if holders is None:
             return
         self._entries.move_to_end(key)
-        for worker_id, tokens in holders:
+        written, sizes = self._written, self._cache_tokens
+        for worker_id, tokens, mark in holders:
+            size = sizes.get(worker_id)
+            if size is not None and written.get(worker_id, 0) - mark > size:
+                continue  # evicted by now
             if tokens > cached.get(worker_id, 0):
                 cached[worker_id] = tokens
 
@@ -59,21 +84,23 @@ class AffinityTable:
         """`worker_id` served a request of the session (its whole prompt, `prompt_tokens`,
         is now in that worker's prefix cache: the next turn repeats it) and with these
         prefix keys (key number i covers the first `prefix_level_tokens(i)` tokens, which
-        other prompts with that key share)."""
+        other prompts with that key share). After `wrote` for the same request."""
+        mark = self._written.get(worker_id, 0)
         if session_id is not None:
-            self._put(session_id, worker_id, prompt_tokens)
+            self._put(session_id, (worker_id, prompt_tokens, mark))
         for level, key in enumerate(prefix_keys):
-            self._put(key, worker_id, prefix_level_tokens(level))
+            self._put(key, (worker_id, prefix_level_tokens(level), mark))
         entries = self._entries
         while len(entries) > self._capacity:
             entries.popitem(last=False)
 
-    def _put(self, key: str | int, worker_id: str, tokens: int) -> None:
+    def _put(self, key: str | int, holder: tuple[str, int, int]) -> None:
         entries = self._entries
         holders = entries.get(key)
         if holders is None:
-            entries[key] = ((worker_id, tokens),)
+            entries[key] = (holder,)
             return
-        entries[key] = ((worker_id, tokens), *[
-            holder for holder in holders if holder[0] != worker_id][:HOLDERS - 1])
+        worker_id = holder[0]
+        entries[key] = (holder, *[
+            other for other in holders if other[0] != worker_id][:HOLDERS - 1])
         entries.move_to_end(key)

@@ -352,10 +352,10 @@ class PredictedTtft(Policy):
         context = self.context
         origin = request.origin_region
         now_s = context.clock()
-        parts = prediction(context, view, origin,
-                           request.prompt_tokens - cached.get(view.worker_id, 0),
+        cached_tokens = cached.get(view.worker_id, 0)
+        parts = prediction(context, view, origin, request.prompt_tokens - cached_tokens,
                            region_ms(context, view.region, origin, now_s), now_s)
         budget = request.ttft_budget_ms
         return Decision(worker=view, predicted_ttft_ms=score, reason=reason, candidates=count,
                         budget_met=None if budget is None else score <= budget,
-                        prediction=parts)
+                        prediction=parts, cached_tokens=cached_tokens)

@@ -55,6 +55,8 @@ class Decision(NamedTuple):
     budget_met: bool | None = None
     # The predicted TTFT by its parts (None: the policy predicts none).
     prediction: Prediction | None = None
+    # Of the prompt, the tokens the worker was scored as holding in its prefix cache.
+    cached_tokens: int = 0
 
 
 class NoRoute(Exception):

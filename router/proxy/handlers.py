@@ -248,12 +248,16 @@ class Proxy:
             attempt.committed_tokens = tokens
             self.inflight.commit(worker.worker_id, tokens, now)
         self.health.dispatched(attempt)
+        affinity = self.policy.context.affinity
+        # what it adds to the worker's KV cache (evicting the prefixes held longest)
+        affinity.wrote(worker.worker_id, route.prompt_tokens - decision.cached_tokens
+                       + (tokens or 0), worker.cache_tokens)
         if route.session_id or route.prefix_keys:
             # Remembered as it is sent, not when it ends: the worker holds the prompt
             # once prefilled, and requests sharing the prefix that arrive meanwhile
             # should find it there (twin: prefix hits +1.8 points over six traces, +4.5
             # on the quick one). A failed attempt's retry is remembered in its place.
-            self.policy.context.affinity.remember(
+            affinity.remember(
                 route.session_id, route.prefix_keys, worker.worker_id,
                 prompt_tokens=route.prompt_tokens)
         return attempt

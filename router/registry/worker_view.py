@@ -58,6 +58,7 @@ class WorkerView:
         # for every candidate.
         "worker_id", "region", "endpoint", "ready", "ttl_s", "_digest",
         "served",  # the models and LoRA adapters it serves
+        "cache_tokens",  # what its KV cache holds (None: the engine does not say)
         "seq", "sent_at_s", "running", "waiting", "kv_cache_usage", "ttft_ms", "itl_ms",
         "e2e_ms", "prefill_tokens_per_s", "decode_tokens_per_s",
         "expires_at_s",  # fresh while the router's clock is below it
@@ -80,6 +81,7 @@ class WorkerView:
     ttl_s: float
     _digest: int | None
     served: tuple[str, ...]
+    cache_tokens: int | None
     seq: int
     sent_at_s: float
     running: int
@@ -129,7 +131,10 @@ class WorkerView:
         self.e2e_ms = performance.e2e_ms
         self.prefill_tokens_per_s = performance.prefill_tokens_per_s
         self.decode_tokens_per_s = performance.decode_tokens_per_s
-        self.slots = heartbeat.capacity.max_num_seqs
+        capacity = heartbeat.capacity
+        self.slots = capacity.max_num_seqs
+        blocks, block_size = capacity.kv_blocks_total, capacity.block_size_tokens
+        self.cache_tokens = blocks * block_size if blocks and block_size else None
         self._derive(next_read_s)
 
     def _derive(self, next_read_s: float) -> None:
@@ -184,6 +189,7 @@ class WorkerView:
         view.ttl_s = self.ttl_s
         view._digest = self._digest
         view.served = self.served
+        view.cache_tokens = self.cache_tokens
         view.slots = self.slots
         return view
 

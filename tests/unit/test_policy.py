@@ -503,3 +503,18 @@ def test_a_full_engine_of_long_requests_is_priced_by_the_work_they_committed() -
     assert decision.worker.worker_id == "eu-1", decision
     parts = seeing.pick(snapshot(us), request).prediction
     assert parts is not None and parts.queue_ms == pytest.approx(600 * 50.0 / 16, rel=0.01)
+
+
+def test_a_holder_is_dropped_once_the_worker_was_sent_more_than_its_cache_holds() -> None:
+    affinity = AffinityTable()
+    affinity.wrote("a", 3000, 8192)
+    affinity.remember(None, (1, 2), "a")
+    affinity.wrote("b", 100, None)  # an engine that does not say its cache size
+    affinity.remember(None, (1, 2), "b")
+    affinity.wrote("a", 8000, 8192)  # 8,000 new tokens since: the prefix may still be there
+    affinity.wrote("b", 10**9, None)
+    assert affinity.lookup(None, (1, 2)) == {"a": 512, "b": 512}
+    affinity.wrote("a", 200, 8192)  # 8,200 > 8,192: evicted by now
+    assert affinity.lookup(None, (1, 2)) == {"b": 512}
+    affinity.remember(None, (1, 2), "a")  # served again: cached again
+    assert affinity.lookup(None, (1, 2)) == {"a": 512, "b": 512}

@@ -12,7 +12,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -26,6 +26,7 @@ from lab.sim.errors import ApiError, json_response
 from lab.sim.faults import FaultInjector, FaultKnobs
 from lab.sim.metrics import CONTENT_TYPE, SimMetrics
 from lab.sim.misbehave import WrongAnswer
+from lab.sim.pooling import PoolingHandlers
 from lab.sim.protocol import GenerationRequest, parse_chat, parse_completion
 from lab.sim.responses import DONE, StreamEncoder, chat_completion, text_completion, usage
 from lab.sim.sequence import FinishReason, Sequence
@@ -326,6 +327,20 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+@web.middleware
+async def _json_not_found(
+    request: web.Request,
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> web.StreamResponse:
+    """An unknown path answers as vLLM's (FastAPI's) does: 404 {"detail": "Not Found"}."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return json_response({"detail": "Method Not Allowed"}, status=405)
+
+
 def build_app(config: SimConfig, *, clock: Clock | None = None) -> web.Application:
     """The simulator as an aiohttp app; the engine loop runs while the app is running.
 
@@ -343,8 +358,9 @@ def build_app(config: SimConfig, *, clock: Clock | None = None) -> web.Applicati
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_json_not_found])
     app.add_routes(handlers.routes())
+    app.add_routes(PoolingHandlers(config, engine).routes())
     app.cleanup_ctx.append(run_engine)
     app.on_shutdown.append(handlers.release_parked)
     return app

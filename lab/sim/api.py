@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from lab.sim.choices import respond_all, stream_all, submit_all
 from lab.sim.clock import Clock, SystemClock
 from lab.sim.config import SIM_VERSION, SimConfig
 from lab.sim.engine import Engine, QueueFullError
@@ -142,6 +143,8 @@ class SimHandlers:
                 HTTPStatus.INTERNAL_SERVER_ERROR,
                 "Simulated engine failure (fault knob error_rate).",
             ).response()
+        if generation.choices > 1:
+            return await self._generate_many(request, generation, id_prefix)
         request_id = id_prefix + uuid.uuid4().hex
         try:
             seq = self._engine.submit(
@@ -161,6 +164,23 @@ class SimHandlers:
             # A no-op for finished sequences; otherwise the client went away (the handler
             # was cancelled) and its slot and KV blocks go back to the pool.
             self._engine.abort(seq)
+
+    async def _generate_many(self, request: web.Request, generation: GenerationRequest,
+                             id_prefix: str) -> web.StreamResponse:
+        """n > 1 (lab.sim.choices)."""
+        try:
+            request_id, seqs = submit_all(self._engine, generation, id_prefix)
+        except ApiError as refusal:
+            if generation.stream and self._faults.knobs.busy_in_stream:
+                return await self._stream_refusal(request, refusal)
+            return refusal.response()
+        try:
+            if generation.stream:
+                return await stream_all(request, generation, request_id, seqs)
+            return await respond_all(generation, request_id, seqs)
+        finally:
+            for seq in seqs:
+                self._engine.abort(seq)
 
     async def _misbehave(self, request: web.Request, generation: GenerationRequest,
                          knobs: FaultKnobs, id_prefix: str) -> web.StreamResponse:

@@ -119,3 +119,17 @@ async def test_requests_are_counted_in_metrics_by_kind(fleet_factory: FleetFacto
                 kind = sample.labels["kind"]
                 counts[kind] = counts.get(kind, 0) + sample.value
     assert counts == {"rerank": 2, "tokenize": 1}
+
+
+async def test_n_choices_pass_through_the_router_whole_and_streamed(
+        fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory(WORKERS)
+    async with AsyncOpenAI(base_url=fleet.router_url + "/v1", api_key="unused",
+                           max_retries=0) as client:
+        whole = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=3)
+        stream = await client.completions.create(model="m", prompt="Hi", n=2, max_tokens=3,
+                                                 stream=True)
+        indexes = {choice.index async for chunk in stream for choice in chunk.choices}
+    assert [choice.index for choice in whole.choices] == [0, 1]
+    assert indexes == {0, 1}

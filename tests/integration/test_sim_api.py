@@ -240,7 +240,11 @@ async def test_n_above_one_gives_n_choices_whole_and_streamed(client: AsyncOpenA
     assert usage_tokens == 8
 
 
-async def test_overlong_requests_are_400(client: AsyncOpenAI) -> None:
+async def test_n_above_the_bound_and_overlong_requests_are_400(client: AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="n must be at most 128"):
+        await client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], n=2**40
+        )
     with pytest.raises(openai.BadRequestError, match="maximum context length is 4096"):
         await client.chat.completions.create(
             model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=5000

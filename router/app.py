@@ -28,7 +28,7 @@ from router.core.stats import SecurityStats
 from router.health import BreakerPolicy, Health, RetryBudget
 from router.policy import RoutingContext, create_policy
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
-from router.proxy.handlers import Proxy
+from router.proxy.handlers import INFERENCE_PATHS, Proxy
 from router.proxy.site import FrontSite
 from router.proxy.upstream.pool import UpstreamPool
 from router.readiness import CollectorState, readiness
@@ -103,10 +103,10 @@ def build_app(settings: RouterSettings) -> web.Application:
     app[OPERATIONS] = operations
     app.cleanup_ctx.append(_operations)
     operations.add_routes(app)
-    app.router.add_post("/v1/chat/completions", _inference)
-    app.router.add_post("/v1/completions", _inference)
-    app.router.add_post("/v1/embeddings", _inference)
+    for path in INFERENCE_PATHS:
+        app.router.add_post(path, _inference)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model_id:.+}", _model)  # ids may hold '/'
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     return app
@@ -120,6 +120,10 @@ async def _inference(request: web.Request) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.Response:
     return await request.app[PROXY].models(request)
+
+
+async def _model(request: web.Request) -> web.Response:
+    return await request.app[PROXY].model(request, request.match_info["model_id"])
 
 
 async def _health(request: web.Request) -> web.Response:

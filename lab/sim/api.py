@@ -12,13 +12,14 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
+from lab.sim.choices import respond_all, stream_all, submit_all
 from lab.sim.clock import Clock, SystemClock
 from lab.sim.config import SIM_VERSION, SimConfig
 from lab.sim.engine import Engine, QueueFullError
@@ -26,6 +27,7 @@ from lab.sim.errors import ApiError, json_response
 from lab.sim.faults import FaultInjector, FaultKnobs
 from lab.sim.metrics import CONTENT_TYPE, SimMetrics
 from lab.sim.misbehave import WrongAnswer
+from lab.sim.pooling import PoolingHandlers
 from lab.sim.protocol import GenerationRequest, parse_chat, parse_completion
 from lab.sim.responses import DONE, StreamEncoder, chat_completion, text_completion, usage
 from lab.sim.sequence import FinishReason, Sequence
@@ -141,6 +143,8 @@ class SimHandlers:
                 HTTPStatus.INTERNAL_SERVER_ERROR,
                 "Simulated engine failure (fault knob error_rate).",
             ).response()
+        if generation.choices > 1:
+            return await self._generate_many(request, generation, id_prefix)
         request_id = id_prefix + uuid.uuid4().hex
         try:
             seq = self._engine.submit(
@@ -160,6 +164,23 @@ class SimHandlers:
             # A no-op for finished sequences; otherwise the client went away (the handler
             # was cancelled) and its slot and KV blocks go back to the pool.
             self._engine.abort(seq)
+
+    async def _generate_many(self, request: web.Request, generation: GenerationRequest,
+                             id_prefix: str) -> web.StreamResponse:
+        """n > 1 (lab.sim.choices)."""
+        try:
+            request_id, seqs = submit_all(self._engine, generation, id_prefix)
+        except ApiError as refusal:
+            if generation.stream and self._faults.knobs.busy_in_stream:
+                return await self._stream_refusal(request, refusal)
+            return refusal.response()
+        try:
+            if generation.stream:
+                return await stream_all(request, generation, request_id, seqs)
+            return await respond_all(generation, request_id, seqs)
+        finally:
+            for seq in seqs:
+                self._engine.abort(seq)
 
     async def _misbehave(self, request: web.Request, generation: GenerationRequest,
                          knobs: FaultKnobs, id_prefix: str) -> web.StreamResponse:
@@ -326,6 +347,20 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+@web.middleware
+async def _json_not_found(
+    request: web.Request,
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> web.StreamResponse:
+    """An unknown path answers as vLLM's (FastAPI's) does: 404 {"detail": "Not Found"}."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return json_response({"detail": "Method Not Allowed"}, status=405)
+
+
 def build_app(config: SimConfig, *, clock: Clock | None = None) -> web.Application:
     """The simulator as an aiohttp app; the engine loop runs while the app is running.
 
@@ -343,8 +378,9 @@ def build_app(config: SimConfig, *, clock: Clock | None = None) -> web.Applicati
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_json_not_found])
     app.add_routes(handlers.routes())
+    app.add_routes(PoolingHandlers(config, engine).routes())
     app.cleanup_ctx.append(run_engine)
     app.on_shutdown.append(handlers.release_parked)
     return app

@@ -17,6 +17,9 @@ from lab.sim.config import SimConfig
 from lab.sim.errors import ApiError
 from lab.sim.tokens import Prompt, prompt_from_text, prompt_from_token_ids
 
+# The simulator's bound on n (vLLM has none): each choice is a sequence in the engine.
+MAX_CHOICES = 128
+
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -68,6 +71,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    choices: int = 1  # n: that many sequences of the same prompt (lab.sim.choices)
 
 
 def parse_chat(body: bytes, config: SimConfig) -> GenerationRequest:
@@ -142,8 +146,8 @@ def _finish(
     model = request.model or config.served_model_names[0]
     if model not in config.served_model_names:
         raise ApiError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model")
-    if (request.n or 1) > 1:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "The simulator supports only n=1.", param="n")
+    if (request.n or 1) > MAX_CHOICES:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"n must be at most {MAX_CHOICES}.", param="n")
     limit = config.max_model_len
     if prompt.num_tokens >= limit:
         raise ApiError(
@@ -171,4 +175,5 @@ def _finish(
         stream=bool(request.stream),
         include_usage=bool(options and options.include_usage),
         ignore_eos=request.ignore_eos,
+        choices=request.n or 1,
     )

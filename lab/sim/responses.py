@@ -88,22 +88,26 @@ class StreamEncoder:
     """The SSE chunks of one streamed response (chat or completion)."""
 
     def __init__(
-        self, kind: Literal["chat", "completion"], request_id: str, created: int, model: str
+        self, kind: Literal["chat", "completion"], request_id: str, created: int, model: str,
+        index: int = 0,
     ) -> None:
+        """`index`: the choice these chunks carry (n > 1 streams one encoder per choice)."""
         self._kind = kind
+        self._index = index
         object_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self._head = (
             f'{{"id":{_dumps(request_id)},"object":"{object_name}",'
             f'"created":{created},"model":{_dumps(model)},'
         )
         if kind == "chat":
-            self._token_prefix = "data: " + self._head + '"choices":[{"index":0,"delta":{"content":'
+            self._token_prefix = (
+                f'data: {self._head}"choices":[{{"index":{index},"delta":{{"content":')
             self._token_suffix_open = '},"logprobs":null,"finish_reason":null}]}\n\n'
             self._token_suffix_final = (
                 '},"logprobs":null,"finish_reason":%s,"stop_reason":null}]}\n\n'
             )
         else:
-            self._token_prefix = "data: " + self._head + '"choices":[{"index":0,"text":'
+            self._token_prefix = f'data: {self._head}"choices":[{{"index":{index},"text":'
             self._token_suffix_open = (
                 ',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
             )
@@ -116,7 +120,7 @@ class StreamEncoder:
         if self._kind != "chat":
             return b""
         return (
-            "data: " + self._head + '"choices":[{"index":0,"delta":{"role":"assistant",'
+            f'data: {self._head}"choices":[{{"index":{self._index},"delta":{{"role":"assistant",'
             '"content":""},"logprobs":null,"finish_reason":null}]}\n\n'
         ).encode()
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 CHARS_PER_TOKEN = 4
 
-_WORDS = (
+WORDS = (
     "the", "model", "token", "cache", "region", "router", "batch", "prefill", "decode",
     "latency", "pool", "queue", "worker", "stream", "block", "prefix", "engine", "step",
     "global", "request", "serve", "fast", "simulated", "answer", "a", "of", "and", "to",
@@ -74,7 +74,7 @@ class WordSource:
         self._count = 0
 
     def next_word(self) -> str:
-        word = self._rng.choice(_WORDS)
+        word = self._rng.choice(WORDS)
         self._count += 1
         return word if self._count == 1 else " " + word
 

@@ -150,8 +150,8 @@ def _load_json(body: bytes) -> Any:
 
 
 def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
-    """`kind` is "chat", "completions" or "embeddings". Raises ApiError(400) on bad input,
-    including arrays/objects nested deeper than `max_depth`."""
+    """`kind` is "chat", "completions", "embeddings" or one of OTHER_KINDS. Raises
+    ApiError(400) on bad input, including arrays/objects nested deeper than `max_depth`."""
     if not body:
         raise ApiError(400, "request body is empty; expected a JSON object")
     document = _load_json(body)
@@ -186,14 +186,90 @@ def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
             raise ApiError(400, "'prompt' is required", param="prompt")
         chars = _text_chars(document["prompt"])
         prefix_keys = prefix_keys_of([document["prompt"]]) if chars >= PREFIX_CHARS else ()
-    else:
+    elif kind == "embeddings":
         if "input" not in document:
             raise ApiError(400, "'input' is required", param="input")
         chars = _text_chars(document["input"])
         prefix_keys = ()
+    else:
+        return _parse_other(document, kind, model)
     choices = _choices(document) if "n" in document else 1
     # `__new__` directly: half the cost of `ParsedRequest(...)` (see handlers' RouteRequest)
     return ParsedRequest.__new__(
         ParsedRequest, model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
         completion_tokens=0 if kind == "embeddings" else _requested_tokens(document, choices),
         prefix_keys=prefix_keys, choices=choices)
+
+
+# Endpoints that name a model but generate nothing (vLLM's pooling, scoring and tokenizer
+# endpoints): the path's kind, and the fields whose text makes up the prompt, any of which
+# may be given (vLLM accepts several spellings: `text_1`/`text_2` or `queries`/`documents`
+# for score, `input` or `messages` for pooling, `prompt` or `messages` for tokenize).
+_PROMPT_FIELDS = {
+    "rerank": ("query", "documents"),
+    "score": ("text_1", "text_2", "queries", "documents", "data_1", "data_2"),
+    "pooling": ("input", "messages"),
+    "classify": ("input", "messages"),
+    "tokenize": ("prompt", "messages"),
+    "generative_scoring": ("query", "items"),
+    "cohere_embed": ("texts", "inputs"),
+    "count_tokens": ("system", "messages"),
+    "batch_chat": ("messages",),
+    "structured_decision": ("instructions", "state", "questions"),
+}
+_REQUIRED_FIELDS = {
+    "rerank": (("query",), ("documents",)),
+    "score": (("text_1", "queries", "data_1"), ("text_2", "documents", "data_2")),
+    "pooling": (("input", "messages"),),
+    "classify": (("input", "messages"),),
+    "tokenize": (("prompt", "messages"),),
+    "detokenize": (("tokens",),),
+    "generative_scoring": (("query",), ("items",), ("label_token_ids",)),
+    "cohere_embed": (("texts", "inputs", "images"),),
+    "count_tokens": (("messages",),),
+    "batch_chat": (("messages",),),
+    "structured_decision": (("state",), ("questions",)),
+}
+# Kinds whose engine generates tokens (the rest only read the prompt).
+_GENERATING = frozenset({"batch_chat", "structured_decision"})
+OTHER_KINDS = frozenset(_REQUIRED_FIELDS)
+
+
+def _content_chars(value: Any) -> int:
+    """Characters of text in a field: a string, text parts, messages (their contents), or
+    lists of these (a batch), (recursion bounded by the body's
+    nesting, which parse_body checks first)."""
+    if isinstance(value, list):
+        total = 0
+        for item in value:
+            if isinstance(item, dict) and "role" in item:
+                total += _content_chars(item.get("content"))
+            elif isinstance(item, list):
+                total += _content_chars(item)
+            else:
+                total += _text_chars([item])
+        return total
+    if isinstance(value, dict):  # e.g. a structured `state`
+        return len(json.dumps(value, separators=(",", ":")))
+    return _text_chars(value)
+
+
+def _parse_other(document: dict[str, Any], kind: str, model: str) -> ParsedRequest:
+    """A request to an endpoint of OTHER_KINDS: its model and prompt size; never streams,
+    never generates. Raises ApiError(400) when a field the engine requires is missing."""
+    for alternatives in _REQUIRED_FIELDS[kind]:
+        if not any(name in document for name in alternatives):
+            names = "' or '".join(alternatives)
+            raise ApiError(400, f"'{names}' is required", param=alternatives[0])
+    if kind == "detokenize":
+        tokens = document["tokens"]
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise ApiError(400, "'tokens' must be an array of integers", param="tokens")
+        prompt_tokens = max(1, len(tokens))
+    else:
+        chars = sum(_content_chars(document.get(name)) for name in _PROMPT_FIELDS[kind])
+        prompt_tokens = max(1, chars // CHARS_PER_TOKEN)
+    # A generating kind's output size is the engine's default unless the body names one.
+    completion_tokens = (_requested_tokens(document, 1) if kind in _GENERATING else 0)
+    return ParsedRequest(model=model, stream=False, prompt_tokens=prompt_tokens,
+                         completion_tokens=completion_tokens)

@@ -22,7 +22,7 @@ from router.admission.queue import QueueFull, RouterQueue
 from router.auth.keys import Principal
 from router.config import GlobalConfig, RouterConfig
 from router.config_reload import ConfigHolder
-from router.core.errors import ApiError
+from router.core.errors import ApiError, error_response
 from router.core.outcome import Attempt, Observer, RequestRecord
 from router.core.parse import ParsedRequest, parse_body
 from router.health import Health, RetryBudget
@@ -57,7 +57,29 @@ _KIND_BY_PATH = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
+    # vLLM's other endpoints that name a model (tests/fixtures/vllm-0.32-cpu-endpoints.json),
+    # routed by it like chat; the kinds are router.core.parse.OTHER_KINDS.
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/v1/score": "score",
+    "/score": "score",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/generative_scoring": "generative_scoring",
+    "/v2/embed": "cohere_embed",
+    "/v1/messages/count_tokens": "count_tokens",
+    "/v1/chat/completions/batch": "batch_chat",
+    "/v1/systemone": "structured_decision",
 }
+INFERENCE_PATHS = tuple(_KIND_BY_PATH)  # what router.app serves with `Proxy.inference`
+
+
+def kind_of_path(path: str) -> str:
+    """The parse kind (router.core.parse) of one of INFERENCE_PATHS."""
+    return _KIND_BY_PATH[path]
 
 
 @dataclass
@@ -87,7 +109,7 @@ class Proxy:
         return self.configs.current
 
     async def inference(self, exchange: Exchange) -> Reply:
-        """POST /v1/chat/completions, /v1/completions, /v1/embeddings.
+        """POST to one of INFERENCE_PATHS (/v1/chat/completions, /v1/rerank, ...).
 
         Refusals come back as error replies (never raised), with the caller's rate-limit
         headers once it was admitted."""
@@ -349,6 +371,20 @@ class Proxy:
             if admission is None or admission.may_use_model(principal, model)
         ]
         return web.json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request, model_id: str) -> web.Response:
+        """GET /v1/models/{model_id}: the model's card as in /v1/models; 404 in OpenAI's
+        format when no live worker serves it (or the caller's key may not use it)."""
+        admission = self.admission
+        principal = (admission.authenticate(request.headers, self.config.auth)
+                     if admission is not None else None)
+        if (model_id not in self.holder.current.models(time.monotonic())
+                or (admission is not None and not admission.may_use_model(principal, model_id))):
+            return error_response(
+                404, f"The model '{model_id}' does not exist or you do not have access to it.",
+                code="model_not_found", param="model")
+        return web.json_response({"id": model_id, "object": "model", "created": int(time.time()),
+                                  "owned_by": "globalpool"})
 
     async def health_check(self, request: web.Request) -> web.Response:
         """GET /health: the router is up; says how current its view of the fleet is."""

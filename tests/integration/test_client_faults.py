@@ -204,12 +204,12 @@ async def test_errors_name_no_internal_address_and_no_raw_upstream_body(
     assert "Simulated engine failure" in logged  # the detail is in the log, by request id
 
 
-async def test_a_worker_error_that_is_not_json_reaches_the_client_as_openai_json(
+async def test_a_worker_error_not_in_openai_format_reaches_the_client_as_openai_json(
         fleet_factory: FleetFactory) -> None:
     fleet = await fleet_factory({"a": "us-east"})
     async with aiohttp.ClientSession() as session, session.post(
-            f"{fleet.router_url}/v1/embeddings", json={"model": "m", "input": "hi"}
-    ) as response:  # the simulator serves no embeddings: aiohttp's text/plain 404
+            f"{fleet.router_url}/classify", json={"model": "m", "input": "hi"}
+    ) as response:  # the simulator serves no /classify: FastAPI's {"detail": "Not Found"}
         body = await response.read()
         assert response.status == 404
         assert response.headers["Content-Type"].startswith("application/json")

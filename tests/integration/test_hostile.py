@@ -210,7 +210,7 @@ def test_fuzzed_request_bodies_never_get_a_5xx(live_router: LiveRouter) -> None:
         seen[status] = seen.get(status, 0) + 1
         assert status < 500, (status, body, answer[:300])
         # The router's own refusals are OpenAI JSON; an engine's 4xx passes through as is
-        # (the simulator has no /v1/embeddings, for one).
+        # (the simulator's 400 for an embeddings input it cannot read, for one).
         if status >= 400 and "x-globalpool-worker" not in headers:
             error = json.loads(answer)["error"]
             assert set(error) == {"message", "type", "param", "code"}

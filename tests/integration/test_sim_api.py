@@ -215,10 +215,35 @@ async def test_unknown_model_is_404(client: AsyncOpenAI) -> None:
     }
 
 
-async def test_n_above_one_and_overlong_requests_are_400(client: AsyncOpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="n=1"):
+async def test_n_above_one_gives_n_choices_whole_and_streamed(client: AsyncOpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "Hi"}]
+    chat = await client.chat.completions.create(model="tiny-llama", messages=messages, n=3,
+                                                max_tokens=4)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert len({c.message.content for c in chat.choices}) > 1  # the choices differ
+    assert chat.usage is not None and chat.usage.completion_tokens == 12
+    text = await client.completions.create(model="tiny-llama", prompt="Hi", n=2, max_tokens=3)
+    assert [c.index for c in text.choices] == [0, 1]
+    pieces: dict[int, list[str]] = {}
+    reasons: dict[int, str | None] = {}
+    stream = await client.chat.completions.create(
+        model="tiny-llama", messages=messages, n=2, max_tokens=4, stream=True,
+        stream_options={"include_usage": True})
+    usage_tokens = 0
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage_tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            pieces.setdefault(choice.index, []).append(choice.delta.content or "")
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert sorted(pieces) == [0, 1] and reasons == {0: "length", 1: "length"}
+    assert usage_tokens == 8
+
+
+async def test_n_above_the_bound_and_overlong_requests_are_400(client: AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="n must be at most 128"):
         await client.chat.completions.create(
-            model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], n=2
+            model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], n=2**40
         )
     with pytest.raises(openai.BadRequestError, match="maximum context length is 4096"):
         await client.chat.completions.create(

@@ -187,9 +187,13 @@ def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
         chars = _text_chars(document["prompt"])
         prefix_keys = prefix_keys_of([document["prompt"]]) if chars >= PREFIX_CHARS else ()
     elif kind == "embeddings":
-        if "input" not in document:
-            raise ApiError(400, "'input' is required", param="input")
-        chars = _text_chars(document["input"])
+        if "input" in document:
+            chars = _text_chars(document["input"])
+        elif isinstance(document.get("messages"), list):  # vLLM's chat-style embeddings
+            chars = sum(_text_chars(message.get("content")) for message in document["messages"]
+                        if isinstance(message, dict))
+        else:
+            raise ApiError(400, "'input' (or vLLM's 'messages') is required", param="input")
         prefix_keys = ()
     else:
         return _parse_other(document, kind, model)

@@ -3,9 +3,9 @@
 aiohttp's server costs more per request than a whole compiled router (BENCHMARKS.md,
 "Proxy cost"), so the request path does not go through it. `FrontSite`
 (`router.proxy.site`) listens in its place; each connection is a `FrontProtocol` that
-parses request heads itself (`router.proxy.front_head`), hands `POST
-/v1/chat/completions`, `/v1/completions` and `/v1/embeddings` to the proxy as an
-`Exchange` (`router.proxy.front_exchange.FrontExchange`), writes whole answers with one
+parses request heads itself (`router.proxy.front_head`), hands a `POST` to an inference
+endpoint (router.core.endpoints: chat, completions, embeddings, rerank, ...) to the proxy
+as an `Exchange` (`router.proxy.front_exchange.FrontExchange`), writes whole answers with one
 `transport.write`, and relays streams from the upstream connection's `data_received`
 straight to the client's transport (no task wake-up per chunk; the client's flow control
 pauses the upstream).

@@ -7,10 +7,10 @@ aiohttp (see `router.proxy.front`).
 
 from __future__ import annotations
 
+from router.core.endpoints import KIND_BY_PATH
 from router.proxy.upstream.response_head import UNIQUE_VALUE_HEADERS, remember_line
 
-INFERENCE_PATHS = {path: path for path in
-                   ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")}
+INFERENCE_PATHS = {path: path for path in KIND_BY_PATH}
 # Headers that may appear once: a repeated one goes to aiohttp's stricter parser.
 _SINGLE_HEADERS = frozenset({"content-length", "host", "authorization"})
 

@@ -22,6 +22,7 @@ from router.admission.queue import QueueFull, RouterQueue
 from router.auth.keys import Principal
 from router.config import GlobalConfig, RouterConfig
 from router.config_reload import ConfigHolder
+from router.core.endpoints import KIND_BY_PATH
 from router.core.errors import ApiError, error_response
 from router.core.outcome import Attempt, Observer, RequestRecord
 from router.core.parse import ParsedRequest, parse_body
@@ -53,27 +54,7 @@ from router.registry.snapshot import SnapshotHolder
 
 log = logging.getLogger("globalpool.proxy")
 
-_KIND_BY_PATH = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/embeddings": "embeddings",
-    # vLLM's other endpoints that name a model (tests/fixtures/vllm-0.32-cpu-endpoints.json),
-    # routed by it like chat; the kinds are router.core.parse.OTHER_KINDS.
-    "/v1/rerank": "rerank",
-    "/rerank": "rerank",
-    "/v2/rerank": "rerank",
-    "/v1/score": "score",
-    "/score": "score",
-    "/pooling": "pooling",
-    "/classify": "classify",
-    "/tokenize": "tokenize",
-    "/detokenize": "detokenize",
-    "/generative_scoring": "generative_scoring",
-    "/v2/embed": "cohere_embed",
-    "/v1/messages/count_tokens": "count_tokens",
-    "/v1/chat/completions/batch": "batch_chat",
-    "/v1/systemone": "structured_decision",
-}
+_KIND_BY_PATH = KIND_BY_PATH
 INFERENCE_PATHS = tuple(_KIND_BY_PATH)  # what router.app serves with `Proxy.inference`
 
 

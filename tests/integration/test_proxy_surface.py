@@ -26,6 +26,8 @@ async def _post(fleet: Fleet, path: str, body: dict[str, Any] | bytes) -> tuple[
                               if isinstance(body, bytes) else {"json": body})
     async with aiohttp.ClientSession() as session, session.post(
             fleet.router_url + path, **kwargs) as response:
+        # the router's own front answered (router.proxy.front), not aiohttp's server
+        assert response.headers.get("Server") == "globalpool", path
         return (response.status, await response.json(content_type=None),
                 response.headers.get("x-globalpool-worker", ""))
 

@@ -94,6 +94,11 @@ def test_bad_bodies_get_a_400_that_says_why(body: bytes, says: str) -> None:
     assert says in caught.value.message
 
 
+def test_chat_style_embeddings_name_messages_instead_of_input() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}, "not a message"]}
+    assert parse_body(json.dumps(body).encode(), "embeddings").prompt_tokens == 10
+
+
 def test_completions_and_embeddings_need_their_input() -> None:
     assert parse_body(b'{"model":"m","prompt":"abcdefgh"}', "completions").prompt_tokens == 2
     assert parse_body(b'{"model":"m","input":"abcd"}', "embeddings").completion_tokens == 0

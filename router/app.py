@@ -23,12 +23,13 @@ from router.admission.queue import RouterQueue
 from router.admission.setup import build_admission, heartbeat_gate
 from router.compiled import compiled_modules
 from router.config import GlobalConfig
+from router.core.endpoints import KIND_BY_PATH
 from router.core.errors import openai_errors
 from router.core.stats import SecurityStats
 from router.health import BreakerPolicy, Health, RetryBudget
 from router.policy import RoutingContext, create_policy
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
-from router.proxy.handlers import INFERENCE_PATHS, Proxy
+from router.proxy.handlers import Proxy
 from router.proxy.site import FrontSite
 from router.proxy.upstream.pool import UpstreamPool
 from router.readiness import CollectorState, readiness
@@ -103,7 +104,7 @@ def build_app(settings: RouterSettings) -> web.Application:
     app[OPERATIONS] = operations
     app.cleanup_ctx.append(_operations)
     operations.add_routes(app)
-    for path in INFERENCE_PATHS:
+    for path in KIND_BY_PATH:
         app.router.add_post(path, _inference)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model_id:.+}", _model)  # ids may hold '/'

@@ -10,12 +10,11 @@ from __future__ import annotations
 from router.core.endpoints import KIND_BY_PATH
 from router.proxy.upstream.response_head import UNIQUE_VALUE_HEADERS, remember_line
 
-INFERENCE_PATHS = {path: path for path in KIND_BY_PATH}
 # Headers that may appear once: a repeated one goes to aiohttp's stricter parser.
 _SINGLE_HEADERS = frozenset({"content-length", "host", "authorization"})
 
 # The request lines the front serves, and the path each asks for.
-_REQUEST_LINES = {f"POST {path} HTTP/1.1": path for path in INFERENCE_PATHS}
+_REQUEST_LINES = {f"POST {path} HTTP/1.1": path for path in KIND_BY_PATH}
 # Header lines seen before, parsed: (lower-case name, value). Clients repeat most of
 # theirs request after request (Host, Content-Type, Accept, User-Agent, Content-Length of
 # a common size), and a lookup costs a third of parsing one. Bounded as the answers'

@@ -54,13 +54,6 @@ from router.registry.snapshot import SnapshotHolder
 
 log = logging.getLogger("globalpool.proxy")
 
-_KIND_BY_PATH = KIND_BY_PATH
-INFERENCE_PATHS = tuple(_KIND_BY_PATH)  # what router.app serves with `Proxy.inference`
-
-
-def kind_of_path(path: str) -> str:
-    """The parse kind (router.core.parse) of one of INFERENCE_PATHS."""
-    return _KIND_BY_PATH[path]
 
 
 @dataclass
@@ -90,7 +83,8 @@ class Proxy:
         return self.configs.current
 
     async def inference(self, exchange: Exchange) -> Reply:
-        """POST to one of INFERENCE_PATHS (/v1/chat/completions, /v1/rerank, ...).
+        """POST to an inference endpoint (router.core.endpoints: /v1/chat/completions,
+        /v1/rerank, ...).
 
         Refusals come back as error replies (never raised), with the caller's rate-limit
         headers once it was admitted."""
@@ -110,7 +104,7 @@ class Proxy:
             body = exchange.body_if_here()
             if body is None:
                 body = await exchange.read_body(router_config.client_timeouts.body_s)
-            kind = _KIND_BY_PATH[exchange.path]
+            kind = KIND_BY_PATH[exchange.path]
             parsed = parse_body(body, kind, router_config.max_json_depth)
             if admission is not None and principal is not None:  # else nothing to check
                 rate_headers = await admission.admit(principal, parsed, config.auth)  # 403, 429
@@ -331,7 +325,7 @@ class Proxy:
     def _count_unrouted(self, path: str, received_s: float, request_id: str,
                         exc: Exception) -> None:
         """A router fault before the request was parsed: observers count it as a 500."""
-        record = RequestRecord(model="", kind=_KIND_BY_PATH.get(path, "chat"), stream=False,
+        record = RequestRecord(model="", kind=KIND_BY_PATH.get(path, "chat"), stream=False,
                                origin_region=self.region, received_s=received_s,
                                request_id=request_id, status=500,
                                error=f"internal error: {type(exc).__name__}")

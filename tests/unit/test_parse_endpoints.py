@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from router.core.endpoints import KIND_BY_PATH
 from router.core.errors import ApiError
 from router.core.parse import OTHER_KINDS, parse_body
-from router.proxy.handlers import INFERENCE_PATHS, kind_of_path
 
 ROOT = Path(__file__).resolve().parents[2]
 ENDPOINTS = json.loads((ROOT / "tests" / "fixtures" / "vllm-0.32-cpu-endpoints.json").read_text())
@@ -34,7 +34,7 @@ def _model_paths() -> set[str]:
 
 
 def test_every_model_naming_json_endpoint_of_real_vllm_is_routed() -> None:
-    missing = _model_paths() - set(INFERENCE_PATHS) - set(NOT_ROUTED)
+    missing = _model_paths() - set(KIND_BY_PATH) - set(NOT_ROUTED)
     assert not missing, f"vLLM endpoints that name a model but are not routed: {missing}"
     assert set(NOT_ROUTED) <= _model_paths()  # a reason for something vLLM does not have is stale
 
@@ -43,7 +43,7 @@ def test_the_real_servers_requests_parse_as_it_judged_them() -> None:
     """What vLLM refused with a 400 the router refuses too; the rest parse to their model."""
     for runner in ("generate_runner", "pooling_runner"):
         for case in SHAPES[runner]:
-            body, kind = json.dumps(case["request"]).encode(), kind_of_path(case["path"])
+            body, kind = json.dumps(case["request"]).encode(), KIND_BY_PATH[case["path"]]
             if case["status"] == 400:
                 with pytest.raises(ApiError):
                     parse_body(body, kind)

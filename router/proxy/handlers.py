@@ -333,33 +333,31 @@ class Proxy:
         for observer in self.observers:
             observer.request_finished(record)
 
+    def _visible_models(self, request: web.Request) -> list[str]:
+        """Models served by live workers in every region that the caller's API key may
+        use (all of them when no keys are configured); 401 for a missing or bad key."""
+        admission = self.admission
+        models = self.holder.current.models(time.monotonic())
+        if admission is None:
+            return models
+        principal = admission.authenticate(request.headers, self.config.auth)
+        return [model for model in models if admission.may_use_model(principal, model)]
+
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: the union of models served by live workers in every region
         (those the caller's API key may use, when keys are configured)."""
         created = int(time.time())
-        admission = self.admission
-        principal = (admission.authenticate(request.headers, self.config.auth)
-                     if admission is not None else None)
-        data = [
-            {"id": model, "object": "model", "created": created, "owned_by": "globalpool"}
-            for model in self.holder.current.models(time.monotonic())
-            if admission is None or admission.may_use_model(principal, model)
-        ]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": [
+            _model_card(model, created) for model in self._visible_models(request)]})
 
     async def model(self, request: web.Request, model_id: str) -> web.Response:
         """GET /v1/models/{model_id}: the model's card as in /v1/models; 404 in OpenAI's
         format when no live worker serves it (or the caller's key may not use it)."""
-        admission = self.admission
-        principal = (admission.authenticate(request.headers, self.config.auth)
-                     if admission is not None else None)
-        if (model_id not in self.holder.current.models(time.monotonic())
-                or (admission is not None and not admission.may_use_model(principal, model_id))):
+        if model_id not in self._visible_models(request):
             return error_response(
                 404, f"The model '{model_id}' does not exist or you do not have access to it.",
                 code="model_not_found", param="model")
-        return web.json_response({"id": model_id, "object": "model", "created": int(time.time()),
-                                  "owned_by": "globalpool"})
+        return web.json_response(_model_card(model_id, int(time.time())))
 
     async def health_check(self, request: web.Request) -> web.Response:
         """GET /health: the router is up; says how current its view of the fleet is."""
@@ -373,3 +371,8 @@ class Proxy:
             "redis_connected": snapshot.redis_connected,
             "view_age_s": None if age is None else round(age, 3),
         })
+
+
+def _model_card(model: str, created: int) -> dict[str, object]:
+    """A model as OpenAI's /v1/models lists it."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "globalpool"}

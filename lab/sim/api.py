@@ -29,14 +29,20 @@ from lab.sim.metrics import CONTENT_TYPE, SimMetrics
 from lab.sim.misbehave import WrongAnswer
 from lab.sim.pooling import PoolingHandlers
 from lab.sim.protocol import GenerationRequest, parse_chat, parse_completion
-from lab.sim.responses import DONE, StreamEncoder, chat_completion, text_completion, usage
+from lab.sim.responses import (
+    DONE,
+    SSE_CONTENT_TYPE,
+    StreamEncoder,
+    chat_completion,
+    text_completion,
+    usage,
+)
 from lab.sim.sequence import FinishReason, Sequence
 
 _MAX_BODY_BYTES = 64 * 1024 * 1024  # long-context benchmarks send prompts of many MB
 # Each token is its own write: aiohttp sets TCP_NODELAY on every server connection
 # (BaseProtocol.connection_made) and StreamResponse.write hands data to the socket at
 # once, so a token leaves without Nagle delay or buffering.
-_SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 
 Parser = Callable[[bytes, SimConfig], GenerationRequest]
 
@@ -200,7 +206,7 @@ class SimHandlers:
                 self._engine.abort(seq)
 
     async def _stream_refusal(self, request: web.Request, refusal: ApiError) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": _SSE_CONTENT_TYPE})
+        response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
         await response.prepare(request)
         await response.write(refusal.event())
         await response.write(DONE)
@@ -227,7 +233,7 @@ class SimHandlers:
         seq: Sequence,
         cut_after: int | None,
     ) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": _SSE_CONTENT_TYPE})
+        response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
         encoder = StreamEncoder(generation.kind, seq.request_id, int(time.time()), generation.model)
         try:
             # vLLM (Starlette) sends the headers at once; the body starts with the first token.

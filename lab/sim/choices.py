@@ -19,10 +19,16 @@ from aiohttp import web
 from lab.sim.engine import Engine, QueueFullError
 from lab.sim.errors import ApiError, json_response
 from lab.sim.protocol import GenerationRequest
-from lab.sim.responses import DONE, StreamEncoder, chat_completion, text_completion, usage
+from lab.sim.responses import (
+    DONE,
+    SSE_CONTENT_TYPE,
+    StreamEncoder,
+    chat_completion,
+    text_completion,
+    usage,
+)
 from lab.sim.sequence import FinishReason, Sequence
 
-SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 _DONE_REASONS = (FinishReason.STOP, FinishReason.LENGTH)
 
 

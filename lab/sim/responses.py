@@ -11,6 +11,7 @@ import json
 from typing import Any, Literal
 
 DONE = b"data: [DONE]\n\n"
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 
 
 def _dumps(value: Any) -> str:

@@ -249,12 +249,10 @@ class Twin:
         worker.in_transit += 1
         policy, _, views = self._routers[request.origin]
         if policy is not None:
-            affinity = policy.context.affinity
-            affinity.wrote(worker.name, parsed.prompt_tokens - cached_tokens
-                           + (parsed.completion_tokens or 0), views[worker.name].cache_tokens)
-            if request.session_id or parsed.prefix_keys:
-                affinity.remember(request.session_id, parsed.prefix_keys, worker.name,
-                                  prompt_tokens=parsed.prompt_tokens)
+            policy.context.affinity.sent(
+                worker.name, views[worker.name].cache_tokens, session_id=request.session_id,
+                prefix_keys=parsed.prefix_keys, prompt_tokens=parsed.prompt_tokens,
+                cached_tokens=cached_tokens, completion_tokens=parsed.completion_tokens)
         outcome = Outcome(index=request.index, origin=request.origin,
                           traffic_class=request.traffic_class, scheduled_s=request.at_s,
                           sent_s=request.at_s, status=200, region=worker.region,

@@ -41,6 +41,18 @@ class AffinityTable:
         self.lookups = 0  # requests looked up
         self.hits = 0  # of those, found
 
+    def sent(self, worker_id: str, cache_size: int | None, *, session_id: str | None,
+             prefix_keys: tuple[int, ...], prompt_tokens: int, cached_tokens: int,
+             completion_tokens: int | None) -> None:
+        """A request was sent to the worker, whose KV cache holds `cache_size` tokens: it
+        writes there its prompt less the `cached_tokens` it was scored as finding, and up
+        to `completion_tokens` (`wrote`); then its session and prefix keys are remembered,
+        as what that cache now holds newest (`remember`)."""
+        self.wrote(worker_id, prompt_tokens - cached_tokens + (completion_tokens or 0),
+                   cache_size)
+        if session_id or prefix_keys:
+            self.remember(session_id, prefix_keys, worker_id, prompt_tokens=prompt_tokens)
+
     def wrote(self, worker_id: str, tokens: int, cache_size: int | None) -> None:
         """A request that adds `tokens` to the worker's KV cache was sent to it; its cache
         holds `cache_size` tokens (None: unknown, and its holders are never dropped)."""

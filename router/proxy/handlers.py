@@ -245,18 +245,14 @@ class Proxy:
             attempt.committed_tokens = tokens
             self.inflight.commit(worker.worker_id, tokens, now)
         self.health.dispatched(attempt)
-        affinity = self.policy.context.affinity
-        # what it adds to the worker's KV cache (evicting the prefixes held longest)
-        affinity.wrote(worker.worker_id, route.prompt_tokens - decision.cached_tokens
-                       + (tokens or 0), worker.cache_tokens)
-        if route.session_id or route.prefix_keys:
-            # Remembered as it is sent, not when it ends: the worker holds the prompt
-            # once prefilled, and requests sharing the prefix that arrive meanwhile
-            # should find it there (twin: prefix hits +1.8 points over six traces, +4.5
-            # on the quick one). A failed attempt's retry is remembered in its place.
-            affinity.remember(
-                route.session_id, route.prefix_keys, worker.worker_id,
-                prompt_tokens=route.prompt_tokens)
+        # Remembered as it is sent, not when it ends: the worker holds the prompt once
+        # prefilled, and requests sharing the prefix that arrive meanwhile should find it
+        # there (twin: prefix hits +1.8 points over six traces, +4.5 on the quick one). A
+        # failed attempt's retry is remembered in its place.
+        self.policy.context.affinity.sent(
+            worker.worker_id, worker.cache_tokens, session_id=route.session_id,
+            prefix_keys=route.prefix_keys, prompt_tokens=route.prompt_tokens,
+            cached_tokens=decision.cached_tokens, completion_tokens=tokens)
         return attempt
 
     def _forward(self, config: RouterConfig, exchange: Exchange, decision: Decision,

@@ -62,6 +62,11 @@ class LoadRecords:
         self.regions: set[str] = set()
         # Records of workers not in the table: (region, sent at), for ORPHAN_RECORD_AGE_S.
         self.orphans: dict[bytes, tuple[str, float]] = {}
+        # Records refused for what they are (not a record, another worker's name), by
+        # region and field: unlike the table's records as last read, kept when their
+        # worker leaves the table, so that the same bytes are not refused, and counted,
+        # again at the next read.
+        self._refused: dict[str, dict[bytes, bytes]] = {}
         self.read_records = 0
         self.applied_records = 0
         self.worker_reads = 0
@@ -102,10 +107,13 @@ class LoadRecords:
         taken = 0
         for region, records in zip(regions, replies, strict=True):
             seen = self._records.setdefault(region, {})
+            refused = self._refused.get(region)
             for worker, payload in records.items():
                 if seen.get(worker) == payload:
                     continue
                 seen[worker] = payload
+                if refused is not None and refused.get(worker) == payload:
+                    continue
                 changed |= self._apply_record(region, worker, payload, now, to_read, check,
                                               next_read_s)
                 taken += 1
@@ -131,13 +139,12 @@ class LoadRecords:
         try:
             record = record_items(payload)
         except Refused as exc:
-            self._refusals.refuse(exc.reason, f"load record {worker[:60]!r} in region "
-                                              f"{region[:60]!r}: {exc}")
+            self._refuse(region, worker, payload, exc.reason, str(exc))
             return False
         worker_id, seq, sent_at_s = record[1], record[2], record[3]
         if worker_id.encode() != worker:
-            self._refusals.refuse(WORKER_ID_MISMATCH, f"load record {worker[:60]!r} in region "
-                                  f"{region[:60]!r} names worker {worker_id[:60]!r}")
+            self._refuse(region, worker, payload, WORKER_ID_MISMATCH,
+                         f"names worker {worker_id[:60]!r}")
             return False
         view = self._views.get(worker_id)
         if view is None:
@@ -159,6 +166,13 @@ class LoadRecords:
                                                 next_read_s)
         self.applied_records += 1
         return True
+
+    def _refuse(self, region: str, worker: bytes, payload: bytes, reason: str,
+                why: str) -> None:
+        """Count a record refused for what it is, once (see `_refused`)."""
+        self._refused.setdefault(region, {})[worker] = payload
+        self._refusals.refuse(reason, f"load record {worker[:60]!r} in region "
+                                      f"{region[:60]!r}: {why}")
 
     async def _read_workers(self, worker_ids: list[str]) -> bool:
         """Read these workers' heartbeat keys (see `_apply_record`)."""

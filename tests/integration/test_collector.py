@@ -439,6 +439,31 @@ async def test_load_records_that_are_not_the_workers_own_are_dropped(
     await admin.aclose()
 
 
+async def test_a_refused_record_is_counted_once_though_its_worker_ages_out(
+    valkey: EmbeddedValkey,
+) -> None:
+    """The table forgets what it read of a worker that leaves (so that its record is taken
+    again if it comes back); a record refused for what it is stays refused, and counted
+    once, however often the loads are read after (the heartbeat fuzz saw a worker's
+    hostile record counted a second time when the worker expired)."""
+    admin = connect(valkey.url)
+    async with following(valkey.url) as fleet:
+        collector = fleet.collector
+        assert collector is not None
+        await fleet.publish("a")
+        await until(lambda: fleet.fresh() == {"a"})
+        rejected = collector.rejected_heartbeats
+        hostile = load_record(fleet.beat("a")).replace(b",0,0,", b",0,-1,", 1)  # waiting
+        await admin.hset(KEYS.loads("us-east"), "a", hostile)
+        await until(lambda: collector.rejected_heartbeats == rejected + 1)
+        await until(lambda: "a" not in fleet.holder.current.workers, timeout_s=5.0)
+        reads = collector.load_reads
+        await fleet.publish("b")  # a region with a worker: its loads are read
+        await until(lambda: collector.load_reads >= reads + 5)
+        assert collector.rejected_heartbeats == rejected + 1
+    await admin.aclose()
+
+
 async def test_load_records_of_long_gone_workers_are_deleted(valkey: EmbeddedValkey) -> None:
     admin = connect(valkey.url)
     async with following(valkey.url) as fleet:

@@ -30,16 +30,18 @@ from router.health import BreakerPolicy, Health, RetryBudget
 from router.policy import RoutingContext, create_policy
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
 from router.proxy.handlers import Proxy
+from router.proxy.responses import RESPONSES_PATH, ResponsesApi
 from router.proxy.site import FrontSite
 from router.proxy.upstream.pool import UpstreamPool
 from router.readiness import CollectorState, readiness
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry.inflight import InFlight
 from router.registry.peers import PeerExchange
+from router.registry.response_store import ResponseStore
 from router.supervisor import Supervised
 from worker import redis_client
 from worker.heartbeat_keys import HeartbeatKeys
-from worker.signing import keys_from_environ
+from worker.signing import KEY_ID_ENV, keys_from_environ
 
 log = logging.getLogger("globalpool.router")
 
@@ -81,6 +83,8 @@ ADMISSION = web.AppKey("admission", Admission)
 SECURITY_STATS = web.AppKey("security_stats", SecurityStats)
 # Whether this router has heartbeat signing keys (the status page says how it verifies).
 HEARTBEAT_KEYS = web.AppKey("heartbeat_keys", bool)
+# Which worker holds each stored response of the Responses API (shared through Redis).
+RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
 # The supervised background tasks, by name (router.supervisor): crashes are restarted.
 BACKGROUND: web.AppKey[dict[str, Supervised]] = web.AppKey("background")
 
@@ -110,7 +114,16 @@ def build_app(settings: RouterSettings) -> web.Application:
     app.router.add_get("/v1/models/{model_id:.+}", _model)  # ids may hold '/'
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
+    # A stored response, at the worker that holds it.
+    app.router.add_get(RESPONSES_PATH + "/{response_id}", _stored_response)
+    app.router.add_post(RESPONSES_PATH + "/{response_id}/cancel", _stored_response)
     return app
+
+
+async def _stored_response(request: web.Request) -> web.StreamResponse:
+    responses = request.app[PROXY].responses
+    assert responses is not None  # (built with the proxy)
+    return await responses.by_id(request)
 
 
 async def _inference(request: web.Request) -> web.StreamResponse:
@@ -162,6 +175,10 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
     keys = (keys_from_environ(os.environ) if settings.heartbeat_keys is None
             else settings.heartbeat_keys)
     app[HEARTBEAT_KEYS] = bool(keys)
+    app[RESPONSE_STORE] = ResponseStore(
+        redis, settings.config.redis.key_prefix,
+        ttl_s=settings.config.router.responses.ttl_s, keys=keys,
+        signing_key_id=os.environ.get(KEY_ID_ENV) or None)
     collector = HeartbeatCollector(
         redis=redis,
         pubsub_redis=pubsub_redis,
@@ -228,7 +245,10 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
     queue = (RouterQueue(app[_INFLIGHT], max_requests=queue_config.max_requests,
                          max_wait_s=queue_config.max_wait_ms / 1000.0)
              if queue_config.enabled else None)
+    responses = ResponsesApi(app[RESPONSE_STORE], app[HOLDER], upstreams, operations.configs,
+                             app[ADMISSION])
     app[PROXY] = Proxy(
+        responses=responses,
         configs=operations.configs,
         region=settings.region,
         holder=app[HOLDER],

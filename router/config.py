@@ -141,6 +141,18 @@ class StreamFailoverConfig(_Strict):
         "with an error event when their worker fails, as without failover")
 
 
+class ResponsesConfig(_Strict):
+    """The Responses API's stored responses: each replica records in Redis which worker
+    holds each one (router.registry.response_store)."""
+
+    ttl_s: float = Field(
+        default=86_400.0, gt=0, le=30 * 86_400,
+        description="how long any replica can find the worker that holds a stored response "
+        "(its record in Redis, ~200 bytes, expires then; vLLM keeps the response itself in "
+        "memory until it restarts)",
+    )
+
+
 # router.fleet_view_cpu_share's default (router.registry.pace paces the collector by it).
 DEFAULT_FLEET_VIEW_CPU_SHARE = 0.1
 
@@ -189,6 +201,7 @@ class RouterConfig(_Strict):
     )
     client_timeouts: ClientTimeouts = ClientTimeouts()
     stream_failover: StreamFailoverConfig = StreamFailoverConfig()
+    responses: ResponsesConfig = ResponsesConfig()
 
 
 class HeartbeatConfig(_Strict):

@@ -38,6 +38,7 @@ from router.registry.snapshot import SnapshotHolder
 from router.supervisor import Supervised
 from router.telemetry.fleet import FleetCollector
 from router.telemetry.metrics import RequestMetrics, metrics_handler
+from router.telemetry.responses import ResponsesCollector
 from router.telemetry.security import SecurityCollector
 from router.telemetry.tracing import SpanAnnotator, traced, tracer_provider_from_env
 from router.telemetry.window import TrafficWindow
@@ -139,6 +140,8 @@ class Operations:
         self.registry.register(self._fleet)
         if security is not None:
             self.registry.register(SecurityCollector(security))
+        if proxy.responses is not None:
+            self.registry.register(ResponsesCollector(proxy.responses.store.stats))
         app[ADMIN] = AdminContext(
             region=self.region, configs=self.configs, snapshots=snapshots,
             drain_holder=self.drains, inflight=inflight, window=self.window,

@@ -8,6 +8,9 @@ KIND_BY_PATH = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
+    # The Responses API's create; its stored responses (GET, cancel) are served by
+    # router.proxy.responses, at the worker that holds each.
+    "/v1/responses": "responses",
     # vLLM's other endpoints that name a model (tests/fixtures/vllm-0.32-cpu-endpoints.json),
     # routed by it like chat; the kinds are router.core.parse.OTHER_KINDS.
     "/v1/rerank": "rerank",

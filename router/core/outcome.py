@@ -8,6 +8,7 @@ request path: they must be cheap and must not await.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple, Protocol
@@ -147,6 +148,9 @@ class RequestRecord:
     continuations: int = 0
     failover: str | None = None
     failover_reason: str | None = None  # why not continued (a fixed phrase: a label)
+    # Called with a stream's first event and its attempt before it is passed on (the
+    # Responses API records there which worker holds the response), if set.
+    on_first_event: Callable[[bytes, Attempt], None] | None = None
 
     @property
     def first_streamed(self) -> Attempt | None:

@@ -79,6 +79,10 @@ class ParsedRequest(NamedTuple):
     # that served one has that prefix in its KV cache.
     prefix_keys: tuple[int, ...] = ()
     choices: int = 1  # n
+    # The Responses API (kind "responses"): the stored response this one continues, and
+    # whether the engine stores this one (`store`, true unless the body says false).
+    previous_response_id: str | None = None
+    store: bool = False
 
 
 def nesting_depth_exceeds(document: Any, limit: int) -> bool:
@@ -195,6 +199,8 @@ def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
         else:
             raise ApiError(400, "'input' (or vLLM's 'messages') is required", param="input")
         prefix_keys = ()
+    elif kind == "responses":
+        return _parse_responses(document, model, stream)
     else:
         return _parse_other(document, kind, model)
     choices = _choices(document) if "n" in document else 1
@@ -203,6 +209,46 @@ def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
         ParsedRequest, model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
         completion_tokens=0 if kind == "embeddings" else _requested_tokens(document, choices),
         prefix_keys=prefix_keys, choices=choices)
+
+
+# A response id as OpenAI and vLLM write them (`resp_` and hex or base62): what the router
+# looks up in Redis, so never more than this.
+_RESPONSE_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                               "0123456789_-")
+MAX_RESPONSE_ID_CHARS = 128
+
+
+def valid_response_id(value: str) -> bool:
+    """Whether `value` can be a response id (letters, digits, '_' and '-'; at most 128)."""
+    return 0 < len(value) <= MAX_RESPONSE_ID_CHARS and set(value) <= _RESPONSE_ID_CHARS
+
+
+def _parse_responses(document: dict[str, Any], model: str, stream: bool) -> ParsedRequest:
+    """POST /v1/responses: `input` (text or items), `instructions`, `max_output_tokens`,
+    `store` and `previous_response_id`, the little of it that routing needs."""
+    if "input" not in document:
+        raise ApiError(400, "'input' is required", param="input")
+    store = document.get("store", True)
+    if not isinstance(store, bool):
+        raise ApiError(400, "'store' must be true or false", param="store")
+    previous = document.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str)
+                                 or not valid_response_id(previous)):
+        raise ApiError(400, "'previous_response_id' must be a response id ('resp_...')",
+                       param="previous_response_id")
+    instructions = document.get("instructions")
+    items = document["input"] if isinstance(document["input"], list) else [document["input"]]
+    # The text of the instructions, then of each input item (a message's content, text
+    # parts): what the engine's prompt starts with, in its order.
+    contents = [instructions if isinstance(instructions, str) else ""] + [
+        item.get("content") if isinstance(item, dict) else item for item in items]
+    chars = sum(_text_chars(content) for content in contents)
+    limit = document.get("max_output_tokens")
+    return ParsedRequest(
+        model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
+        completion_tokens=limit if type(limit) is int and limit >= 0 else None,
+        prefix_keys=prefix_keys_of(contents) if chars >= PREFIX_CHARS else (),
+        previous_response_id=previous, store=store)
 
 
 # Endpoints that name a model but generate nothing (vLLM's pooling, scoring and tokenizer

@@ -16,6 +16,8 @@ def eligible(snapshot: Snapshot, request: RouteRequest, now_s: float) -> list[Wo
     overloaded machine can do while it still serves). Raises NoRoute with a reason a
     client can act on when none is left (`no_route` says which).
     """
+    if request.only_worker is not None:
+        return [the_only_worker(snapshot, request, now_s)]
     serving = snapshot.serving(request.model)
     if not serving:
         raise _no_worker(snapshot, request.model, now_s)
@@ -47,6 +49,28 @@ def eligible(snapshot: Snapshot, request: RouteRequest, now_s: float) -> list[Wo
     if not candidates:
         raise no_route(serving, request, freshness_now)
     return candidates
+
+
+def the_only_worker(snapshot: Snapshot, request: RouteRequest, now_s: float) -> WorkerView:
+    """The one worker that `request` may go to (`only_worker`), if it can take it now:
+    live, serving the model, in an allowed region and not tried yet. Drained or draining,
+    it still takes it: what the request continues exists nowhere else."""
+    view = snapshot.workers.get(request.only_worker or "")
+    model = request.model
+    if view is None or not view.fresh(snapshot.freshness_now(now_s)):
+        raise NoRoute(f"the worker that holds this conversation of the model {model!r} is "
+                      "gone", code="model_unavailable")
+    if model not in view.served:
+        raise NoRoute(f"the worker that holds this conversation does not serve {model!r}",
+                      code="model_unavailable")
+    allowed = request.allowed_regions
+    if allowed is not None and view.region not in allowed:
+        raise NoRoute(f"this conversation is held outside the regions this API key may use "
+                      f"({_regions(request)}); it is not sent there", code="region_unavailable")
+    if view.worker_id in request.exclude or view.heartbeat.state not in _HOLDS_STATE:
+        raise NoRoute(f"the worker that holds this conversation of the model {model!r} "
+                      "cannot take it now")
+    return view
 
 
 def in_allowed_regions(
@@ -91,6 +115,8 @@ def no_route(serving: tuple[WorkerView, ...], request: RouteRequest,
 
 
 _TAKES_REQUESTS = frozenset({LifecycleState.READY, LifecycleState.DEGRADED})
+# A worker that holds stored responses serves requests about them while it runs at all.
+_HOLDS_STATE = _TAKES_REQUESTS | {LifecycleState.DRAINING}
 
 
 def _no_worker(snapshot: Snapshot, model: str, now_s: float) -> NoRoute:

@@ -164,6 +164,8 @@ class PredictedTtft(Policy):
         serves small pools, batch traffic, retries that avoid a region, and any moment
         the health filter has something to filter.
         """
+        if request.only_worker is not None:  # one candidate: the general path's filters
+            return super().pick(snapshot, request)
         ranked = snapshot.ranked.get(request.model)
         health = self.context.health
         quiet = health is None or health.quiet

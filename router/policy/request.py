@@ -42,6 +42,9 @@ class RouteRequest(NamedTuple):
     # The tokens it may generate (max_tokens x n), if it says: what it commits a batch
     # slot to (router.registry.inflight.InFlight.commit).
     completion_tokens: int | None = None
+    # The one worker the request may go to (None: any): the holder of the stored response
+    # it continues (the Responses API's `previous_response_id`), which no other has.
+    only_worker: str | None = None
 
 
 class Decision(NamedTuple):

@@ -39,6 +39,7 @@ from router.proxy.replies import (
     with_headers,
 )
 from router.proxy.request_id import request_id_of
+from router.proxy.responses import ResponsesApi
 from router.proxy.retries import Retries, gave_up, note_failure
 from router.proxy.routing_hints import origin_region, route_request, routing_hints
 from router.proxy.stream import forward_stream
@@ -73,6 +74,7 @@ class Proxy:
     admission: Admission | None = None  # API keys and rate limits; None: neither
     queue: RouterQueue | None = None  # waiting for a worker with room; None: never waits
     propagate_trace: bool = False  # tracing on: workers continue the router's span
+    responses: ResponsesApi | None = None  # stored responses' holders; None: not followed
 
     def __post_init__(self) -> None:
         self._worker_auth = WorkerAuth()
@@ -110,6 +112,9 @@ class Proxy:
                 rate_headers = await admission.admit(principal, parsed, config.auth)  # 403, 429
             origin = origin_region(exchange.headers, self.region, self.config)
             hints = routing_hints(exchange.headers)
+            pinned = (await self.responses.holder_of(parsed, principal)  # 404, 503
+                      if parsed.previous_response_id is not None and self.responses
+                      else None)
         except ApiError as exc:
             return with_headers(api_error_reply(exc), rate_headers, request_id)
         except Exception as exc:
@@ -120,9 +125,15 @@ class Proxy:
         record = RequestRecord(model=parsed.model, kind=kind, stream=parsed.stream,
                                origin_region=origin, received_s=received_s,
                                request_id=request_id)
+        stored = (self.responses.storing(parsed, principal)
+                  if kind == "responses" and self.responses else None)
+        if stored is not None:
+            record.on_first_event = stored.first_event
         try:
             reply = await self._route_and_forward(config, exchange, body, parsed, record,
-                                                  principal, hints, rate_headers)
+                                                  principal, hints, rate_headers, pinned)
+            if stored is not None:
+                await stored.finished(reply, record)  # before the client can ask elsewhere
         except (asyncio.CancelledError, ConnectionError):
             # The client went away: its handler was cancelled (the front, aiohttp), or
             # writing to it failed. Nothing else is a 499.
@@ -146,14 +157,16 @@ class Proxy:
         self, config: GlobalConfig, exchange: Exchange, body: bytes, parsed: ParsedRequest,
         record: RequestRecord, principal: Principal | None,
         hints: tuple[str | None, str, float | None], rate_headers: Mapping[str, str] | None,
+        pinned: str | None = None,
     ) -> Reply:
-        """The routing-and-retry loop: each attempt on a worker not tried yet, at most
-        `max_attempts`; a stream that broke off is continued on the next."""
+        """The routing-and-retry loop: each attempt on a worker not tried yet (only on
+        `pinned`, if given), at most `max_attempts`; a stream that broke off is continued
+        on the next."""
         router_config = config.router
         headers = self._worker_headers(exchange, record)
         record.traffic_class = hints[1]
         record.ttft_budget_ms = hints[2]
-        route = route_request(parsed, record, self.drains.current, principal, hints)
+        route = route_request(parsed, record, self.drains.current, principal, hints, pinned)
         failover = failover_for(router_config, exchange, parsed, body, record.kind)
         retries: Retries | None = None  # made when an attempt fails
         self.retry_budget.request_arrived()
@@ -278,7 +291,7 @@ class Proxy:
         reply = await forward_stream(
             exchange, self.upstreams, target, payload, config.timeouts, answer_headers,
             attempt, config.client_timeouts.stall_s,
-            None if failover is None else failover.transcript)
+            None if failover is None else failover.transcript, record.on_first_event)
         if attempt.error is not None:
             record.error = attempt.error
             log.warning("request %s: stream from %s (%s) ended early: %s",

@@ -53,8 +53,10 @@ def routing_hints(headers: Mapping[str, str]) -> tuple[str | None, str, float | 
 
 def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained,
                   principal: Principal | None,
-                  hints: tuple[str | None, str, float | None]) -> RouteRequest:
-    """What routing knows of the request, for its first attempt."""
+                  hints: tuple[str | None, str, float | None],
+                  only_worker: str | None = None) -> RouteRequest:
+    """What routing knows of the request, for its first attempt (`only_worker`: the one
+    worker it may go to, if any)."""
     session_id, traffic_class, budget_ms = hints
     allowed = None if principal is None else principal.allowed_regions  # data residency
     # `__new__` called directly: `RouteRequest(...)` costs twice as much, as the type's
@@ -72,4 +74,5 @@ def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained
         traffic_class=traffic_class,
         ttft_budget_ms=budget_ms,
         completion_tokens=parsed.completion_tokens,
+        only_worker=only_worker,
     )

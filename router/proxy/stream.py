@@ -120,11 +120,13 @@ async def forward_stream(
     attempt: Attempt,
     client_stall_s: float = 60.0,
     transcript: Transcript | None = None,
+    on_first: Callable[[bytes, Attempt], None] | None = None,
 ) -> Reply:
     """A streaming request, passed through as it arrives without parsing the events
     (`response_headers` are completed for the client). With a `transcript`, what the
     client got is kept and a stream that breaks off raises StreamBroken (the stream left
-    open) instead of ending with an error event."""
+    open) instead of ending with an error event. `on_first` gets the stream's first event
+    before it is passed on."""
     upstream, first, refused = await open_stream(pool, target, payload, timeouts, attempt)
     attempt.first_byte_s = time.monotonic()
     if refused:
@@ -132,6 +134,8 @@ async def forward_stream(
         return Reply(upstream.status, answer_headers(response_headers, upstream, attempt),
                      first)
     attempt.status = 200
+    if on_first is not None:
+        on_first(first, attempt)
     headers = answer_headers(response_headers, upstream, attempt)
     headers["Cache-Control"] = "no-cache"
     await _pass_on(exchange, pool.loop, upstream, timeouts, attempt, client_stall_s, transcript,

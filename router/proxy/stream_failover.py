@@ -26,11 +26,16 @@ from router.proxy.upstream.pool import UpstreamPool
 log = logging.getLogger("globalpool.proxy")
 
 
+# What a continuation can carry on: chat's and completions' streams (a Responses stream's
+# typed events are not rewritten: it ends as without failover).
+_CONTINUED_KINDS = frozenset({"chat", "completions"})
+
+
 def failover_for(config: RouterConfig, exchange: Exchange, parsed: ParsedRequest,
                  body: bytes, kind: str) -> Failover | None:
     """The failover state of a stream that may be continued elsewhere, else None (not a
     stream, switched off for the model or by the client)."""
-    if not parsed.stream or kind == "embeddings":
+    if not parsed.stream or kind not in _CONTINUED_KINDS:
         return None
     settings = config.stream_failover
     if (not settings.enabled or parsed.model in settings.disabled_models

@@ -11,6 +11,10 @@ KIND_BY_PATH = {
     # The Responses API's create; its stored responses (GET, cancel) are served by
     # router.proxy.responses, at the worker that holds each.
     "/v1/responses": "responses",
+    # Audio uploads: a multipart form whose `model` field names the model
+    # (router.core.parse_form).
+    "/v1/audio/transcriptions": "transcription",
+    "/v1/audio/translations": "translation",
     # vLLM's other endpoints that name a model (tests/fixtures/vllm-0.32-cpu-endpoints.json),
     # routed by it like chat; the kinds are router.core.parse.OTHER_KINDS.
     "/v1/rerank": "rerank",

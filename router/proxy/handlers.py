@@ -26,6 +26,7 @@ from router.core.endpoints import KIND_BY_PATH
 from router.core.errors import ApiError, error_response
 from router.core.outcome import Attempt, Observer, RequestRecord
 from router.core.parse import ParsedRequest, parse_body
+from router.core.parse_form import FORM_KINDS, parse_form
 from router.health import Health, RetryBudget
 from router.policy import Decision, NoRoute, Policy, RouteRequest
 from router.proxy.continuation import Failover
@@ -107,7 +108,9 @@ class Proxy:
             if body is None:
                 body = await exchange.read_body(router_config.client_timeouts.body_s)
             kind = KIND_BY_PATH[exchange.path]
-            parsed = parse_body(body, kind, router_config.max_json_depth)
+            parsed = (parse_body(body, kind, router_config.max_json_depth)
+                      if kind not in FORM_KINDS else
+                      parse_form(body, exchange.headers.get("content-type", ""), kind))
             if admission is not None and principal is not None:  # else nothing to check
                 rate_headers = await admission.admit(principal, parsed, config.auth)  # 403, 429
             origin = origin_region(exchange.headers, self.region, self.config)

@@ -11,6 +11,7 @@ KIND_BY_PATH = {
     # The Responses API's create; its stored responses (GET, cancel) are served by
     # router.proxy.responses, at the worker that holds each.
     "/v1/responses": "responses",
+    "/v1/messages": "messages",  # Anthropic's Messages API, as vLLM serves it
     # Audio uploads: a multipart form whose `model` field names the model
     # (router.core.parse_form).
     "/v1/audio/transcriptions": "transcription",

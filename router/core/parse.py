@@ -201,6 +201,8 @@ def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
         prefix_keys = ()
     elif kind == "responses":
         return _parse_responses(document, model, stream)
+    elif kind == "messages":
+        return _parse_messages(document, model, stream)
     else:
         return _parse_other(document, kind, model)
     choices = _choices(document) if "n" in document else 1
@@ -209,6 +211,24 @@ def parse_body(body: bytes, kind: str, max_depth: int = 64) -> ParsedRequest:
         ParsedRequest, model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
         completion_tokens=0 if kind == "embeddings" else _requested_tokens(document, choices),
         prefix_keys=prefix_keys, choices=choices)
+
+
+def _parse_messages(document: dict[str, Any], model: str, stream: bool) -> ParsedRequest:
+    """POST /v1/messages (Anthropic's Messages API, as vLLM serves it): `messages`, the
+    `system` prompt and `max_tokens`, the little of it that routing needs."""
+    messages = document.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' is required and must be a non-empty array",
+                       param="messages")
+    if not all(isinstance(message, dict) for message in messages):
+        raise ApiError(400, "each message must be an object", param="messages")
+    contents = [document.get("system"), *(message.get("content") for message in messages)]
+    chars = sum(_text_chars(content) for content in contents)
+    limit = document.get("max_tokens")
+    return ParsedRequest(
+        model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
+        completion_tokens=limit if type(limit) is int and limit >= 0 else None,
+        prefix_keys=prefix_keys_of(contents) if chars >= PREFIX_CHARS else ())
 
 
 # A response id as OpenAI and vLLM write them (`resp_` and hex or base62): what the router

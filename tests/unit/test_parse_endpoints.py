@@ -20,12 +20,7 @@ ENDPOINTS = json.loads((ROOT / "tests" / "fixtures" / "vllm-0.32-cpu-endpoints.j
 SHAPES = json.loads((ROOT / "tests" / "fixtures" / "vllm-0.32-cpu-shapes.json").read_text())
 
 # Model-naming JSON endpoints of the fixture the router does not route, and why.
-NOT_ROUTED = {
-    "/v1/responses": "the Responses API is another part of issue 23 (stateful: "
-                     "GET/cancel by id must reach the worker that holds the response)",
-    "/v1/messages": "Anthropic's Messages API streams Anthropic-format events; the proxy's "
-                    "stream handling (failover, continuation) reads OpenAI chunks only",
-}
+NOT_ROUTED: dict[str, str] = {}
 
 
 def _model_paths() -> set[str]:
@@ -37,6 +32,20 @@ def test_every_model_naming_json_endpoint_of_real_vllm_is_routed() -> None:
     missing = _model_paths() - set(KIND_BY_PATH) - set(NOT_ROUTED)
     assert not missing, f"vLLM endpoints that name a model but are not routed: {missing}"
     assert set(NOT_ROUTED) <= _model_paths()  # a reason for something vLLM does not have is stale
+
+
+
+def test_every_path_about_a_stored_response_is_routed_with_its_method() -> None:
+    from router.app import RouterSettings, build_app
+    from router.config_loader import parse_config
+    config = parse_config({"apiVersion": "globalpool/v1", "regions": {"r": {"models": ["m"]}}})
+    app = build_app(RouterSettings(config=config, redis_url="redis://127.0.0.1:1/0",
+                                   region="r", heartbeat_keys={}))
+    routes = {(route.method, route.resource.canonical) for route in app.router.routes()
+              if route.resource is not None}
+    stateful = {(e["method"], e["path"]) for e in ENDPOINTS["endpoints"]
+                if "{response_id}" in e["path"]}
+    assert stateful and stateful <= routes
 
 
 def test_the_real_servers_requests_parse_as_it_judged_them() -> None:
@@ -102,3 +111,17 @@ def test_any_json_is_parsed_or_refused_with_a_400(kind: str, body: Any) -> None:
         assert exc.status == 400
     else:
         assert parsed.model == body["model"] and parsed.prompt_tokens >= 1
+
+
+def test_an_anthropic_messages_request_is_parsed_for_routing() -> None:
+    parsed = parse_body(json.dumps({
+        "model": "m", "max_tokens": 32, "stream": True, "system": "s" * 40,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 80}]}],
+    }).encode(), "messages")
+    assert (parsed.model, parsed.stream, parsed.completion_tokens, parsed.prompt_tokens) == (
+        "m", True, 32, 30)
+    for body in (b'{"model": "m", "messages": []}', b'{"model": "m", "messages": ["hi"]}',
+                 b'{"model": "m", "max_tokens": 1}'):
+        with pytest.raises(ApiError) as refused:
+            parse_body(body, "messages")
+        assert refused.value.param == "messages"

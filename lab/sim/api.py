@@ -14,11 +14,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
+from lab.sim.audio import AudioHandlers
 from lab.sim.choices import respond_all, stream_all, submit_all
 from lab.sim.clock import Clock, SystemClock
 from lab.sim.config import SIM_VERSION, SimConfig
@@ -34,9 +34,11 @@ from lab.sim.responses import (
     SSE_CONTENT_TYPE,
     StreamEncoder,
     chat_completion,
+    model_card,
     text_completion,
     usage,
 )
+from lab.sim.responses_api import ResponsesHandlers
 from lab.sim.sequence import FinishReason, Sequence
 
 _MAX_BODY_BYTES = 64 * 1024 * 1024  # long-context benchmarks send prompts of many MB
@@ -54,13 +56,14 @@ class SimHandlers:
         self._config = config
         self._engine = engine
         self._metrics = metrics
-        self._faults = FaultInjector(
+        # Shared with the Responses API's handlers (lab.sim.responses_api).
+        self.faults = FaultInjector(
             FaultKnobs(error_rate=config.error_rate, slow_factor=config.slow_factor), config.seed
         )
         self._created_s = int(time.time())
         # Handlers parked by the `hang` and `misbehave` faults; released at shutdown so that
         # stopping the server does not wait for requests that would never end.
-        self._parked: set[asyncio.Future[None]] = set()
+        self.parked: set[asyncio.Future[None]] = set()
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -82,11 +85,12 @@ class SimHandlers:
         return await self._generate(request, parse_completion, "cmpl-")
 
     async def models(self, request: web.Request) -> web.Response:
-        cards = [self._model_card(name) for name in self._config.served_model_names]
+        cards = [model_card(name, self._created_s, self._config.max_model_len)
+                 for name in self._config.served_model_names]
         return json_response({"object": "list", "data": cards})
 
     async def health(self, request: web.Request) -> web.Response:
-        status = 503 if self._faults.knobs.unhealthy else 200
+        status = 503 if self.faults.knobs.unhealthy else 200
         return web.Response(status=status)
 
     async def version(self, request: web.Request) -> web.Response:
@@ -96,11 +100,11 @@ class SimHandlers:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def get_faults(self, request: web.Request) -> web.Response:
-        return json_response(self._faults.knobs.model_dump())
+        return json_response(self.faults.knobs.model_dump())
 
     async def get_arrivals(self, request: web.Request) -> web.Response:
         """Completion requests read since the knobs last changed (FaultInjector.arrivals)."""
-        return json_response(self._faults.arrivals())
+        return json_response(self.faults.arrivals())
 
     async def set_faults(self, request: web.Request) -> web.StreamResponse:
         """Change the knobs named in the JSON body; answers with all knobs after the change."""
@@ -111,7 +115,7 @@ class SimHandlers:
         if not isinstance(changes, dict):
             return ApiError(HTTPStatus.BAD_REQUEST, "Expected a JSON object of knobs.").response()
         try:
-            knobs = self._faults.update(changes)
+            knobs = self.faults.update(changes)
         except ValidationError as exc:
             return ApiError(HTTPStatus.BAD_REQUEST, str(exc)).response()
         self._engine.slow_factor = knobs.slow_factor
@@ -120,13 +124,13 @@ class SimHandlers:
         return json_response(knobs.model_dump())
 
     async def release_parked(self, app: web.Application) -> None:
-        for waiter in self._parked:
+        for waiter in self.parked:
             waiter.cancel()
 
     async def _crash(self, request: web.Request) -> web.StreamResponse:
         # Send the answer first so the caller knows the crash was on purpose, then die
         # without cleanup, the way a killed GPU server goes.
-        response = json_response(self._faults.knobs.model_dump())
+        response = json_response(self.faults.knobs.model_dump())
         await response.prepare(request)
         await response.write_eof()
         os._exit(1)
@@ -138,13 +142,13 @@ class SimHandlers:
             generation = parse(await request.read(), self._config)
         except ApiError as exc:
             return exc.response()
-        self._faults.arrived()
-        knobs = self._faults.knobs
+        self.faults.arrived()
+        knobs = self.faults.knobs
         if knobs.hang:
-            await self._park()
+            await self.park()
         if knobs.misbehave != "none":
             return await self._misbehave(request, generation, knobs, id_prefix)
-        if self._faults.draw_error():
+        if self.faults.draw_error():
             return ApiError(
                 HTTPStatus.INTERNAL_SERVER_ERROR,
                 "Simulated engine failure (fault knob error_rate).",
@@ -158,10 +162,10 @@ class SimHandlers:
             )
         except QueueFullError as exc:
             refusal = ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
-            if generation.stream and self._faults.knobs.busy_in_stream:
+            if generation.stream and self.faults.knobs.busy_in_stream:
                 return await self._stream_refusal(request, refusal)
             return refusal.response()
-        cut_after = self._faults.draw_mid_stream_cut()
+        cut_after = self.faults.draw_mid_stream_cut()
         try:
             if generation.stream:
                 return await self._stream(request, generation, seq, cut_after)
@@ -177,7 +181,7 @@ class SimHandlers:
         try:
             request_id, seqs = submit_all(self._engine, generation, id_prefix)
         except ApiError as refusal:
-            if generation.stream and self._faults.knobs.busy_in_stream:
+            if generation.stream and self.faults.knobs.busy_in_stream:
                 return await self._stream_refusal(request, refusal)
             return refusal.response()
         try:
@@ -200,7 +204,7 @@ class SimHandlers:
         except QueueFullError:
             seq = None  # a full engine: the answer goes wrong all the same
         try:
-            return await WrongAnswer(request, generation, knobs, self._park).play(knobs.misbehave)
+            return await WrongAnswer(request, generation, knobs, self.park).play(knobs.misbehave)
         finally:
             if seq is not None:
                 self._engine.abort(seq)
@@ -213,16 +217,16 @@ class SimHandlers:
         await response.write_eof()
         return response
 
-    async def _park(self, timeout_s: float | None = None) -> None:
+    async def park(self, timeout_s: float | None = None) -> None:
         """Wait until released at shutdown (CancelledError), or `timeout_s` has passed."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         timer = None if timeout_s is None else loop.call_later(timeout_s, _wake, waiter)
-        self._parked.add(waiter)
+        self.parked.add(waiter)
         try:
             await waiter
         finally:
-            self._parked.discard(waiter)
+            self.parked.discard(waiter)
             if timer is not None:
                 timer.cancel()
 
@@ -320,33 +324,6 @@ class SimHandlers:
         if transport is not None:
             transport.abort()
 
-    def _model_card(self, name: str) -> dict[str, Any]:
-        return {
-            "id": name,
-            "object": "model",
-            "created": self._created_s,
-            "owned_by": "vllm",
-            "root": name,
-            "parent": None,
-            "max_model_len": self._config.max_model_len,
-            "permission": [
-                {
-                    "id": f"modelperm-{uuid.uuid4().hex}",
-                    "object": "model_permission",
-                    "created": self._created_s,
-                    "allow_create_engine": False,
-                    "allow_sampling": True,
-                    "allow_logprobs": True,
-                    "allow_search_indices": False,
-                    "allow_view": True,
-                    "allow_fine_tuning": False,
-                    "organization": "*",
-                    "group": None,
-                    "is_blocking": False,
-                }
-            ],
-        }
-
 
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
@@ -387,6 +364,10 @@ def build_app(config: SimConfig, *, clock: Clock | None = None) -> web.Applicati
     app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_json_not_found])
     app.add_routes(handlers.routes())
     app.add_routes(PoolingHandlers(config, engine).routes())
+    app.add_routes(AudioHandlers(config, engine).routes())
+    responses = ResponsesHandlers(config, engine, handlers.faults, handlers.park)
+    app.add_routes(responses.routes())
     app.cleanup_ctx.append(run_engine)
     app.on_shutdown.append(handlers.release_parked)
+    app.on_shutdown.append(responses.stop_background)
     return app

@@ -47,6 +47,10 @@ class SimConfig:
     """Initial value of the `error_rate` fault knob."""
     slow_factor: float = 1.0
     """Initial value of the `slow_factor` fault knob."""
+    responses_store_max: int = 10_000
+    """Responses API objects kept in memory for GET, cancel and previous_response_id (the
+    newest; vLLM with VLLM_ENABLE_RESPONSES_API_STORE=1 keeps all). 0: none, as vLLM by
+    default: `store` is ignored and `background` refused."""
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -74,6 +78,8 @@ class SimConfig:
             found.append("error_rate: must be between 0 and 1")
         if self.slow_factor <= 0:
             found.append("slow_factor: must be > 0")
+        if self.responses_store_max < 0:
+            found.append("responses_store_max: must be >= 0")
         # vLLM refuses to start when one sequence of max_model_len cannot fit in the KV
         # cache; without this check a long request could wait forever in the queue.
         if self.max_model_len > self.kv_blocks * self.block_size:

@@ -34,17 +34,22 @@ _TYPES = {
 class ApiError(Exception):
     """A request that gets an error response instead of a completion."""
 
-    def __init__(self, status: HTTPStatus, message: str, param: str | None = None) -> None:
+    def __init__(self, status: HTTPStatus, message: str, param: str | None = None, *,
+                 error_type: str | None = None) -> None:
+        """`error_type` overrides the name derived from the status (the Responses API
+        says "invalid_request_error" for its unknown ids and refused cancels)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.error_type = error_type
 
     def body(self) -> dict[str, Any]:
         return {
             "error": {
                 "message": self.message,
-                "type": _TYPES.get(self.status, self.status.phrase.replace(" ", "")),
+                "type": self.error_type
+                or _TYPES.get(self.status, self.status.phrase.replace(" ", "")),
                 "param": self.param,
                 "code": int(self.status),
             }

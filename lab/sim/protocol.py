@@ -21,25 +21,27 @@ from lab.sim.tokens import Prompt, prompt_from_text, prompt_from_token_ids
 MAX_CHOICES = 128
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
+    """A request body model that keeps fields it does not name (vLLM accepts them)."""
+
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool | None = False
 
 
-class _ContentPart(_Lenient):
+class _ContentPart(Lenient):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: str
     content: str | list[_ContentPart] | None = None
 
 
-class _CommonRequest(_Lenient):
+class _CommonRequest(Lenient):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     stream: bool | None = False
@@ -57,7 +59,7 @@ class CompletionRequest(_CommonRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
 
 
-RequestT = TypeVar("RequestT", bound=_CommonRequest)
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +77,7 @@ class GenerationRequest:
 
 
 def parse_chat(body: bytes, config: SimConfig) -> GenerationRequest:
-    request = _validate(ChatRequest, body)
+    request = validate_body(ChatRequest, body)
     parts: list[str] = []
     for message in request.messages:
         if isinstance(message.content, str):
@@ -89,7 +91,7 @@ def parse_chat(body: bytes, config: SimConfig) -> GenerationRequest:
 
 
 def parse_completion(body: bytes, config: SimConfig) -> GenerationRequest:
-    request = _validate(CompletionRequest, body)
+    request = validate_body(CompletionRequest, body)
     single = _single_prompt(request.prompt)
     if isinstance(single, str):
         prompt = prompt_from_text(single, config.block_size, config.seed)
@@ -117,7 +119,8 @@ def _single_prompt(raw: str | list[int] | list[str] | list[list[int]]) -> str | 
     )
 
 
-def _validate(model: type[RequestT], body: bytes) -> RequestT:
+def validate_body(model: type[RequestT], body: bytes) -> RequestT:
+    """The JSON body as `model`, or ApiError(400) naming the fields that are wrong."""
     try:
         payload: Any = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -8,6 +8,7 @@ chunks are built from a prefix and suffix fixed per request, so that a token cos
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, Literal
 
 DONE = b"data: [DONE]\n\n"
@@ -141,3 +142,32 @@ class StreamEncoder:
             }
         )
         return ("data: " + self._head + '"choices":[],"usage":' + body + "}\n\n").encode()
+
+
+def model_card(name: str, created_s: int, max_model_len: int) -> dict[str, Any]:
+    """One model of GET /v1/models."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": created_s,
+        "owned_by": "vllm",
+        "root": name,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [
+            {
+                "id": f"modelperm-{uuid.uuid4().hex}",
+                "object": "model_permission",
+                "created": created_s,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
+    }

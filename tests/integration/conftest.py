@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import pytest
 
 from lab.sim.config import SimConfig
@@ -33,6 +34,18 @@ async def start_sim() -> AsyncIterator[StartSim]:
     yield start
     for server in servers:
         await server.stop()
+
+
+@pytest.fixture
+async def sim(start_sim: StartSim) -> SimServer:
+    """One simulator with FAST timings."""
+    return await start_sim()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ import pytest
 from openai import AsyncOpenAI
 
 from lab.sim.server import SimServer
-from tests.integration.conftest import StartSim
 
 pytestmark = pytest.mark.integration
 
@@ -22,17 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPES = json.loads((ROOT / "tests" / "fixtures" / "vllm-0.32-cpu-shapes.json").read_text())
 REAL = {(case["path"], json.dumps(case["request"], sort_keys=True)): case
         for runner in ("generate_runner", "pooling_runner") for case in SHAPES[runner]}
-
-
-@pytest.fixture
-async def sim(start_sim: StartSim) -> SimServer:
-    return await start_sim()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 def _shape(value: Any) -> Any:

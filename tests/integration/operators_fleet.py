@@ -78,7 +78,10 @@ class OpsFleet:
     async def start(self, workers: Mapping[str, str], *, replicas: int = 1,
                     config: Mapping[str, Any] | None = None,
                     tracer_provider: TracerProvider | None = None,
+                    replica_regions: tuple[str, ...] = (),
                     **sim_changes: Any) -> None:
+        """`replicas` router apps (in the regions `replica_regions` names, in order; else
+        us-east) in front of one simulator per worker."""
         self._publisher = HeartbeatPublisher(connect(self.redis_url),
                                              HeartbeatKeys(self.key_prefix))
         for index, (worker_id, region) in enumerate(workers.items()):
@@ -87,10 +90,11 @@ class OpsFleet:
             self.regions[worker_id] = region
             await self.publish(worker_id)
         self.write_config(config or fleet_config(self.redis_url, self.key_prefix))
-        for _ in range(replicas):
+        for number in range(replicas):
             settings = RouterSettings(
                 config=load_config(self.config_path), redis_url=self.redis_url,
-                region="us-east", seed=1, config_path=self.config_path,
+                region=replica_regions[number] if replica_regions else "us-east", seed=1,
+                config_path=self.config_path,
                 tracer_provider=tracer_provider)
             app = build_app(settings)
             runner = web.AppRunner(app, handler_cancellation=True)

@@ -135,3 +135,25 @@ async def test_n_choices_pass_through_the_router_whole_and_streamed(
         indexes = {choice.index async for chunk in stream for choice in chunk.choices}
     assert [choice.index for choice in whole.choices] == [0, 1]
     assert indexes == {0, 1}
+
+
+async def test_the_openai_client_transcribes_and_translates_through_the_router(
+        fleet_factory: FleetFactory) -> None:
+    fleet = await fleet_factory(WORKERS)
+    audio = b"RIFF" + bytes(range(256)) * 64  # binary, with CR LF and dashes inside
+    async with AsyncOpenAI(base_url=fleet.router_url + "/v1", api_key="unused",
+                           max_retries=0) as client:
+        heard = await client.audio.transcriptions.with_raw_response.create(
+            model="m", file=("a.wav", audio, "audio/wav"), language="en")
+        said = await client.audio.translations.create(model="m", file=("a.wav", audio))
+        with pytest.raises(openai.NotFoundError):
+            await client.audio.transcriptions.create(model="nobody", file=("a.wav", audio))
+    assert heard.headers["x-globalpool-worker"] in WORKERS
+    assert heard.parse().text and said.text
+    async with aiohttp.ClientSession() as session:
+        form = aiohttp.FormData()
+        form.add_field("file", audio, filename="a.wav")
+        async with session.post(fleet.router_url + "/v1/audio/transcriptions",
+                                data=form) as response:
+            assert response.status == 400  # no model field: nothing to route by
+            assert (await response.json())["error"]["param"] == "model"

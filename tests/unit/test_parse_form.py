@@ -66,7 +66,8 @@ def test_an_ambiguous_or_malformed_form_is_a_400(body: bytes, content_type: str,
 
 async def aiohttp_reads(body: bytes, content_type: str) -> dict[str, bytes]:
     """What aiohttp's multipart parser reads from the same bytes: field -> value."""
-    stream = StreamReader(_Protocol(), 2 ** 16, loop=asyncio.get_running_loop())
+    stream = StreamReader(_Protocol(), 2 ** 16,  # type: ignore[arg-type]
+                          loop=asyncio.get_running_loop())
     stream.feed_data(body)
     stream.feed_eof()
     reader = MultipartReader({"Content-Type": content_type}, stream)

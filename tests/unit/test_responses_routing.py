@@ -152,6 +152,7 @@ async def test_a_record_written_by_someone_with_redis_access_is_not_believed(
     attacker = connect(redis_url)
     await store.record("resp_1", HOLDER)
     genuine = await attacker.get(store.key("resp_1"))
+    assert isinstance(genuine, bytes)
     fields = json.loads(genuine)
     # moved to another worker, given to another tenant, copied under another id, unsigned,
     # signed with a key the router does not have, and not a record at all

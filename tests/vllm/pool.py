@@ -4,7 +4,8 @@ with a real Valkey and a real router in front: what a user runs, on loopback.
 Region i's vLLM listens on 127.0.i.1 and is pinned to core i-1 (the machine has two);
 caches and TMPDIR live under the test's work folder. The settings below were measured on
 this machine kind (see issue 3): a 64 MiB KV cache, ~1.4-1.7 GiB and ~20-60 s to healthy
-per server.
+per server. A test may start more servers (`start_agent` with a name of its own, e.g. a
+pooling-runner one for embeddings), each on its own loopback address.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from worker.supervisor import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
+# The same model under the pooling runner (EMBED_ARGS), when a test starts such a server.
+EMBED_MODEL = "tiny-embed"
 MAX_NUM_SEQS = 16
 # Long enough that 16 requests of ~2000 tokens keep a CPU vLLM's queue full for seconds
 # (the model has 2048 positions; 2048 tokens of KV cache are 2 MiB of the 64).
@@ -55,23 +58,43 @@ START_TIMEOUT_S = 300.0
 # test's whole process tree: a busy engine would starve its agent's probes and heartbeats
 # for seconds (heartbeats go stale, which is not what these tests are about).
 ENGINE_NICENESS = 10
+# What the generate-runner servers need beyond the defaults. vLLM 0.32 answers
+# tool_choice "required" or a named function with a 400 ("... requires --tool-call-parser
+# to be set") unless a tool parser is configured, and it configures one only together with
+# --enable-auto-tool-choice. Any parser that keeps `supports_required_and_named` works:
+# vLLM then constrains the output to the tools' JSON schema itself; "pythonic" needs no
+# special tokens in the tokenizer. Without disable_any_whitespace, the random-weight model
+# fills the allowed JSON whitespace for hundreds of tokens (measured: "required" calls cut
+# at 200 tokens, still open).
+GENERATE_ARGS = (
+    "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+    "--structured-outputs-config",
+    json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+)
+# The same tiny model under the pooling runner: /v1/embeddings instead of generation.
+EMBED_ARGS = ("--convert", "embed")
 
 
-def vllm_command(python: Path, model_dir: Path, host: str, port: int) -> list[str]:
+def vllm_command(python: Path, model_dir: Path, host: str, port: int, *,
+                 served_name: str = MODEL, engine_args: tuple[str, ...] = GENERATE_ARGS,
+                 ) -> list[str]:
     """The engine command after `globalpool worker --launch --`."""
     return [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", MODEL,
+        "--model", str(model_dir), "--served-model-name", served_name,
         "--host", host, "--port", str(port),
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-queued-reqs", str(MAX_UNFINISHED),
         "--enable-prefix-caching", "--enforce-eager",
         "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
+        *engine_args,
     ]
 
 
 def vllm_environment(work: Path, index: int) -> dict[str, str]:
-    """What each server needs on a CPU machine without network (issue 3, measured)."""
+    """What each server needs on a CPU machine without network (issue 3, measured).
+    Server `index` is pinned to core index mod the machine's cores; it stores the
+    Responses API's answers (vLLM keeps none without VLLM_ENABLE_RESPONSES_API_STORE)."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     cache = work / f"cache-{index}"
     tmp = work / f"tmp-{index}"
@@ -86,7 +109,8 @@ def vllm_environment(work: Path, index: int) -> dict[str, str]:
         "VLLM_CACHE_ROOT": str(cache / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
         "TMPDIR": str(tmp),
-        "VLLM_CPU_OMP_THREADS_BIND": str(index),  # one core each
+        "VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1)),  # one core each
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         "PYTHONPATH": str(ROOT),
     })
     return env
@@ -200,11 +224,16 @@ class RealPool:
         self.routers.append(router)
         self.wait_router_sees(self.router_url, len(REGIONS))
 
-    def start_agent(self, region: str, index: int) -> Agent:
+    def start_agent(self, region: str, index: int, *, name: str | None = None,
+                    served_name: str = MODEL, engine_args: tuple[str, ...] = GENERATE_ARGS,
+                    ) -> Agent:
+        """Launch server `index` (on 127.0.<index+1>.1) in `region`, known in `agents` by
+        `name` (default: the region); does not wait for it to be ready."""
+        name = name or region
         host = f"127.0.{index + 1}.1"
         port = free_port(host)
-        log_path = self.work / f"agent-{region}.log"
-        engine_log = self.work / f"vllm-{region}.log"
+        log_path = self.work / f"agent-{name}.log"
+        engine_log = self.work / f"vllm-{name}.log"
         argv = [
             sys.executable, "-m", "worker.cli", "--region", region,
             "--redis-url", self.redis_url, "--key-prefix", self.key_prefix,
@@ -214,7 +243,8 @@ class RealPool:
             "--max-restart-backoff-s", "2", "--stop-timeout-s", "20",
             "--engine-log", str(engine_log),
             "--engine-nice", str(ENGINE_NICENESS),
-            "--launch", "--", *vllm_command(self.vllm_python, self.model_dir, host, port),
+            "--launch", "--", *vllm_command(self.vllm_python, self.model_dir, host, port,
+                                            served_name=served_name, engine_args=engine_args),
         ]
         with log_path.open("ab") as log:
             # die_with_parent: a test run that is killed still drains and stops the agents.
@@ -223,8 +253,16 @@ class RealPool:
                                        env={**vllm_environment(self.work, index),
                                             **self.signing_env})
         agent = Agent(region, host, port, process, log_path, engine_log, time.monotonic())
-        self.agents[region] = agent
+        self.agents[name] = agent
         return agent
+
+    def stop_agent(self, name: str) -> list[int]:
+        """Stop one agent (it drains and stops its vLLM); the PIDs of its that are left.
+        It stays in `agents`, so that `stop()` checks its processes again."""
+        agent = self.agents[name]
+        agent.engine_tree()
+        _terminate(agent.process, 120)
+        return sorted(pid for pid in {agent.process.pid, *agent.seen_pids} if alive(pid))
 
     def start_router(self, *extra: str, queue: bool = True
                      ) -> tuple[str, subprocess.Popen[bytes]]:
@@ -253,9 +291,8 @@ class RealPool:
         """Routers, then agents (they drain and stop their vLLM). Returns leftover PIDs."""
         for router in self.routers:
             _terminate(router, 10)
-        for agent in self.agents.values():
-            agent.engine_tree()
-            _terminate(agent.process, 120)
+        for name in self.agents:
+            self.stop_agent(name)
         self._redis.close()
         seen = {pid for agent in self.agents.values() for pid in agent.seen_pids}
         seen |= {agent.process.pid for agent in self.agents.values()}
@@ -275,7 +312,10 @@ class RealPool:
                                     "total_s": 240}, **router},
             "heartbeat": {"interval_s": HEARTBEAT_INTERVAL_S, "ttl_s": HEARTBEAT_TTL_S},
             "regions": {
-                "us-east": {"rtt_ms": {"us-east": 1, "eu-west": 80}, "models": [MODEL]},
+                # A region's models are an allow-list: the router drops the heartbeats
+                # of a worker serving another (model_not_listed).
+                "us-east": {"rtt_ms": {"us-east": 1, "eu-west": 80},
+                            "models": [MODEL, EMBED_MODEL]},
                 "eu-west": {"rtt_ms": {"eu-west": 1}, "models": [MODEL]},
             },
         }
@@ -283,23 +323,24 @@ class RealPool:
 
     # -- observing -----------------------------------------------------------------------
 
-    def heartbeat(self, region: str) -> Heartbeat | None:
-        raw = self._redis.get(self.keys.worker(self.agents[region].worker_id))
+    def heartbeat(self, name: str) -> Heartbeat | None:
+        """The stored heartbeat of agent `name` (a region, unless started with a name)."""
+        raw = self._redis.get(self.keys.worker(self.agents[name].worker_id))
         return None if raw is None else Heartbeat.from_json(raw)
 
-    def wait_for_state(self, region: str, state: LifecycleState, timeout_s: float = 30.0,
+    def wait_for_state(self, name: str, state: LifecycleState, timeout_s: float = 30.0,
                        ) -> Heartbeat:
-        agent = self.agents[region]
+        agent = self.agents[name]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            beat = self.heartbeat(region)
+            beat = self.heartbeat(name)
             if beat is not None and beat.state is state:
                 return beat
             if agent.process.poll() is not None:
-                raise AssertionError(f"agent {region} exited with {agent.process.returncode}:\n"
+                raise AssertionError(f"agent {name} exited with {agent.process.returncode}:\n"
                                      f"{_tail(agent.log_path)}\n{_tail(agent.engine_log_path)}")
             time.sleep(0.05)
-        raise AssertionError(f"{region} not {state.value} within {timeout_s:g} s:\n"
+        raise AssertionError(f"{name} not {state.value} within {timeout_s:g} s:\n"
                              f"{_tail(agent.log_path)}\n{_tail(agent.engine_log_path)}")
 
     def wait_router_sees(self, url: str, workers: int, *,

@@ -248,6 +248,11 @@ def _parse_responses(document: dict[str, Any], model: str, stream: bool) -> Pars
     `store` and `previous_response_id`, the little of it that routing needs."""
     if "input" not in document:
         raise ApiError(400, "'input' is required", param="input")
+    if "request_id" in document:
+        # vLLM names the response by it: a client could take another's id (its record,
+        # or the stored response itself on the same engine).
+        raise ApiError(400, "'request_id' is not accepted: the engine names each response",
+                       param="request_id")
     store = document.get("store", True)
     if not isinstance(store, bool):
         raise ApiError(400, "'store' must be true or false", param="store")

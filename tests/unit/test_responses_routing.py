@@ -54,6 +54,7 @@ def test_a_create_is_parsed_for_routing() -> None:
     ({"model": "m", "input": "x", "previous_response_id": "r" * 129}, "previous_response_id"),
     ({"model": "m", "input": "x", "previous_response_id": ""}, "previous_response_id"),
     ({"input": "x"}, "model"),
+    ({"model": "m", "input": "x", "request_id": "resp_someone_elses"}, "request_id"),
 ])
 def test_a_malformed_create_is_a_400_naming_the_field(document: object, param: str) -> None:
     with pytest.raises(ApiError) as refused:

@@ -34,6 +34,7 @@ from http import HTTPStatus
 from typing import Any, Literal
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from lab.sim.config import SimConfig
 from lab.sim.engine import Engine, QueueFullError
@@ -85,7 +86,11 @@ class AudioHandlers:
 
     async def _serve(self, request: web.Request, task: Task) -> web.StreamResponse:
         try:
-            form = await request.post()
+            try:
+                form = await request.post()
+            except (ValueError, HttpProcessingError) as exc:  # a form FastAPI refuses
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"There was an error parsing the "
+                               f"body: {type(exc).__name__}") from None
             data, model = self._read_form(form)
             seconds = audio_seconds(data)
             seq = self._submit(data, seconds)

@@ -95,3 +95,17 @@ async def test_refusals(sim: SimServer, http: aiohttp.ClientSession,
         body = await response.json()
     assert response.status == status and body["error"]["code"] == status
     assert body["error"]["param"] == param
+
+
+async def test_a_form_with_a_malformed_part_header_is_a_400(
+        sim: SimServer, http: aiohttp.ClientSession) -> None:
+    """(schemathesis found it through the router: a part named with control and non-UTF-8
+    bytes made aiohttp's form reader raise, and the simulator answered 500)"""
+    boundary = "b0undary"
+    body = (b"--b0undary\r\nContent-Disposition: form-data; name=\"\xf3\xa2\x14a\"\r\n\r\nx\r\n"
+            b"--b0undary\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n"
+            b"--b0undary--\r\n")
+    async with http.post(f"{sim.url}/v1/audio/transcriptions", data=body, headers={
+            "Content-Type": f"multipart/form-data; boundary={boundary}"}) as response:
+        assert response.status == 400
+        assert (await response.json())["error"]["message"]

@@ -179,3 +179,29 @@ def test_up_printed_what_runs_where(up: RunningUp) -> None:
     assert "curl" in output and "from openai import OpenAI" in output
     for child in up.children():
         assert str(child["pid"]) in output
+
+
+def test_the_openai_clients_other_calls_work_against_up(up: RunningUp) -> None:
+    """The surface beyond chat with the unchanged client: a Responses conversation
+    continued and retrieved as a client in another region, embeddings, a model card, an
+    audio transcription."""
+    east, west = client(up), client(up, "ap-south")
+    first = east.responses.with_raw_response.create(model="tiny-llama", input="Hello",
+                                                    max_output_tokens=8)
+    holder = first.headers["x-globalpool-worker"]
+    assert holder.startswith("us-east-")
+    answer = first.parse()
+    follow = west.responses.with_raw_response.create(
+        model="tiny-llama", input="and then?", previous_response_id=answer.id,
+        max_output_tokens=4)
+    assert follow.headers["x-globalpool-worker"] == holder  # not ap-south's own workers
+    assert follow.parse().previous_response_id == answer.id
+    assert west.responses.retrieve(answer.id).output_text == answer.output_text
+    with pytest.raises(openai.NotFoundError):
+        west.responses.retrieve("resp_0000000000000000")
+    vectors = west.embeddings.create(model="tiny-llama", input=["a", "b"])
+    assert len(vectors.data) == 2 and vectors.data[0].embedding
+    assert east.models.retrieve("tiny-coder").id == "tiny-coder"
+    heard = east.audio.transcriptions.create(model="tiny-llama",
+                                             file=("a.wav", b"RIFF" + bytes(4096), "audio/wav"))
+    assert heard.text

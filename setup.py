@@ -43,6 +43,7 @@ COMPILED_MODULES = [
     "router/proxy/front_exchange.py",
     "router/proxy/front_head.py",
     "router/proxy/handlers.py",
+    "router/proxy/hedging.py",
     "router/proxy/replies.py",
     "router/proxy/retries.py",
     "router/proxy/routing_hints.py",

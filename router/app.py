@@ -28,6 +28,7 @@ from router.core.errors import openai_errors
 from router.core.stats import SecurityStats
 from router.health import BreakerPolicy, Health, RetryBudget
 from router.policy import RoutingContext, create_policy
+from router.proxy import catalog
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
 from router.proxy.handlers import Proxy
 from router.proxy.responses import RESPONSES_PATH, ResponsesApi
@@ -133,15 +134,15 @@ async def _inference(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
-    return await request.app[PROXY].models(request)
+    return await catalog.models(request.app[PROXY], request)
 
 
 async def _model(request: web.Request) -> web.Response:
-    return await request.app[PROXY].model(request, request.match_info["model_id"])
+    return await catalog.model(request.app[PROXY], request, request.match_info["model_id"])
 
 
 async def _health(request: web.Request) -> web.Response:
-    return await request.app[PROXY].health_check(request)
+    return await catalog.health_check(request.app[PROXY], request)
 
 
 async def _ready(request: web.Request) -> web.Response:

@@ -141,6 +141,34 @@ class StreamFailoverConfig(_Strict):
         "with an error event when their worker fails, as without failover")
 
 
+class HedgingConfig(_Strict):
+    """Hedged first tokens (router.proxy.hedging): a stream with no first token after a
+    delay is sent again to the next-best worker; the first to answer is kept, the other
+    aborted."""
+
+    classes: list[Literal["interactive", "batch"]] = Field(
+        default_factory=list, description="traffic classes whose streams are hedged (none "
+        "by default: a client opts in per request with the header `x-globalpool-hedge: on`, "
+        "or out with `off`)")
+    max_fraction: float = Field(
+        default=0.05, ge=0.0, le=1.0, description="at most this share of the streams that "
+        "may be hedged is hedged (each hedge is extra engine work: the copy's prefill, "
+        "until one of the two answers)")
+    quantile: float = Field(
+        default=0.9, gt=0.0, lt=1.0, description="the hedge is sent when no first token came "
+        "within the predicted TTFT times this quantile of recent measured/predicted TTFTs")
+    min_delay_ms: float = Field(
+        default=50.0, ge=0.0, description="never hedge sooner than this after sending")
+    max_delay_ms: float = Field(
+        default=3_000.0, gt=0.0, description="never wait longer than this before hedging")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> HedgingConfig:
+        if self.min_delay_ms > self.max_delay_ms:
+            raise ValueError("min_delay_ms is more than max_delay_ms")
+        return self
+
+
 class ResponsesConfig(_Strict):
     """The Responses API's stored responses: each replica records in Redis which worker
     holds each one (router.registry.response_store)."""
@@ -201,6 +229,7 @@ class RouterConfig(_Strict):
     )
     client_timeouts: ClientTimeouts = ClientTimeouts()
     stream_failover: StreamFailoverConfig = StreamFailoverConfig()
+    hedging: HedgingConfig = HedgingConfig()
     responses: ResponsesConfig = ResponsesConfig()
 
 

@@ -134,6 +134,7 @@ class Operations:
         self._fleet = FleetCollector(
             snapshots=snapshots, configs=self.configs, drains=self.drains, inflight=inflight,
             health=proxy.health, retry_budget=proxy.retry_budget,
+            hedge_budget=proxy.hedges.budget,
             queue=proxy.queue.backlog if proxy.queue is not None else None,
             upstream_stats=proxy.upstreams.stats, heartbeat_counts=heartbeat_counts,
             heartbeat_upkeep=heartbeat_upkeep, background=background)

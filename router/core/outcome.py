@@ -100,6 +100,11 @@ class Attempt:
     # instructions per streamed request (`globalpool bench-instructions`).
     stream_gaps: int = 0
     stream_ended_s: float | None = None
+    # Hedged streams (router.proxy.hedging): the wait before the copy (`reason` "hedge")
+    # was sent; `outrun`: the other copy answered first and this one was cancelled (its
+    # wait is a lower bound of its TTFT).
+    hedge_delay_s: float | None = None
+    outrun: bool = False
 
     @property
     def ttfb_s(self) -> float | None:

@@ -113,13 +113,17 @@ class RegionPenalties:
         self._gap_s = sampled * REFRESH_S_PER_WORKER if sampled > 100 else 0.0
 
     def learn(self, attempt: Attempt, now_s: float, *, router_delay_s: float = 0.0,
-              engine_ttft_ms: float | None = None) -> None:
+              engine_ttft_ms: float | None = None, ttfb_s: float | None = None,
+              lower_bound: bool = False) -> None:
         """Take in how far `attempt`'s first byte missed what its path and its engine
         explain. `router_delay_s`: how long this router's event loop could not run while
         the attempt waited (taken off; more than half the wait, and nothing is learnt);
         `engine_ttft_ms`: the worker's own recent mean TTFT, from its heartbeat (None:
-        not reported)."""
-        ttfb_s = attempt.ttfb_s
+        not reported); `ttfb_s`: the wait to learn, if not the attempt's first byte;
+        `lower_bound`: it is only known to be at least that (a hedged copy outrun), so it
+        can raise what is learnt, never lower it."""
+        if ttfb_s is None:
+            ttfb_s = attempt.ttfb_s
         if ttfb_s is None or not attempt.streamed:
             return  # a non-streaming answer's first byte is its last: not a TTFT
         if router_delay_s > 0.5 * ttfb_s:
@@ -138,6 +142,8 @@ class RegionPenalties:
         excess = (ttfb_s - router_delay_s) * 1000.0 - expected_ms
         workers = self._excess_ms.setdefault(attempt.region, {})
         previous = workers.get(attempt.worker_id)
+        if lower_bound and (excess <= 0.0 or (previous is not None and excess <= previous[0])):
+            return
         ewma = excess if previous is None else (
             0.8 * previous[0] * 0.5 ** ((now_s - previous[1]) / self._half_life_s) + 0.2 * excess)
         workers[attempt.worker_id] = (ewma, now_s)

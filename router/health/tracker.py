@@ -156,7 +156,7 @@ class Health:
                 breaker = self._breakers.get(attempt.worker_id)
                 if breaker is not None:
                     breaker.probe_abandoned()
-                if attempt.first_byte_s is not None:
+                if attempt.first_byte_s is not None or attempt.outrun:
                     self._learn_latency(attempt, now_s)
                 return
             breaker = self._breakers.get(attempt.worker_id)
@@ -194,10 +194,17 @@ class Health:
             return
         view = self._views().get(attempt.worker_id)
         first_byte_s = attempt.first_byte_s
+        if first_byte_s is None and attempt.outrun:
+            # A hedged copy answered first: this one waited so long at least (a lower
+            # bound, else a slow region whose copies are always outrun is never learnt).
+            first_byte_s = attempt.finished_s
         delay_s = 0.0 if first_byte_s is None else min(
             self.loop_lag.around(first_byte_s), first_byte_s - attempt.started_s)
         self._penalties.learn(attempt, now_s, router_delay_s=delay_s,
-                              engine_ttft_ms=None if view is None else view.ttft_ms)
+                              engine_ttft_ms=None if view is None else view.ttft_ms,
+                              ttfb_s=None if first_byte_s is None
+                              else first_byte_s - attempt.started_s,
+                              lower_bound=attempt.outrun)
 
     def _workers_per_region(self) -> dict[str, int]:
         """Workers per region in the current fleet view, counted once per view."""

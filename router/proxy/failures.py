@@ -24,7 +24,11 @@ class UpstreamFailure(Exception):
 
     `message` may be shown to the client: it names no address and quotes nothing the
     worker sent. `detail` (for logs and traces) adds what the worker or the socket said.
+    `attempt`: the attempt that failed, when it is not the one the caller sent (a hedged
+    stream's copy that answered, router.proxy.hedging).
     """
+
+    attempt: Attempt | None = None
 
     def __init__(
         self,

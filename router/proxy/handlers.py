@@ -15,15 +15,13 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-
 from router.admission.gate import Admission
 from router.admission.queue import QueueFull, RouterQueue
 from router.auth.keys import Principal
 from router.config import GlobalConfig, RouterConfig
 from router.config_reload import ConfigHolder
 from router.core.endpoints import KIND_BY_PATH
-from router.core.errors import ApiError, error_response
+from router.core.errors import ApiError
 from router.core.outcome import Attempt, Observer, RequestRecord
 from router.core.parse import ParsedRequest, parse_body
 from router.core.parse_form import FORM_KINDS, parse_form
@@ -32,6 +30,7 @@ from router.policy import Decision, NoRoute, Policy, RouteRequest
 from router.proxy.continuation import Failover
 from router.proxy.exchange import Exchange, Reply, api_error_reply
 from router.proxy.failures import StreamBroken, UpstreamFailure
+from router.proxy.hedging import HEDGE_HEADER, Hedge, Hedges, Opened, hedge_wanted
 from router.proxy.replies import (
     internal_error,
     no_route_reply,
@@ -43,10 +42,9 @@ from router.proxy.request_id import request_id_of
 from router.proxy.responses import ResponsesApi
 from router.proxy.retries import Retries, gave_up, note_failure
 from router.proxy.routing_hints import origin_region, route_request, routing_hints
-from router.proxy.stream import forward_stream
+from router.proxy.stream import forward_stream, open_stream
 from router.proxy.stream_failover import continue_broken_stream, failover_for, stream_ended
-from router.proxy.targets import Target, target_of, upstream_headers
-from router.proxy.trace_context import inject_current_trace
+from router.proxy.targets import Target, target_of, worker_headers
 from router.proxy.unary import forward_unary
 from router.proxy.upstream.pool import UpstreamPool
 from router.proxy.worker_auth import WorkerAuth
@@ -55,7 +53,6 @@ from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder
 
 log = logging.getLogger("globalpool.proxy")
-
 
 
 @dataclass
@@ -79,6 +76,7 @@ class Proxy:
 
     def __post_init__(self) -> None:
         self._worker_auth = WorkerAuth()
+        self.hedges = Hedges()
 
     @property
     def config(self) -> GlobalConfig:
@@ -166,7 +164,7 @@ class Proxy:
         `pinned`, if given), at most `max_attempts`; a stream that broke off is continued
         on the next."""
         router_config = config.router
-        headers = self._worker_headers(exchange, record)
+        headers = worker_headers(exchange.headers, record.request_id, self.propagate_trace)
         record.traffic_class = hints[1]
         record.ttft_budget_ms = hints[2]
         route = route_request(parsed, record, self.drains.current, principal, hints, pinned)
@@ -202,8 +200,9 @@ class Proxy:
                         exchange, self.upstreams, self.config.router, failover,
                         target_of(decision.worker.endpoint), headers, attempt, record)
                 return await self._forward(router_config, exchange, decision, attempt, record,
-                                           headers, body, failover, rate_headers)
+                                           headers, body, failover, rate_headers, route)
             except StreamBroken as broken:
+                attempt = broken.attempt or attempt  # (a hedge's, when it answered)
                 note_failure(attempt, broken)
                 log.warning("request %s: stream from %s (%s) broke off: %s", record.request_id,
                             attempt.worker_id, attempt.region, broken.detail)
@@ -213,13 +212,16 @@ class Proxy:
                 retries = retries or Retries()
                 retries.broke(attempt, broken)
             except UpstreamFailure as failed:
+                attempt = failed.attempt or attempt
                 log.warning("request %s: attempt on %s (%s) failed before first byte: %s",
                             record.request_id, attempt.worker_id, attempt.region, failed.detail)
                 note_failure(attempt, failed)
                 retries = retries or Retries()
                 retries.failed(attempt, failed)
             finally:
-                self._attempt_finished(attempt)
+                for each in record.attempts:  # (a hedge's too)
+                    if each.finished_s is None:
+                        self._attempt_finished(each)
         return await gave_up(exchange, failover, retries, record)
 
     async def _wait_turn(self, queue: RouterQueue, decision: Decision, route: RouteRequest,
@@ -273,28 +275,85 @@ class Proxy:
 
     def _forward(self, config: RouterConfig, exchange: Exchange, decision: Decision,
                  attempt: Attempt, record: RequestRecord, headers: dict[str, str], body: bytes,
-                 failover: Failover | None, rate_headers: Mapping[str, str] | None
-                 ) -> Coroutine[Any, Any, Reply]:
+                 failover: Failover | None, rate_headers: Mapping[str, str] | None,
+                 route: RouteRequest) -> Coroutine[Any, Any, Reply]:
         """Send `attempt` to its worker and pass the answer on (awaited by the caller: one
-        coroutine less): a stream as it arrives, else the whole answer."""
+        coroutine less): a stream as it arrives (hedged if it may be), else the whole
+        answer."""
         target = target_of(decision.worker.endpoint)
         payload = target.request(exchange.path, headers, body)
-        answer_headers = reply_headers(record, attempt, decision, rate_headers)
         if not attempt.streamed:
             return forward_unary(self.upstreams, target, payload, config.timeouts,
-                                 answer_headers, attempt)
-        return self._forward_stream(config, exchange, target, payload, answer_headers, attempt,
-                                    record, failover)
+                                 reply_headers(record, attempt, decision, rate_headers), attempt)
+        if ((config.hedging.classes or HEDGE_HEADER in exchange.headers)
+                and route.only_worker is None and len(record.attempts) == 1
+                and hedge_wanted(config.hedging, exchange.headers, route.traffic_class)):
+            return self._hedged_stream(config, exchange, decision, attempt, record, headers,
+                                       body, failover, rate_headers, route, payload)
+        return self._forward_stream(config, exchange, target, payload,
+                                    reply_headers(record, attempt, decision, rate_headers),
+                                    attempt, record, failover)
+
+    async def _hedged_stream(self, config: RouterConfig, exchange: Exchange,
+                             decision: Decision, attempt: Attempt, record: RequestRecord,
+                             headers: dict[str, str], body: bytes, failover: Failover | None,
+                             rate_headers: Mapping[str, str] | None, route: RouteRequest,
+                             payload: bytes) -> Reply:
+        """A stream that may be hedged (router.proxy.hedging): sent again elsewhere if its
+        first event is late, then passed on from whichever copy opened first."""
+        hedge = self.hedges.prepare(config.hedging, decision, attempt, route)
+        winner, opened = await self.hedges.first_to_start(
+            open_stream(self.upstreams, target_of(decision.worker.endpoint), payload,
+                        config.timeouts, attempt), hedge,
+            functools.partial(self._send_hedge, config, exchange.path, record, headers, body,
+                              hedge), self._lost, record)
+        won = hedge.decision_of(winner)
+        try:
+            return await self._forward_stream(
+                config, exchange, target_of(won.worker.endpoint), b"",
+                reply_headers(record, winner, won, rate_headers), winner, record, failover,
+                opened)
+        except UpstreamFailure as failed:
+            failed.attempt = winner
+            raise
+
+    def _send_hedge(self, config: RouterConfig, path: str, record: RequestRecord,
+                    headers: dict[str, str], body: bytes, hedge: Hedge
+                    ) -> tuple[Attempt, Coroutine[Any, Any, Opened]] | None:
+        """The hedge's attempt on the next-best worker, sent (None: none can take it, or
+        the budget is spent)."""
+        try:
+            decision = self.policy.pick(self.holder.current, hedge.route)
+        except NoRoute:
+            return None
+        if not hedge.spend():
+            return None
+        attempt = self._dispatched(decision, record, hedge.route, headers, self.config,
+                                   False, False)
+        hedge.sent(attempt, decision)
+        target = target_of(decision.worker.endpoint)
+        return attempt, open_stream(self.upstreams, target, target.request(path, headers, body),
+                                    config.timeouts, attempt)
+
+    def _lost(self, attempt: Attempt, failure: UpstreamFailure | None) -> None:
+        """A copy of a hedged stream that did not answer: outrun by the other, or failed."""
+        if failure is None:
+            attempt.outrun = True
+        else:
+            note_failure(attempt, failure)
+        self._attempt_finished(attempt)
 
     async def _forward_stream(self, config: RouterConfig, exchange: Exchange, target: Target,
                               payload: bytes, answer_headers: dict[str, str], attempt: Attempt,
-                              record: RequestRecord, failover: Failover | None) -> Reply:
-        """A stream passed on as it arrives, kept in `failover`'s transcript if any; one
-        that ended early (with an error event) is the request's error."""
+                              record: RequestRecord, failover: Failover | None,
+                              opened: Opened | None = None) -> Reply:
+        """A stream passed on as it arrives (`opened` already: a hedged one), kept in
+        `failover`'s transcript if any; one that ended early (with an error event) is the
+        request's error."""
         reply = await forward_stream(
             exchange, self.upstreams, target, payload, config.timeouts, answer_headers,
             attempt, config.client_timeouts.stall_s,
-            None if failover is None else failover.transcript, record.on_first_event)
+            None if failover is None else failover.transcript, record.on_first_event, opened)
         if attempt.error is not None:
             record.error = attempt.error
             log.warning("request %s: stream from %s (%s) ended early: %s",
@@ -312,6 +371,7 @@ class Proxy:
             self.queue.capacity_freed()
         attempt.finished_s = time.monotonic()
         self.health.attempt_finished(attempt)
+        self.hedges.delay.attempt_finished(attempt)
         for observer in self.observers:
             observer.attempt_finished(attempt)
 
@@ -325,15 +385,6 @@ class Proxy:
         for observer in self.observers:
             observer.request_finished(record)
 
-    def _worker_headers(self, exchange: Exchange, record: RequestRecord) -> dict[str, str]:
-        """The request's headers as its workers get them (each attempt adds its region's
-        key): the client's that pass, the request id, the router's trace context."""
-        headers = upstream_headers(exchange.headers)
-        headers["x-request-id"] = record.request_id  # the worker's logs name it too
-        if self.propagate_trace:
-            inject_current_trace(headers)  # the worker continues this router's span
-        return headers
-
     def _count_unrouted(self, path: str, received_s: float, request_id: str,
                         exc: Exception) -> None:
         """A router fault before the request was parsed: observers count it as a 500."""
@@ -344,47 +395,3 @@ class Proxy:
         record.finished_s = time.monotonic()
         for observer in self.observers:
             observer.request_finished(record)
-
-    def _visible_models(self, request: web.Request) -> list[str]:
-        """Models served by live workers in every region that the caller's API key may
-        use (all of them when no keys are configured); 401 for a missing or bad key."""
-        admission = self.admission
-        models = self.holder.current.models(time.monotonic())
-        if admission is None:
-            return models
-        principal = admission.authenticate(request.headers, self.config.auth)
-        return [model for model in models if admission.may_use_model(principal, model)]
-
-    async def models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: the union of models served by live workers in every region
-        (those the caller's API key may use, when keys are configured)."""
-        created = int(time.time())
-        return web.json_response({"object": "list", "data": [
-            _model_card(model, created) for model in self._visible_models(request)]})
-
-    async def model(self, request: web.Request, model_id: str) -> web.Response:
-        """GET /v1/models/{model_id}: the model's card as in /v1/models; 404 in OpenAI's
-        format when no live worker serves it (or the caller's key may not use it)."""
-        if model_id not in self._visible_models(request):
-            return error_response(
-                404, f"The model '{model_id}' does not exist or you do not have access to it.",
-                code="model_not_found", param="model")
-        return web.json_response(_model_card(model_id, int(time.time())))
-
-    async def health_check(self, request: web.Request) -> web.Response:
-        """GET /health: the router is up; says how current its view of the fleet is."""
-        snapshot = self.holder.current
-        now = time.monotonic()
-        age = snapshot.view_age_s(now)
-        return web.json_response({
-            "status": "ok",
-            "region": self.region,
-            "workers": len(snapshot.workers),
-            "redis_connected": snapshot.redis_connected,
-            "view_age_s": None if age is None else round(age, 3),
-        })
-
-
-def _model_card(model: str, created: int) -> dict[str, object]:
-    """A model as OpenAI's /v1/models lists it."""
-    return {"id": model, "object": "model", "created": created, "owned_by": "globalpool"}

@@ -57,7 +57,12 @@ def server_timing(record: RequestRecord, attempt: Attempt) -> str:
     parts = [route]
     if record.queued_s:
         parts.append(f"queue;dur={record.queued_s * 1000:.3f}")
-    if len(record.attempts) > 1:
+    hedge_s = next((a.hedge_delay_s for a in record.attempts if a.hedge_delay_s is not None),
+                   None)
+    if hedge_s is not None:  # (hedged: the copy or the original answers)
+        answered = "copy" if attempt.reason == "hedge" else "original"
+        parts.append(f'hedge;dur={hedge_s * 1000:.3f};desc="{answered}"')
+    elif len(record.attempts) > 1:
         parts.append(f"retry;dur={(attempt.started_s - routed) * 1000:.3f}")
     return ", ".join(parts)
 

@@ -121,13 +121,16 @@ async def forward_stream(
     client_stall_s: float = 60.0,
     transcript: Transcript | None = None,
     on_first: Callable[[bytes, Attempt], None] | None = None,
+    opened: tuple[UpstreamConnection, bytes, bool] | None = None,
 ) -> Reply:
     """A streaming request, passed through as it arrives without parsing the events
     (`response_headers` are completed for the client). With a `transcript`, what the
     client got is kept and a stream that breaks off raises StreamBroken (the stream left
     open) instead of ending with an error event. `on_first` gets the stream's first event
-    before it is passed on."""
-    upstream, first, refused = await open_stream(pool, target, payload, timeouts, attempt)
+    before it is passed on. `opened`: what `open_stream` gave, when it was sent already
+    (a hedged stream's: `payload` is then unused)."""
+    upstream, first, refused = (
+        opened or await open_stream(pool, target, payload, timeouts, attempt))
     attempt.first_byte_s = time.monotonic()
     if refused:
         attempt.status = upstream.status

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from router.proxy.tls import client_context
+from router.proxy.trace_context import inject_current_trace
 from router.proxy.upstream.request import RequestHead
 
 # Request headers passed to workers. Everything else (Authorization, cookies, hop-by-hop
@@ -29,6 +30,17 @@ def upstream_headers(incoming: Mapping[str, str]) -> dict[str, str]:
         value = incoming.get(name)
         if value is not None:
             headers[name] = value
+    return headers
+
+
+def worker_headers(incoming: Mapping[str, str], request_id: str,
+                   propagate_trace: bool) -> dict[str, str]:
+    """A request's headers as its workers get them (each attempt adds its region's key):
+    the client's that pass, the request id, the router's trace context if traced."""
+    headers = upstream_headers(incoming)
+    headers["x-request-id"] = request_id  # the worker's logs name it too
+    if propagate_trace:
+        inject_current_trace(headers)  # the worker continues this router's span
     return headers
 
 

@@ -37,6 +37,11 @@ class RetryBudgetView(Protocol):
     denied: int
 
 
+class HedgeBudgetView(Protocol):
+    sent: int
+    denied: int
+
+
 @dataclass(eq=False)  # hashable by identity: the registry keys collectors by it
 class FleetCollector:
     """Scrape-time gauges of the fleet view and of this router (a prometheus Collector)."""
@@ -47,6 +52,7 @@ class FleetCollector:
     inflight: InFlight
     health: HealthView | None = None
     retry_budget: RetryBudgetView | None = None
+    hedge_budget: HedgeBudgetView | None = None
     queue: Backlog[Any] | None = None
     # The upstream pool's {"opened", "reused", "idle"} (router.proxy.upstream.pool.UpstreamPool).
     upstream_stats: Callable[[], Mapping[str, int]] | None = None
@@ -131,6 +137,10 @@ class FleetCollector:
             yield _counter("globalpool_retry_budget_denied",
                            "Retries not made because the retry budget was spent.",
                            float(self.retry_budget.denied))
+        if self.hedge_budget is not None:
+            yield _counter("globalpool_hedges_denied",
+                           "Streams that would have been hedged but for the hedging budget "
+                           "(router.hedging.max_fraction).", float(self.hedge_budget.denied))
 
     def _upstream(self) -> Iterator[Metric]:
         if self.upstream_stats is None:

@@ -126,12 +126,21 @@ class RequestMetrics:
             "worker, finished (only the end was missing), failed (no worker could continue "
             "it), not_continued (not sound to continue: `reason`).",
             ["outcome", "reason"], registry)
+        self.hedges = LabelledCounter(
+            "globalpool_hedges",
+            "Hedged copies of streams sent (router.hedging), by region and how they ended: "
+            "won (its first token came first and it answered), lost (the original answered "
+            "first, or the client left), failed.", ["region", "outcome"], registry)
 
     def attempt_finished(self, attempt: Attempt) -> None:
         region = attempt.region
-        self.decisions.inc((attempt.reason, region))
-        if attempt.reason == "retry":
+        reason = attempt.reason
+        self.decisions.inc((reason, region))
+        if reason == "retry":
             self.retries.inc((region,))
+        elif reason == "hedge":
+            self.hedges.inc((region, "won" if attempt.first_byte_s is not None else
+                             "failed" if attempt.failure is not None else "lost"))
         if attempt.failure is not None:
             self.attempt_failures.inc((region, attempt.failure.value))
         ttfb_s = attempt.ttfb_s

@@ -1,0 +1,257 @@
+"""Hedged first tokens: a stream whose first token is late gets a second copy elsewhere.
+
+An interactive stream that opted in (its class in `router.hedging.classes`, or the header
+`x-globalpool-hedge: on`) and has no first event `delay` after it was sent is sent again
+to the next-best worker, in another region if one can take it. The first of the two to
+produce a whole first event answers the client; the other's connection is closed, which
+makes vLLM abort the request (the engine stops work on it). The delay is the request's
+predicted TTFT times the recent `quantile` of measured over predicted TTFT
+(`HedgeDelay`), within the configured bounds; the extra load is capped by `HedgeBudget`
+(at most `max_fraction` of the eligible requests hedged).
+
+Only streams are hedged: a non-streaming answer shows no first token, so a hedge there
+would run the whole answer twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
+
+from router.config import HedgingConfig
+from router.core.outcome import Attempt, RequestRecord
+from router.policy import Decision, RouteRequest
+from router.proxy.failures import UpstreamFailure
+from router.proxy.upstream.connection import UpstreamConnection
+
+HEDGE_HEADER = "x-globalpool-hedge"  # on | off: the client's choice for this request
+
+# What `open_stream` gives: the connection, its first bytes, whether it was refused.
+Opened = tuple[UpstreamConnection, bytes, bool]
+
+
+class HedgeBudget:
+    """At most `ratio` of the eligible requests hedged: each adds `ratio` of a token (up
+    to `cap`, a burst), a hedge spends one."""
+
+    __slots__ = ("_cap", "_ratio", "_tokens", "denied", "sent")
+
+    def __init__(self, ratio: float, cap: float = 5.0) -> None:
+        self._ratio = ratio
+        self._cap = max(1.0, cap)
+        self._tokens = 1.0
+        self.sent = 0
+        self.denied = 0
+
+    def eligible(self, ratio: float) -> None:
+        """An eligible request arrived (`ratio`: the configured fraction now)."""
+        self._ratio = ratio
+        self._tokens = min(self._cap, self._tokens + ratio)
+
+    def try_spend(self) -> bool:
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            self.sent += 1
+            return True
+        self.denied += 1
+        return False
+
+
+class HedgeDelay:
+    """How long to wait for a first token before hedging: the prediction times a recent
+    quantile of measured over predicted TTFT (an observer of finished attempts: the
+    streams' first bytes against their predictions, the last `size` of them)."""
+
+    __slots__ = ("_index", "_quantile", "_ratios", "_size", "_sorted", "_stale")
+
+    # Until enough streams were measured: twice the prediction.
+    DEFAULT_RATIO = 2.0
+    MIN_SAMPLES = 20
+
+    def __init__(self, size: int = 512) -> None:
+        self._size = size
+        self._ratios: list[float] = []
+        self._index = 0
+        self._sorted: list[float] = []
+        self._stale = 0
+        self._quantile = 0.9
+
+    def attempt_finished(self, attempt: Attempt) -> None:
+        first_s = attempt.first_byte_s
+        predicted_ms = attempt.predicted_ttft_ms
+        if (first_s is None or not attempt.streamed or predicted_ms <= 0.0
+                or attempt.status != 200):
+            return
+        ratio = (first_s - attempt.started_s) * 1000.0 / predicted_ms
+        if len(self._ratios) < self._size:
+            self._ratios.append(ratio)
+        else:
+            self._ratios[self._index] = ratio
+            self._index = (self._index + 1) % self._size
+        self._stale += 1
+
+    def request_finished(self, record: RequestRecord) -> None:
+        return None
+
+    def ratio(self, quantile: float) -> float:
+        """The `quantile` of the recent measured/predicted ratios (sorted again every 16
+        new ones)."""
+        if len(self._ratios) < self.MIN_SAMPLES:
+            return self.DEFAULT_RATIO
+        if self._stale >= 16 or quantile != self._quantile or not self._sorted:
+            self._sorted = sorted(self._ratios)
+            self._stale = 0
+            self._quantile = quantile
+        ranked = self._sorted
+        return ranked[min(len(ranked) - 1, int(quantile * len(ranked)))]
+
+    def delay_s(self, predicted_ms: float, settings: HedgingConfig) -> float:
+        """The wait for `predicted_ms`, within the configured bounds."""
+        delay_ms = predicted_ms * self.ratio(settings.quantile)
+        return min(settings.max_delay_ms, max(settings.min_delay_ms, delay_ms)) / 1000.0
+
+
+class Hedge:
+    """One stream that may be hedged: its wait, the route of its copy, and its attempts
+    with their decisions."""
+
+    __slots__ = ("_budget", "_decisions", "delay_s", "primary", "route")
+
+    def __init__(self, delay_s: float, route: RouteRequest, primary: Attempt,
+                 decision: Decision, budget: HedgeBudget) -> None:
+        self.delay_s = delay_s
+        self.route = route
+        self.primary = primary
+        self._decisions = [(primary, decision)]
+        self._budget = budget
+
+    def spend(self) -> bool:
+        """Whether the budget lets the copy go."""
+        return self._budget.try_spend()
+
+    def sent(self, attempt: Attempt, decision: Decision) -> None:
+        attempt.reason = "hedge"
+        attempt.hedge_delay_s = self.delay_s
+        self._decisions.append((attempt, decision))
+
+    def decision_of(self, attempt: Attempt) -> Decision:
+        return next(decision for each, decision in self._decisions if each is attempt)
+
+
+class Hedges:
+    """A replica's hedging: its budget and its delay (`HedgeDelay` learns from every
+    stream's attempt, through the proxy)."""
+
+    __slots__ = ("budget", "delay")
+
+    def __init__(self) -> None:
+        self.budget = HedgeBudget(0.05)
+        self.delay = HedgeDelay()
+
+    def prepare(self, settings: HedgingConfig, decision: Decision, attempt: Attempt,
+                route: RouteRequest) -> Hedge:
+        """An eligible stream's hedge: when, and where its copy may go (not its worker;
+        another region if one can take it)."""
+        self.budget.eligible(settings.max_fraction)
+        return Hedge(self.delay.delay_s(decision.predicted_ttft_ms, settings),
+                     route._replace(exclude=route.exclude | {attempt.worker_id},
+                                    avoid_regions=frozenset((attempt.region,))),
+                     attempt, decision, self.budget)
+
+    async def first_to_start(
+        self, primary: Coroutine[Any, Any, Opened], hedge: Hedge,
+        send_hedge: Callable[[], tuple[Attempt, Coroutine[Any, Any, Opened]] | None],
+        lost: Callable[[Attempt, UpstreamFailure | None], None], record: RequestRecord,
+    ) -> tuple[Attempt, Opened]:
+        """`first_to_start` for `hedge`; the attempt that answers is made the record's
+        last (the one that served it)."""
+        winner, opened = await first_to_start(primary, hedge.delay_s, send_hedge,
+                                              hedge.primary, lost)
+        if record.attempts[-1] is not winner:
+            record.attempts.remove(winner)
+            record.attempts.append(winner)
+        return winner, opened
+
+
+def hedge_wanted(settings: HedgingConfig, headers: Mapping[str, str],
+                 traffic_class: str) -> bool:
+    """Whether a stream may be hedged: its client asked (`x-globalpool-hedge: on`), or its
+    class is hedged by regions.yaml and its client did not opt out (`off`)."""
+    said = headers.get(HEDGE_HEADER)
+    if said is not None:
+        said = said.lower()
+        if said == "off":
+            return False
+        if said == "on":
+            return True
+    return traffic_class in settings.classes
+
+
+async def first_to_start(
+    primary: Coroutine[Any, Any, Opened],
+    delay_s: float,
+    send_hedge: Callable[[], tuple[Attempt, Coroutine[Any, Any, Opened]] | None],
+    primary_attempt: Attempt,
+    lost: Callable[[Attempt, UpstreamFailure | None], None],
+) -> tuple[Attempt, Opened]:
+    """Open `primary`; if it has no first event after `delay_s`, `send_hedge()` (None: no
+    hedge now) and take whichever of the two opens first. The other is cancelled (its
+    connection closed: the engine aborts it) and its attempt given to `lost` with its
+    failure, if it failed. When one fails before its first event the other is awaited;
+    when both fail, the hedge is `lost` and the primary's failure raised. Returns the
+    attempt that answers and what it opened."""
+    first = asyncio.ensure_future(primary)
+    try:
+        done, _ = await asyncio.wait((first,), timeout=delay_s)
+        if done:
+            return primary_attempt, first.result()
+        hedge = send_hedge()
+        if hedge is None:
+            return primary_attempt, await first
+    except BaseException:
+        await _cancel(first)
+        raise
+    hedge_attempt, opening = hedge
+    tasks: dict[asyncio.Future[Opened], Attempt] = {
+        first: primary_attempt, asyncio.ensure_future(opening): hedge_attempt}
+    try:
+        return await _first_opened(tasks, first, lost)
+    except BaseException:
+        for task in tasks:
+            await _cancel(task)
+        raise
+
+
+async def _first_opened(
+    tasks: dict[asyncio.Future[Opened], Attempt], primary: asyncio.Future[Opened],
+    lost: Callable[[Attempt, UpstreamFailure | None], None],
+) -> tuple[Attempt, Opened]:
+    """The first of `tasks` to open; the other cancelled and `lost`."""
+    pending = set(tasks)
+    failures: dict[asyncio.Future[Opened], UpstreamFailure] = {}
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        # The primary first when both came at once: it was sent first.
+        for task in sorted(done, key=lambda t: t is not primary):
+            error = task.exception()
+            if error is None:
+                (other,) = (t for t in tasks if t is not task)
+                await _cancel(other)
+                lost(tasks[other], failures.get(other))
+                return tasks[task], task.result()
+            if not isinstance(error, UpstreamFailure):
+                raise error
+            failures[task] = error
+    (hedge,) = (t for t in tasks if t is not primary)
+    lost(tasks[hedge], failures[hedge])
+    raise failures[primary]
+
+
+async def _cancel(task: asyncio.Future[Opened]) -> None:
+    """Stop `task` and wait for it to end; an answer it had opened is closed, unread."""
+    if not task.done():
+        task.cancel()
+        await asyncio.wait((task,))
+    if not task.cancelled() and task.exception() is None:
+        task.result()[0].close()

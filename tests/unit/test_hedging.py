@@ -1,0 +1,118 @@
+"""Hedging's budget, its delay and who may be hedged (router.proxy.hedging); the race
+itself runs on real simulators in tests/integration/test_hedging.py."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from router.config import HedgingConfig
+from router.core.outcome import Attempt
+from router.proxy.hedging import HedgeBudget, HedgeDelay, hedge_wanted
+
+
+def _stream(ttfb_ms: float, predicted_ms: float, status: int = 200) -> Attempt:
+    attempt = Attempt(worker_id="w", region="r", predicted_ttft_ms=predicted_ms,
+                      reason="local", started_s=100.0, streamed=True)
+    attempt.first_byte_s = 100.0 + ttfb_ms / 1000
+    attempt.status = status
+    return attempt
+
+
+@given(st.floats(min_value=0.0, max_value=1.0), st.integers(min_value=1, max_value=2000))
+def test_the_budget_never_hedges_more_than_its_share_and_a_burst(ratio: float,
+                                                                 requests: int) -> None:
+    budget = HedgeBudget(ratio, cap=5.0)
+    hedged = 0
+    for _ in range(requests):
+        budget.eligible(ratio)
+        hedged += budget.try_spend()  # every one late: the worst case
+    assert hedged <= 1 + ratio * requests + 1e-9
+    assert budget.sent == hedged and budget.sent + budget.denied == requests
+
+
+def test_the_budget_lets_its_share_through_when_every_stream_is_late() -> None:
+    budget = HedgeBudget(0.05)
+    for _ in range(1000):
+        budget.eligible(0.05)
+        budget.try_spend()
+    assert 50 <= budget.sent <= 51
+
+
+def test_a_burst_of_late_streams_spends_at_most_the_cap() -> None:
+    budget = HedgeBudget(0.5, cap=5.0)
+    for _ in range(100):
+        budget.eligible(0.5)  # 100 arrive at once, then all are late
+    assert sum(budget.try_spend() for _ in range(100)) == 5
+
+
+def test_the_delay_is_twice_the_prediction_until_streams_were_measured() -> None:
+    delay = HedgeDelay()
+    settings = HedgingConfig(min_delay_ms=0.0)
+    assert delay.delay_s(100.0, settings) == pytest.approx(0.2)
+    for _ in range(HedgeDelay.MIN_SAMPLES - 1):
+        delay.attempt_finished(_stream(300.0, 100.0))
+    assert delay.delay_s(100.0, settings) == pytest.approx(0.2)
+
+
+def test_the_delay_follows_the_quantile_of_measured_over_predicted() -> None:
+    delay = HedgeDelay()
+    for ratio in range(1, 101):  # measured = 1x .. 100x the prediction, 10 ms predicted
+        delay.attempt_finished(_stream(10.0 * ratio, 10.0))
+    assert delay.ratio(0.9) == pytest.approx(91.0)
+    assert delay.ratio(0.5) == pytest.approx(51.0)
+    settings = HedgingConfig(quantile=0.9, min_delay_ms=0.0, max_delay_ms=10_000.0)
+    assert delay.delay_s(10.0, settings) == pytest.approx(0.91)
+
+
+def test_the_delay_stays_within_its_bounds() -> None:
+    delay = HedgeDelay()
+    settings = HedgingConfig(min_delay_ms=50.0, max_delay_ms=400.0)
+    assert delay.delay_s(1.0, settings) == pytest.approx(0.05)
+    assert delay.delay_s(10_000.0, settings) == pytest.approx(0.4)
+
+
+def test_the_delay_learns_only_from_streams_that_answered() -> None:
+    delay = HedgeDelay()
+    for _ in range(50):
+        delay.attempt_finished(_stream(1000.0, 10.0, status=500))  # refused
+        unanswered = _stream(0.0, 10.0)
+        unanswered.first_byte_s = None  # outrun by its copy, or failed before it
+        delay.attempt_finished(unanswered)
+        not_predicted = _stream(1000.0, 0.0)
+        delay.attempt_finished(not_predicted)
+    assert delay.ratio(0.9) == HedgeDelay.DEFAULT_RATIO
+
+
+def test_the_delay_keeps_the_recent_streams_only() -> None:
+    delay = HedgeDelay(size=64)
+    for _ in range(64):
+        delay.attempt_finished(_stream(1000.0, 10.0))  # 100x: an old bad spell
+    for _ in range(64):
+        delay.attempt_finished(_stream(20.0, 10.0))
+    assert delay.ratio(0.9) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(("classes", "header", "traffic_class", "wanted"), [
+    ([], None, "interactive", False),  # off by default
+    ([], "on", "interactive", True),
+    ([], "ON", "batch", True),  # a client may hedge even a batch request, on its budget
+    (["interactive"], None, "interactive", True),
+    (["interactive"], "off", "interactive", False),
+    (["interactive"], None, "batch", False),
+    (["interactive"], "maybe", "interactive", True),  # not a choice: the class decides
+])
+def test_who_is_hedged(classes: list[str], header: str | None, traffic_class: str,
+                       wanted: bool) -> None:
+    settings = HedgingConfig.model_validate({"classes": classes})
+    headers = {} if header is None else {"x-globalpool-hedge": header}
+    assert hedge_wanted(settings, headers, traffic_class) is wanted
+
+
+def test_bounds_that_cross_are_refused() -> None:
+    with pytest.raises(ValidationError, match="min_delay_ms"):
+        HedgingConfig(min_delay_ms=500.0, max_delay_ms=100.0)
+    with pytest.raises(ValidationError):
+        HedgingConfig.model_validate({"classes": ["everyone"]})

@@ -33,6 +33,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the trace here (it is always in OUT/trace.jsonl)")
     parser.add_argument("--seed", type=int, default=None,
                         help="trace seed (default: the scenario's)")
+    parser.add_argument("--hedge", type=float, default=0.0, metavar="FRACTION",
+                        help="the routers hedge interactive streams, at most FRACTION of "
+                        "them (router.hedging.max_fraction; 0, the default: no hedging). "
+                        "Compare runs with and without on the same --seed")
     parser.add_argument("--attempts", type=int, default=2,
                         help="run a policy again, up to this many times in all, when the "
                         "load generator fell behind (the machine stalled) (default "
@@ -50,6 +54,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from router.app import new_event_loop
     from router.policy.base import Policy
 
+    if not 0.0 <= args.hedge <= 1.0:
+        print("--hedge: a fraction between 0 and 1", file=sys.stderr)
+        return 2
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     unknown = [p for p in policies if p not in Policy.registry]
     if not policies or unknown:
@@ -59,7 +66,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     options = BenchOptions(
         scenario=args.scenario, policies=policies, out=args.out, quick=args.quick,
         replicas=args.replicas, trace_path=args.trace_path, save_trace=args.save_trace,
-        seed=args.seed, attempts=max(1, args.attempts),
+        seed=args.seed, attempts=max(1, args.attempts), hedge=args.hedge,
         command="globalpool " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]),
     )
 

@@ -82,6 +82,7 @@ class Outcome:
     region: str | None = None
     worker: str | None = None
     route: str | None = None
+    hedged: bool = False  # the router sent a copy elsewhere (server-timing `hedge`)
     # The TTFT the router predicted (ms; None: it predicted none), and the router time
     # the prediction does not cover (queueing, earlier attempts), which `ttft_ms` includes.
     predicted_ttft_ms: float | None = None
@@ -211,7 +212,9 @@ class Replayer:
                 outcome.route = response.headers.get(ROUTE_HEADER)
                 outcome.predicted_ttft_ms = predicted_ms(
                     response.headers.get(PREDICTED_TTFT_HEADER))
-                outcome.unpredicted_ms = unpredicted_ms(response.headers.get("server-timing"))
+                timing = response.headers.get("server-timing")
+                outcome.unpredicted_ms = unpredicted_ms(timing)
+                outcome.hedged = timing is not None and "hedge;" in timing
                 if response.status != 200:
                     text = (await response.read())[:300].decode(errors="replace")
                     outcome.failure, outcome.error = "before_first_byte", text

@@ -43,6 +43,7 @@ class BenchOptions:
     save_trace: Path | None = None
     seed: int | None = None
     attempts: int = 2  # runs of a policy when the machine disturbed the first
+    hedge: float = 0.0  # router.hedging.max_fraction for interactive streams (0: none)
     command: str = ""
 
 
@@ -82,7 +83,7 @@ async def run_bench(options: BenchOptions, say: Say, bar: ProgressBar | None = N
         + ", ".join((*options.policies, ORACLE)) + " ...")
     twin = await asyncio.to_thread(twin_reference, scenario, trace, options.policies, replicas,
                                    options.out)
-    testbed = Testbed(scenario, options.out, replicas, say)
+    testbed = Testbed(scenario, options.out, replicas, say, hedge=options.hedge)
     runs: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     await testbed.start(options.policies[0])

@@ -117,6 +117,7 @@ def summarize(outcomes: Sequence[Outcome], *, slo_ms: float, duration_s: float,
         "goodput_rps": round(sum(_met(o, slo_ms, budgets) for o in outcomes) / duration_s, 3),
         "traffic_share": {r: _round(served[r] / len(ok), 4) if ok else None for r in regions},
         "routes": dict(Counter(o.route or "-" for o in ok).most_common()),
+        "hedged": sum(o.hedged for o in outcomes),
         "home_share": _round(sum(o.region == o.origin for o in ok) / len(ok), 4) if ok
         else None,
         "prediction_error": prediction_error(interactive),

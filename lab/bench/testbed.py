@@ -42,10 +42,11 @@ Say = Callable[[str], None]
 KEY_PREFIX = "gp-bench"
 
 
-def config_document(scenario: Scenario, policy: str, router_region: str, port: int
-                    ) -> dict[str, Any]:
+def config_document(scenario: Scenario, policy: str, router_region: str, port: int,
+                    hedge: float = 0.0) -> dict[str, Any]:
     """The regions.yaml every router replica of a run reads (each region's simulated
-    engines at that region's speed)."""
+    engines at that region's speed); `hedge`: the share of interactive streams the
+    routers may hedge (0: none)."""
 
     def simulated(region: str) -> dict[str, Any]:
         engine = scenario.engine_for(region)
@@ -65,6 +66,8 @@ def config_document(scenario: Scenario, policy: str, router_region: str, port: i
             "region": router_region, "port": port, "policy": policy, "max_attempts": 2,
             "timeouts": {"connect_s": 2, "first_byte_s": timeout_s, "idle_s": timeout_s,
                          "total_s": 2 * timeout_s},
+            "hedging": ({"classes": ["interactive"], "max_fraction": hedge} if hedge
+                        else {}),
         },
         "heartbeat": {"interval_s": scenario.heartbeat_interval_s,
                       "ttl_s": max(2.0, 4 * scenario.heartbeat_interval_s)},
@@ -109,7 +112,8 @@ class BenchStack(LocalStack):
 class Testbed:
     """Start once, `use(policy)` before each run, `stop()` at the end."""
 
-    def __init__(self, scenario: Scenario, out: Path, replicas: int, say: Say) -> None:
+    def __init__(self, scenario: Scenario, out: Path, replicas: int, say: Say,
+                 hedge: float = 0.0) -> None:
         regions = list(scenario.regions)
         if not 1 <= replicas <= len(regions):
             raise ValueError(f"--replicas: between 1 and {len(regions)} (one per region)")
@@ -118,12 +122,14 @@ class Testbed:
         self.config_path = out / "regions.yaml"
         self.log_dir = out / "logs"
         self._say = say
+        self._hedge = hedge
         self.stack: BenchStack | None = None
         self.policy: str | None = None
         self._unused = False  # the routers have not served a run yet
 
     def _write_config(self, policy: str, port: int) -> None:
-        document = config_document(self.scenario, policy, self.router_regions[0], port)
+        document = config_document(self.scenario, policy, self.router_regions[0], port,
+                                   self._hedge)
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text("# written by globalpool bench\n"
                                     + yaml.safe_dump(document, sort_keys=False))

@@ -9,7 +9,7 @@ counted as `skipped`, not sent). Every request has a total timeout.
 Per request it records when it started, its origin region, the status, the time to the
 first byte and to the first token, when it ended, which region and worker served it
 (`x-globalpool-region`, `x-globalpool-worker`), whether the router retried it (a `retry`
-phase in `server-timing`) and how it failed:
+phase in `server-timing`) or sent a hedged copy (a `hedge` phase) and how it failed:
 - `before_first_byte`: no body byte reached the client (connect error, an error status
   such as 502/503/504, a timeout or a broken connection before the stream started);
 - `mid_stream`: the stream started and then broke: an SSE `data: {"error": ...}` event,
@@ -49,6 +49,7 @@ class RequestResult:
     region: str | None = None
     worker: str | None = None
     retried: bool = False
+    hedged: bool = False  # the router sent a copy of it elsewhere (router.proxy.hedging)
     tokens: int = 0
     failure: FailurePhase | None = None
     error: str | None = None
@@ -70,7 +71,8 @@ class RequestResult:
             "end_s": rel(self.end_s), "status": self.status,
             "first_byte_s": rel(self.first_byte_s), "first_token_s": rel(self.first_token_s),
             "region": self.region, "worker": self.worker, "retried": self.retried,
-            "tokens": self.tokens, "failure": self.failure, "error": self.error,
+            "hedged": self.hedged, "tokens": self.tokens, "failure": self.failure,
+            "error": self.error,
         }
 
 
@@ -82,7 +84,8 @@ class RequestResult:
             end_s=record["end_s"], status=record["status"],
             first_byte_s=record["first_byte_s"], first_token_s=record["first_token_s"],
             region=record["region"], worker=record["worker"], retried=record["retried"],
-            tokens=record["tokens"], failure=record["failure"], error=record["error"],
+            hedged=record.get("hedged", False), tokens=record["tokens"],
+            failure=record["failure"], error=record["error"],
         )
 
 
@@ -221,7 +224,9 @@ class LoadGenerator:
                 result.status = response.status
                 result.region = response.headers.get(REGION_HEADER)
                 result.worker = response.headers.get(WORKER_HEADER)
-                result.retried = "retry;" in response.headers.get("server-timing", "")
+                timing = response.headers.get("server-timing", "")
+                result.retried = "retry;" in timing
+                result.hedged = "hedge;" in timing
                 if response.status != 200:
                     text = (await response.read())[:300].decode(errors="replace")
                     result.failure, result.error = "before_first_byte", text

@@ -210,6 +210,7 @@ def phase_stats(requests: Sequence[RequestResult], timeline: Timeline) -> dict[s
             "requests": len(chosen),
             "failed": failures(chosen),
             "retried": sum(1 for r in chosen if r.retried),
+            "hedged": sum(1 for r in chosen if r.hedged),
             "ttft_p50_ms": _round(percentile(ttfts, 50)),
             "ttft_p99_ms": _round(percentile(ttfts, 99)),
             "served_by_region": dict(sorted(regions.items())),

@@ -65,7 +65,8 @@ def render(report: dict[str, Any]) -> str:
         lines += ["", f"Processes that exited unexpectedly: {', '.join(report['exited_children'])}"]
     lines += ["", "## Phases", "",
               "| phase | requests | failed (before first byte / mid-stream) | retried | "
-              "TTFT P50 | TTFT P99 | served by region |", "|---|---|---|---|---|---|---|"]
+              "hedged | TTFT P50 | TTFT P99 | served by region |",
+              "|---|---|---|---|---|---|---|---|"]
     for phase, stats in report["phases"].items():
         total = sum(stats["served_by_region"].values()) or 1
         share = ", ".join(f"{region} {100 * n / total:.0f}%"
@@ -73,6 +74,7 @@ def render(report: dict[str, Any]) -> str:
         failed = stats["failed"]
         lines.append(f"| {phase} | {stats['requests']} | {failed['before_first_byte']} / "
                      f"{failed['mid_stream']} | {stats['retried']} | "
+                     f"{stats.get('hedged', 0)} | "
                      f"{_value(stats['ttft_p50_ms'], ' ms')} | "
                      f"{_value(stats['ttft_p99_ms'], ' ms')} | {share or '-'} |")
     lines += ["", "![timeline](timeline.png)", "", "## What the drill did", ""]

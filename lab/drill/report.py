@@ -43,6 +43,9 @@ DEFINITIONS = {
     "phases": "by request start: before = [warmup end, fault), during = [fault, cleared), "
               "after = [cleared, end]; the end is at least options.after_s after the clear, "
               "and options.after_return_s after the return",
+    "hedged": "requests of which the router sent a copy to another worker because the "
+              "first token was late (server-timing has a `hedge` phase; router.hedging): "
+              "the extra engine load",
     "ttft": "client-side time from sending the request to the first SSE event carrying a "
             "token; percentiles over requests that succeeded, nearest rank",
     "failed": "before_first_byte: no body byte reached the client (error status, connect "

@@ -6,7 +6,8 @@ to the next-best worker, in another region if one can take it. The first of the 
 produce a whole first event answers the client; the other's connection is closed, which
 makes vLLM abort the request (the engine stops work on it). The delay is the request's
 predicted TTFT times the recent `quantile` of measured over predicted TTFT
-(`HedgeDelay`), within the configured bounds; the extra load is capped by `HedgeBudget`
+(`HedgeDelay`), within the configured bounds, and at most half the client's TTFT budget
+if it gave one; the extra load is capped by `HedgeBudget`
 (at most `max_fraction` of the eligible requests hedged).
 
 Only streams are hedged: a non-streaming answer shows no first token, so a hedge there
@@ -154,7 +155,11 @@ class Hedges:
         """An eligible stream's hedge: when, and where its copy may go (not its worker;
         another region if one can take it)."""
         self.budget.eligible(settings.max_fraction)
-        return Hedge(self.delay.delay_s(decision.predicted_ttft_ms, settings),
+        delay_s = self.delay.delay_s(decision.predicted_ttft_ms, settings)
+        budget_ms = route.ttft_budget_ms
+        if budget_ms is not None:  # a copy while half the client's budget is left
+            delay_s = min(delay_s, max(settings.min_delay_ms, budget_ms / 2) / 1000.0)
+        return Hedge(delay_s,
                      route._replace(exclude=route.exclude | {attempt.worker_id},
                                     avoid_regions=frozenset((attempt.region,))),
                      attempt, decision, self.budget)

@@ -10,7 +10,9 @@ from pydantic import ValidationError
 
 from router.config import HedgingConfig
 from router.core.outcome import Attempt
-from router.proxy.hedging import HedgeBudget, HedgeDelay, hedge_wanted
+from router.policy import Decision, RouteRequest
+from router.proxy.hedging import HedgeBudget, HedgeDelay, Hedges, hedge_wanted
+from tests.unit.test_queue import view
 
 
 def _stream(ttfb_ms: float, predicted_ms: float, status: int = 200) -> Attempt:
@@ -116,3 +118,20 @@ def test_bounds_that_cross_are_refused() -> None:
         HedgingConfig(min_delay_ms=500.0, max_delay_ms=100.0)
     with pytest.raises(ValidationError):
         HedgingConfig.model_validate({"classes": ["everyone"]})
+
+
+@pytest.mark.parametrize(("budget_ms", "delay_s"), [
+    (None, 2.0), (3000.0, 1.5), (500.0, 0.25), (60.0, 0.05)])
+def test_a_copy_goes_while_half_the_clients_budget_is_left(budget_ms: float | None,
+                                                           delay_s: float) -> None:
+    hedges = Hedges()  # nothing measured yet: twice the prediction
+    settings = HedgingConfig(min_delay_ms=50.0)
+    attempt = _stream(0.0, 1000.0)
+    route = RouteRequest(model="m", origin_region="us-east", prompt_tokens=10, stream=True,
+                         ttft_budget_ms=budget_ms)
+    decision = Decision(worker=view("a"), predicted_ttft_ms=1000.0, reason="local",
+                        candidates=2)
+    hedge = hedges.prepare(settings, decision, attempt, route)
+    assert hedge.delay_s == pytest.approx(delay_s)
+    # Its copy goes elsewhere: not to `a`, another region if one can take it.
+    assert "w" in hedge.route.exclude and hedge.route.avoid_regions == {"r"}

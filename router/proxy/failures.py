@@ -28,8 +28,6 @@ class UpstreamFailure(Exception):
     stream's copy that answered, router.proxy.hedging).
     """
 
-    attempt: Attempt | None = None
-
     def __init__(
         self,
         message: str,
@@ -45,6 +43,7 @@ class UpstreamFailure(Exception):
         self.status = status
         self.retry_after_s = retry_after_s
         self.detail = detail if detail is not None else message
+        self.attempt: Attempt | None = None
 
 
 class StreamBroken(UpstreamFailure):

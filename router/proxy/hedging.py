@@ -28,6 +28,10 @@ from router.proxy.upstream.connection import UpstreamConnection
 
 HEDGE_HEADER = "x-globalpool-hedge"  # on | off: the client's choice for this request
 
+# The delay's ratio until MIN_SAMPLES streams were measured: twice the prediction.
+DEFAULT_RATIO = 2.0
+MIN_SAMPLES = 20
+
 # What `open_stream` gives: the connection, its first bytes, whether it was refused.
 Opened = tuple[UpstreamConnection, bytes, bool]
 
@@ -66,10 +70,6 @@ class HedgeDelay:
 
     __slots__ = ("_index", "_quantile", "_ratios", "_size", "_sorted", "_stale")
 
-    # Until enough streams were measured: twice the prediction.
-    DEFAULT_RATIO = 2.0
-    MIN_SAMPLES = 20
-
     def __init__(self, size: int = 512) -> None:
         self._size = size
         self._ratios: list[float] = []
@@ -98,8 +98,8 @@ class HedgeDelay:
     def ratio(self, quantile: float) -> float:
         """The `quantile` of the recent measured/predicted ratios (sorted again every 16
         new ones)."""
-        if len(self._ratios) < self.MIN_SAMPLES:
-            return self.DEFAULT_RATIO
+        if len(self._ratios) < MIN_SAMPLES:
+            return DEFAULT_RATIO
         if self._stale >= 16 or quantile != self._quantile or not self._sorted:
             self._sorted = sorted(self._ratios)
             self._stale = 0
@@ -206,6 +206,8 @@ async def first_to_start(
     failure, if it failed. When one fails before its first event the other is awaited;
     when both fail, the hedge is `lost` and the primary's failure raised. Returns the
     attempt that answers and what it opened."""
+    # (No `await` in an `except` block before a bare `raise`: in the compiled build the
+    # exception re-raised after one is not the one caught, and crashes the process.)
     first = asyncio.ensure_future(primary)
     try:
         done, _ = await asyncio.wait((first,), timeout=delay_s)
@@ -215,7 +217,7 @@ async def first_to_start(
         if hedge is None:
             return primary_attempt, await first
     except BaseException:
-        await _cancel(first)
+        _stop(first)
         raise
     hedge_attempt, opening = hedge
     tasks: dict[asyncio.Future[Opened], Attempt] = {
@@ -224,7 +226,7 @@ async def first_to_start(
         return await _first_opened(tasks, first, lost)
     except BaseException:
         for task in tasks:
-            await _cancel(task)
+            _stop(task)
         raise
 
 
@@ -232,7 +234,7 @@ async def _first_opened(
     tasks: dict[asyncio.Future[Opened], Attempt], primary: asyncio.Future[Opened],
     lost: Callable[[Attempt, UpstreamFailure | None], None],
 ) -> tuple[Attempt, Opened]:
-    """The first of `tasks` to open; the other cancelled and `lost`."""
+    """The first of `tasks` to open; the other stopped and `lost`."""
     pending = set(tasks)
     failures: dict[asyncio.Future[Opened], UpstreamFailure] = {}
     while pending:
@@ -242,7 +244,7 @@ async def _first_opened(
             error = task.exception()
             if error is None:
                 (other,) = (t for t in tasks if t is not task)
-                await _cancel(other)
+                _stop(other)
                 lost(tasks[other], failures.get(other))
                 return tasks[task], task.result()
             if not isinstance(error, UpstreamFailure):
@@ -253,10 +255,16 @@ async def _first_opened(
     raise failures[primary]
 
 
-async def _cancel(task: asyncio.Future[Opened]) -> None:
-    """Stop `task` and wait for it to end; an answer it had opened is closed, unread."""
-    if not task.done():
+def _stop(task: asyncio.Future[Opened]) -> None:
+    """Cancel `task` (its connection closed as the cancellation reaches it: the engine
+    aborts the request); an answer it opened, or opens before that, is closed unread."""
+    if task.done():
+        _close_opened(task)
+    else:
         task.cancel()
-        await asyncio.wait((task,))
+        task.add_done_callback(_close_opened)
+
+
+def _close_opened(task: asyncio.Future[Opened]) -> None:
     if not task.cancelled() and task.exception() is None:
         task.result()[0].close()

@@ -11,7 +11,14 @@ from pydantic import ValidationError
 from router.config import HedgingConfig
 from router.core.outcome import Attempt
 from router.policy import Decision, RouteRequest
-from router.proxy.hedging import HedgeBudget, HedgeDelay, Hedges, hedge_wanted
+from router.proxy.hedging import (
+    DEFAULT_RATIO,
+    MIN_SAMPLES,
+    HedgeBudget,
+    HedgeDelay,
+    Hedges,
+    hedge_wanted,
+)
 from tests.unit.test_queue import view
 
 
@@ -54,7 +61,7 @@ def test_the_delay_is_twice_the_prediction_until_streams_were_measured() -> None
     delay = HedgeDelay()
     settings = HedgingConfig(min_delay_ms=0.0)
     assert delay.delay_s(100.0, settings) == pytest.approx(0.2)
-    for _ in range(HedgeDelay.MIN_SAMPLES - 1):
+    for _ in range(MIN_SAMPLES - 1):
         delay.attempt_finished(_stream(300.0, 100.0))
     assert delay.delay_s(100.0, settings) == pytest.approx(0.2)
 
@@ -85,7 +92,7 @@ def test_the_delay_learns_only_from_streams_that_answered() -> None:
         delay.attempt_finished(unanswered)
         not_predicted = _stream(1000.0, 0.0)
         delay.attempt_finished(not_predicted)
-    assert delay.ratio(0.9) == HedgeDelay.DEFAULT_RATIO
+    assert delay.ratio(0.9) == DEFAULT_RATIO
 
 
 def test_the_delay_keeps_the_recent_streams_only() -> None:

@@ -154,6 +154,10 @@ class HedgingConfig(_Strict):
         default=0.05, ge=0.0, le=1.0, description="at most this share of the streams that "
         "may be hedged is hedged (each hedge is extra engine work: the copy's prefill, "
         "until one of the two answers)")
+    max_burst: int = Field(
+        default=20, ge=1, le=10_000, description="at most this many copies at once, from "
+        "the share saved while none was needed (a slow region's first seconds, before the "
+        "router learns to avoid it, make many streams late together)")
     quantile: float = Field(
         default=0.9, gt=0.0, lt=1.0, description="the hedge is sent when no first token came "
         "within the predicted TTFT times this quantile of recent measured/predicted TTFTs")

@@ -40,18 +40,17 @@ class HedgeBudget:
     """At most `ratio` of the eligible requests hedged: each adds `ratio` of a token (up
     to `cap`, a burst), a hedge spends one."""
 
-    __slots__ = ("_cap", "_ratio", "_tokens", "denied", "sent")
+    __slots__ = ("_cap", "_tokens", "denied", "sent")
 
-    def __init__(self, ratio: float, cap: float = 5.0) -> None:
-        self._ratio = ratio
+    def __init__(self, cap: float = 20.0) -> None:
         self._cap = max(1.0, cap)
         self._tokens = 1.0
         self.sent = 0
         self.denied = 0
 
-    def eligible(self, ratio: float) -> None:
-        """An eligible request arrived (`ratio`: the configured fraction now)."""
-        self._ratio = ratio
+    def eligible(self, ratio: float, cap: float) -> None:
+        """An eligible request arrived (`ratio`, `cap`: as configured now)."""
+        self._cap = max(1.0, cap)
         self._tokens = min(self._cap, self._tokens + ratio)
 
     def try_spend(self) -> bool:
@@ -147,14 +146,14 @@ class Hedges:
     __slots__ = ("budget", "delay")
 
     def __init__(self) -> None:
-        self.budget = HedgeBudget(0.05)
+        self.budget = HedgeBudget()
         self.delay = HedgeDelay()
 
     def prepare(self, settings: HedgingConfig, decision: Decision, attempt: Attempt,
                 route: RouteRequest) -> Hedge:
         """An eligible stream's hedge: when, and where its copy may go (not its worker;
         another region if one can take it)."""
-        self.budget.eligible(settings.max_fraction)
+        self.budget.eligible(settings.max_fraction, settings.max_burst)
         delay_s = self.delay.delay_s(decision.predicted_ttft_ms, settings)
         budget_ms = route.ttft_budget_ms
         if budget_ms is not None:  # a copy while half the client's budget is left

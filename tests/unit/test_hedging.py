@@ -33,27 +33,27 @@ def _stream(ttfb_ms: float, predicted_ms: float, status: int = 200) -> Attempt:
 @given(st.floats(min_value=0.0, max_value=1.0), st.integers(min_value=1, max_value=2000))
 def test_the_budget_never_hedges_more_than_its_share_and_a_burst(ratio: float,
                                                                  requests: int) -> None:
-    budget = HedgeBudget(ratio, cap=5.0)
+    budget = HedgeBudget(cap=5.0)
     hedged = 0
     for _ in range(requests):
-        budget.eligible(ratio)
+        budget.eligible(ratio, 5.0)
         hedged += budget.try_spend()  # every one late: the worst case
     assert hedged <= 1 + ratio * requests + 1e-9
     assert budget.sent == hedged and budget.sent + budget.denied == requests
 
 
 def test_the_budget_lets_its_share_through_when_every_stream_is_late() -> None:
-    budget = HedgeBudget(0.05)
+    budget = HedgeBudget()
     for _ in range(1000):
-        budget.eligible(0.05)
+        budget.eligible(0.05, 20)
         budget.try_spend()
     assert 50 <= budget.sent <= 51
 
 
 def test_a_burst_of_late_streams_spends_at_most_the_cap() -> None:
-    budget = HedgeBudget(0.5, cap=5.0)
+    budget = HedgeBudget()
     for _ in range(100):
-        budget.eligible(0.5)  # 100 arrive at once, then all are late
+        budget.eligible(0.5, 5)  # 100 arrive at once, then all are late
     assert sum(budget.try_spend() for _ in range(100)) == 5
 
 

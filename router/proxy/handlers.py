@@ -371,7 +371,8 @@ class Proxy:
             self.queue.capacity_freed()
         attempt.finished_s = time.monotonic()
         self.health.attempt_finished(attempt)
-        self.hedges.delay.attempt_finished(attempt)
+        if attempt.streamed:  # (only streams' first bytes are first tokens)
+            self.hedges.delay.attempt_finished(attempt)
         for observer in self.observers:
             observer.attempt_finished(attempt)
 

@@ -1,14 +1,14 @@
 """Hedged first tokens: a stream whose first token is late gets a second copy elsewhere.
 
-An interactive stream that opted in (its class in `router.hedging.classes`, or the header
+A stream that opted in (its traffic class in `router.hedging.classes`, or the header
 `x-globalpool-hedge: on`) and has no first event `delay` after it was sent is sent again
 to the next-best worker, in another region if one can take it. The first of the two to
 produce a whole first event answers the client; the other's connection is closed, which
 makes vLLM abort the request (the engine stops work on it). The delay is the request's
 predicted TTFT times the recent `quantile` of measured over predicted TTFT
 (`HedgeDelay`), within the configured bounds, and at most half the client's TTFT budget
-if it gave one; the extra load is capped by `HedgeBudget`
-(at most `max_fraction` of the eligible requests hedged).
+if it gave one; the extra load is capped by `HedgeBudget` (over N eligible streams at
+most `max_fraction` x N + `max_burst` copies).
 
 Only streams are hedged: a non-streaming answer shows no first token, so a hedge there
 would run the whole answer twice.
@@ -37,8 +37,8 @@ Opened = tuple[UpstreamConnection, bytes, bool]
 
 
 class HedgeBudget:
-    """At most `ratio` of the eligible requests hedged: each adds `ratio` of a token (up
-    to `cap`, a burst), a hedge spends one."""
+    """At most a share of the eligible requests hedged: each adds that share of a token
+    (saved up to `cap`, the largest burst), a copy spends one."""
 
     __slots__ = ("_cap", "_tokens", "denied", "sent")
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 import secrets
 import time
@@ -38,7 +37,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from lab.sim.config import SimConfig
 from lab.sim.engine import Engine, QueueFullError
-from lab.sim.errors import ApiError, json_response
+from lab.sim.errors import ApiError, compact_text, json_response
 from lab.sim.responses import DONE, SSE_CONTENT_TYPE
 from lab.sim.sequence import Sequence
 from lab.sim.tokens import prompt_from_token_ids
@@ -60,9 +59,6 @@ def audio_seconds(data: bytes) -> float:
         return frames / max(1, rate)
     return len(data) / ASSUMED_BYTES_PER_S
 
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 class AudioHandlers:
@@ -149,7 +145,7 @@ class AudioHandlers:
                       include_usage: bool) -> web.StreamResponse:
         words = TRANSCRIPT.split()
         head = (f'data: {{"id":"{task}-{secrets.token_hex(8)}","object":"{_CHUNK_OBJECT[task]}",'
-                f'"created":{int(time.time())},"model":{_dumps(model)},')
+                f'"created":{int(time.time())},"model":{compact_text(model)},')
         response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
         try:
             await response.prepare(request)
@@ -164,7 +160,7 @@ class AudioHandlers:
                 usage = {"prompt_tokens": seq.prompt.num_tokens, "total_tokens":
                          seq.prompt.num_tokens + sent, "completion_tokens": sent}
                 await response.write(
-                    f'{head}"choices":[],"usage":{_dumps(usage)}}}\n\n'.encode())
+                    f'{head}"choices":[],"usage":{compact_text(usage)}}}\n\n'.encode())
             await response.write(DONE)
             await response.write_eof()
         except ConnectionResetError:
@@ -178,4 +174,4 @@ class AudioHandlers:
             "delta": {"content": words[index] if index == 0 else " " + words[index]}}
         if index == len(words) - 1:
             choice.update(finish_reason="stop", stop_reason=None)
-        return f'{head}"choices":[{_dumps(choice)}]}}\n\n'.encode()
+        return f'{head}"choices":[{compact_text(choice)}]}}\n\n'.encode()

@@ -17,6 +17,8 @@ from aiohttp import web
 
 # Starlette (vLLM's server) writes compact JSON; so do we.
 compact_dumps = functools.partial(json.dumps, separators=(",", ":"))
+# The same with text as UTF-8, not \u escapes: the events vLLM's streams write themselves.
+compact_text = functools.partial(json.dumps, separators=(",", ":"), ensure_ascii=False)
 
 
 def json_response(body: Any, status: int = 200) -> web.Response:

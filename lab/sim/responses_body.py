@@ -12,19 +12,16 @@ token, then output_text.done, content_part.done, output_item.done and response.c
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lab.sim.errors import compact_text
 from lab.sim.sequence import FinishReason
 
 ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "cancelled",
                          "failed"]
 
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def new_response_id() -> str:
@@ -126,7 +123,7 @@ class ResponseEvents:
         # vLLM's event models (the openai package's) name their fields in alphabetical order.
         data = dict(sorted({**data, "sequence_number": self._next, "type": kind}.items()))
         self._next += 1
-        return f"event: {kind}\ndata: {_dumps(data)}\n\n".encode()
+        return f"event: {kind}\ndata: {compact_text(data)}\n\n".encode()
 
     def opening(self) -> list[bytes]:
         """response.created and response.in_progress: sent as soon as the request is in."""
@@ -146,7 +143,7 @@ class ResponseEvents:
     def delta(self, text: str) -> bytes:
         number = self._next
         self._next += 1
-        return (f"{self._delta_prefix}{_dumps(text)}{self._delta_suffix}{number},"
+        return (f"{self._delta_prefix}{compact_text(text)}{self._delta_suffix}{number},"
                 '"type":"response.output_text.delta"}\n\n').encode()
 
     def closing(self, body: dict[str, Any]) -> list[bytes]:

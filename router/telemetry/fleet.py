@@ -38,7 +38,6 @@ class RetryBudgetView(Protocol):
 
 
 class HedgeBudgetView(Protocol):
-    sent: int
     denied: int
 
 

@@ -200,3 +200,24 @@ async def test_the_openai_client_reads_a_hedged_stream(fleet_factory: FleetFacto
         assert sum(1 for piece in pieces if piece) == TOKENS
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("misbehave", ["headers_then_hang", "half_body_close", "garbage",
+                                       "reset_mid_stream"])
+async def test_a_lying_worker_leaves_the_stream_whole(fleet_factory: FleetFactory,
+                                                      misbehave: str) -> None:
+    # `a` answers wrongly while its engine looks healthy: the head then nothing, half the
+    # first event then FIN, bytes that are not HTTP, or a reset after 3 tokens. Before a
+    # first event, whether the copy outran it or it failed first (then a plain retry),
+    # the client gets `b`'s stream and no byte of `a`'s; after `a`'s first tokens, the
+    # stream is continued on `b` (mid-stream failover). Either way one whole stream.
+    fleet = await fleet_factory({"a": "us-east", "b": "eu-west"})
+    await fleet.faults("a", misbehave=misbehave)
+    answer = await stream(fleet.router_url, HEDGE)
+    assert answer.status == 200, answer.body
+    if misbehave == "reset_mid_stream":
+        assert answer.worker == "a"  # (the headers went out with a's first token)
+    else:
+        assert answer.worker == "b" and answer.headers["x-globalpool-route"] in (
+            "hedge", "retry"), answer.headers
+    assert_one_whole_stream(answer.body, "chat", TOKENS)

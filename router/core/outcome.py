@@ -105,6 +105,12 @@ class Attempt:
     # wait is a lower bound of its TTFT).
     hedge_delay_s: float | None = None
     outrun: bool = False
+    # Of its wait for the first byte, how long opening a new connection to the worker
+    # took (0: a kept-alive one), and whether it is opening one now: a one-off cost,
+    # which passive health excuses up to what the handshakes should take
+    # (router.health.penalties.handshake_s).
+    connect_s: float = 0.0
+    connecting: bool = False
 
     @property
     def ttfb_s(self) -> float | None:

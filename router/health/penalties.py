@@ -12,7 +12,14 @@ what is learnt from an attempt is only what the path and nothing else explains:
   busier than predicted is the engine's, and its queue terms already price it);
 - the region's penalty needs evidence from several of its workers: each worker's misses
   are kept apart, and a region's excess is the least of its workers' (at least
-  `min(2, its workers)` of them sampled), so one slow worker never penalises its region.
+  `min(2, its workers)` of them sampled), so one slow worker never penalises its region;
+- first bytes that are late *now* count before they come (`overdue`): a worker's excess
+  is at least the median of how far its streams still waiting have overrun what their
+  path and engine explain. A region that turns slow at once is so penalised within a check or two
+  of its streams' overrunning, not only once those slow first bytes have come and been
+  averaged in (seconds, during which every new request went there too: the 300 ms
+  slow-region drill was avoided after 0.95 s, against 1.35-2.2 s); and a decayed penalty
+  that sends requests back to a region still slow is restored by the first few of them.
 
 One `RegionPenalties` per router, held by router.health.tracker.Health, which feeds it the
 attempts that finish and answers the policy's and the operators' questions with it.
@@ -39,10 +46,21 @@ FORGET_HALF_LIVES = 8.0
 # (fewer if the region has fewer).
 WORKERS_FOR_EVIDENCE = 2
 
+# A worker's misses that step away from its mean by more than this (ms), in this many
+# samples running, replace the mean: a path that slowed (or healed) at once is believed
+# at its second sample, not after the ~5 an average weighted 0.2 would take, during which
+# traffic went back and forth (the slow-region drill: 17 late streams in its first
+# second; a region that traffic has left sends no more samples to average).
+JUMP_MS = 100.0
+JUMP_SAMPLES = 2
+
+_NO_OVERRUNS: dict[str, float] = {}
+
 
 class RegionPenalties:
     """Per worker, the mean of (measured - predicted path and engine time) in ms, weighted
-    0.2 for each new sample and halving every `half_life_s`; per region, the least of its
+    0.2 for each new sample and halving every `half_life_s` (or replaced by a step that
+    JUMP_SAMPLES samples running confirm); per region, the least of its
     sampled workers' means; each region's penalty is its excess beyond the lowest other
     region's and PENALTY_FLOOR_MS.
 
@@ -58,6 +76,13 @@ class RegionPenalties:
         self._penalties: dict[str, float] = {}  # region -> penalty, as of _penalties_at_s
         self._penalties_at_s = -1e18
         self._dirty = False  # a sample came since the last recomputation
+        # worker -> (samples running beyond JUMP_MS of its mean: + above, - below, their
+        # sum, the mean before them)
+        self._steps: dict[str, tuple[int, float, float]] = {}
+        # region -> worker -> the largest overrun of its streams still waiting (ms), as
+        # of the last `overdue` round: at least that much excess, now.
+        self._overdue_ms: dict[str, dict[str, float]] = {}
+        self._usual_ms = 0.0  # see usual_ms
         self._gap_s = 0.0  # the least time between recomputations for new samples
         self.skipped_lagged = 0  # samples not learnt: mostly the router's own delay
 
@@ -91,16 +116,26 @@ class RegionPenalties:
         forget_before_s = now_s - FORGET_HALF_LIVES * half_life_s
         counts = self._workers_in()
         current: dict[str, float] = {}
+        overdue = self._overdue_ms
         for region, workers in list(self._excess_ms.items()):
             for worker, (_, at_s) in list(workers.items()):
                 if at_s < forget_before_s:
                     del workers[worker]
-            needed = min(WORKERS_FOR_EVIDENCE, max(1, counts.get(region, len(workers))))
-            if len(workers) >= needed:
-                current[region] = min(ewma * 0.5 ** ((now_s - at_s) / half_life_s)
-                                      for ewma, at_s in workers.values())
-            elif not workers:
+                    self._steps.pop(worker, None)
+            late = overdue.get(region, _NO_OVERRUNS)
+            sampled = len(workers) + sum(1 for worker in late if worker not in workers)
+            needed = min(WORKERS_FOR_EVIDENCE, max(1, counts.get(region, sampled)))
+            if sampled >= needed:
+                by_worker = {worker: ewma * 0.5 ** ((now_s - at_s) / half_life_s)
+                             for worker, (ewma, at_s) in workers.items()}
+                for worker, overrun_ms in late.items():
+                    by_worker[worker] = max(by_worker.get(worker, overrun_ms), overrun_ms)
+                current[region] = min(by_worker.values())
+            elif not workers and not late:
                 del self._excess_ms[region]
+        learnt = [min(ewma for ewma, _ in workers.values())
+                  for region, workers in self._excess_ms.items() if workers]
+        self._usual_ms = max(0.0, min(learnt, default=0.0))
         penalties: dict[str, float] = {region: 0.0 for region in self._excess_ms}
         for region, excess in current.items():
             others = [value for other, value in current.items() if other != region]
@@ -129,22 +164,104 @@ class RegionPenalties:
         if router_delay_s > 0.5 * ttfb_s:
             self.skipped_lagged += 1
             return
-        parts = attempt.prediction
-        if parts is None:
-            expected_ms = attempt.predicted_ttft_ms
-        else:
-            # The penalty itself is not expected: it is what is being learnt (expecting it
-            # would make a working penalty look unneeded, and decay).
-            engine_ms = parts.queue_ms + parts.prefill_ms + parts.first_step_ms
-            if engine_ttft_ms is not None and engine_ttft_ms > engine_ms:
-                engine_ms = engine_ttft_ms
-            expected_ms = parts.rtt_ms + engine_ms
-        excess = (ttfb_s - router_delay_s) * 1000.0 - expected_ms
+        # (Faster than predicted by more than a step is not believed: a forged or absurd
+        # heartbeat TTFT would otherwise make one worker cancel its region's penalty.)
+        excess = max(-JUMP_MS, (ttfb_s - router_delay_s) * 1000.0
+                     - _expected_ms(attempt, engine_ttft_ms))
         workers = self._excess_ms.setdefault(attempt.region, {})
         previous = workers.get(attempt.worker_id)
         if lower_bound and (excess <= 0.0 or (previous is not None and excess <= previous[0])):
             return
-        ewma = excess if previous is None else (
-            0.8 * previous[0] * 0.5 ** ((now_s - previous[1]) / self._half_life_s) + 0.2 * excess)
-        workers[attempt.worker_id] = (ewma, now_s)
+        worker_id = attempt.worker_id
+        if previous is None:
+            ewma = excess
+        else:
+            mean = previous[0] * 0.5 ** ((now_s - previous[1]) / self._half_life_s)
+            ewma = 0.8 * mean + 0.2 * excess
+            # A step is judged against the mean from before it began (the first sample
+            # of it is averaged in meanwhile).
+            count, total, before = self._steps.get(worker_id, (0, 0.0, mean))
+            if abs(excess - before) > JUMP_MS and not lower_bound:
+                step = 1 if excess > before else -1
+                count, total = (count + step, total + excess) if count * step > 0 else (
+                    step, excess)
+                if count * step >= JUMP_SAMPLES:
+                    ewma = total / (count * step)  # a step, seen twice: believed
+                    self._steps.pop(worker_id, None)
+                else:
+                    self._steps[worker_id] = (count, total, before if count * step > 1
+                                              else mean)
+            elif count:
+                self._steps.pop(worker_id, None)
+        workers[worker_id] = (ewma, now_s)
         self._dirty = True  # recompute at the next question (see PENALTY_REFRESH_S)
+
+    def usual_ms(self, now_s: float) -> float:
+        """How much every region's first bytes miss their predictions lately (ms, >= 0):
+        the least region's learnt excess, a miss the whole fleet shares (predictions
+        low for this machine, engines slowed by a busy host), which is nobody's path."""
+        since_s = now_s - self._penalties_at_s
+        if self._excess_ms and (since_s > PENALTY_REFRESH_S or since_s < 0 or self._dirty):
+            self._refresh(now_s)
+        return self._usual_ms
+
+    @property
+    def overdue_pending(self) -> bool:
+        """Whether some worker's overrun counts now (see `overdue`)."""
+        return bool(self._overdue_ms)
+
+    def overdue(self, waiting: list[tuple[Attempt, float, float | None]], now_s: float
+                ) -> dict[str, dict[str, float]]:
+        """This round's streams still waiting for their first byte, each as (attempt, how
+        long it has waited less this router's own pauses (s), its worker's own recent mean
+        TTFT from its heartbeat (ms, None: not reported)): a worker's excess is at least
+        the median of their overruns until the next round. An empty list ends every
+        overrun. Returns the overruns beyond the noise floor: region -> worker -> ms."""
+        by_worker: dict[tuple[str, str], list[float]] = {}
+        for attempt, waited_s, engine_ttft_ms in waiting:
+            overrun_ms = waited_s * 1000.0 - _expected_ms(attempt, engine_ttft_ms)
+            by_worker.setdefault((attempt.region, attempt.worker_id), []).append(overrun_ms)
+        overdue: dict[str, dict[str, float]] = {}
+        for (region, worker_id), overruns in by_worker.items():
+            # The median of its waiting streams' overruns: the oldest of many streams is
+            # always the latest, and a busy worker must not look slow for having many.
+            overruns.sort()
+            overrun_ms = overruns[(len(overruns) - 1) // 2]
+            if overrun_ms > PENALTY_FLOOR_MS:
+                overdue.setdefault(region, {})[worker_id] = overrun_ms
+        if overdue or self._overdue_ms:
+            for region in overdue:
+                self._excess_ms.setdefault(region, {})
+            self._overdue_ms = overdue
+            self._dirty = True
+            self._gap_s = 0.0  # an overrun counts at the next question
+        return overdue
+
+
+def handshake_s(attempt: Attempt) -> float:
+    """What of `attempt`'s wait opening a new connection excuses (s): the time it took
+    (so far, while it is still connecting), up to the two round trips TCP and TLS take
+    on its predicted RTT. A handshake is a one-off wait, not the path's usual delay (a
+    region that had just taken over traffic looked ~80 ms slower than predicted for its
+    first seconds); one that takes longer than that is the path's slowness too."""
+    if not attempt.connecting and not attempt.connect_s:
+        return 0.0
+    parts = attempt.prediction
+    allowed_s = 2.0 * (parts.rtt_ms if parts is not None else 0.0) / 1000.0
+    return allowed_s if attempt.connecting else min(attempt.connect_s, allowed_s)
+
+
+def _expected_ms(attempt: Attempt, engine_ttft_ms: float | None) -> float:
+    """What `attempt`'s path and engine explain of its wait for a first byte (ms): its
+    predicted RTT, and the larger of its predicted engine time and what its worker's own
+    heartbeat says its requests waited lately (an engine busier than predicted is the
+    engine's, and its queue terms already price it)."""
+    parts = attempt.prediction
+    if parts is None:
+        return attempt.predicted_ttft_ms
+    # The penalty itself is not expected: it is what is being learnt (expecting it
+    # would make a working penalty look unneeded, and decay).
+    engine_ms = parts.queue_ms + parts.prefill_ms + parts.first_step_ms
+    if engine_ttft_ms is not None and engine_ttft_ms > engine_ms:
+        engine_ms = engine_ttft_ms
+    return parts.rtt_ms + engine_ms

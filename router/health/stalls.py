@@ -67,6 +67,12 @@ class StallWatch:
         paused = self._paused_s
         self._paused_s = {key: paused.get(key, 0.0) + paused_s for key in self._awaiting}
 
+    def waiting_streams(self, now_s: float) -> list[tuple[Attempt, float]]:
+        """The streamed attempts still waiting for their first byte, each with how long it
+        has waited less the time this process was not running (s)."""
+        return [(attempt, self._waited_s(attempt, now_s)) for attempt in self._awaiting.values()
+                if attempt.streamed and attempt.first_byte_s is None]
+
     def find(self, now_s: float) -> list[Stall]:
         """The workers that have stopped answering, with the attempts waiting on them.
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from router.core.outcome import Attempt, Failure, RequestRecord
 from router.health.breaker import Breaker, BreakerPolicy, BreakerState
 from router.health.loop_lag import LoopLag
-from router.health.penalties import RegionPenalties
+from router.health.penalties import PENALTY_FLOOR_MS, RegionPenalties, handshake_s
 from router.health.stalls import StallWatch
 from router.registry.collector import STALL_TOLERANCE_S  # one notion of "not running"
 from router.registry.worker_view import WorkerView
@@ -34,6 +34,16 @@ BUSY_DEFAULT_S = 0.5
 BUSY_MAX_S = 10.0
 # How often waiting streams are checked for stalled workers (s).
 STALL_CHECK_S = 0.25
+# How often the streams waiting for their first byte are checked for overruns (s): see
+# RegionPenalties.overdue. Each check visits only those streams (~1 us each).
+OVERDUE_CHECK_S = 0.05
+# A check that runs later than due by more than this judges nothing (s): the loop was
+# held meanwhile, so first bytes may have come and not been read yet.
+OVERDUE_LATE_S = 0.02
+# Overruns judged by the last on-time check stand through late ones for so long (s): a
+# busy loop's late checks must not wipe out what is known (traffic went back to a region
+# still slow whenever one check ran late).
+OVERDUE_KEEP_S = 0.25
 # How often what passive health remembers is pruned (s): see Health.prune.
 PRUNE_EVERY_S = 5.0
 
@@ -74,6 +84,11 @@ class Health:
         self._stalls = StallWatch(stall_after_s=stall_after_s, stall_factor=stall_factor,
                                   views=views)
         self.events: deque[HealthEvent] = deque(maxlen=100)
+        # worker -> how far its streams waiting now have overrun their predictions beyond
+        # its region's penalty (ms): the policy adds it to the worker's prediction (see
+        # check_overdue); empty (the usual case) when nothing is late.
+        self.overdue_ms: dict[str, float] = {}
+        self._overdue_at_s = -1e18
         self.ejections_total = 0
 
     # --- the filter -------------------------------------------------------------------
@@ -203,7 +218,7 @@ class Health:
         self._penalties.learn(attempt, now_s, router_delay_s=delay_s,
                               engine_ttft_ms=None if view is None else view.ttft_ms,
                               ttfb_s=None if first_byte_s is None
-                              else first_byte_s - attempt.started_s,
+                              else first_byte_s - attempt.started_s - handshake_s(attempt),
                               lower_bound=attempt.outrun)
 
     def _workers_per_region(self) -> dict[str, int]:
@@ -270,19 +285,70 @@ class Health:
                 attempt.abandon(f"worker {worker_id} stalled")
         return stalled
 
-    async def watch_stalls(self, interval_s: float = STALL_CHECK_S) -> None:
-        """Run `check_stalls` every `interval_s` until cancelled. Time this process was not
-        running (its host stalled) does not count as waiting: nobody could answer."""
+    def check_overdue(self, *, late: bool = False) -> None:
+        """Judge how far the streams still waiting for their first byte have overrun what
+        their path and engine explain: each region's penalty counts its workers' overruns
+        (RegionPenalties.overdue: several workers' evidence, as for what is learnt), and a
+        worker's own overrun beyond that penalty is added to its prediction
+        (`overdue_ms`): its new requests go to a sibling that answers as predicted, and
+        the region is avoided once that one is late too.
+
+        `late`: this check itself ran late, so first bytes that came meanwhile may not
+        have been read yet: nothing new is judged, and the last judgement stands for up
+        to OVERDUE_KEEP_S."""
+        now_s = self._clock()
+        if late:
+            if (self.overdue_ms or self._penalties.overdue_pending) and (
+                    now_s - self._overdue_at_s > OVERDUE_KEEP_S):
+                self._penalties.overdue([], now_s)
+                self.overdue_ms = {}
+            return
+        views = self._views()
+        waiting: list[tuple[Attempt, float, float | None]] = []
+        for attempt, waited_s in self._stalls.waiting_streams(now_s):
+            view = views.get(attempt.worker_id)
+            waiting.append((attempt, waited_s - handshake_s(attempt),
+                            None if view is None else view.ttft_ms))
+        overruns = self._penalties.overdue(waiting, now_s)
+        self._overdue_at_s = now_s
+        own: dict[str, float] = {}
+        if overruns:
+            # Beyond what every region misses by lately (nobody's path: a worker with
+            # streams in flight must not look slower than an idle one for it) and beyond
+            # its region's penalty.
+            usual_ms = self._penalties.usual_ms(now_s) + PENALTY_FLOOR_MS
+            for region, workers in overruns.items():
+                penalty_ms = self._penalties.penalty_ms(region, now_s)
+                for worker_id, overrun_ms in workers.items():
+                    beyond_ms = overrun_ms - usual_ms - penalty_ms
+                    if beyond_ms > 0.0:
+                        own[worker_id] = beyond_ms
+        if own or self.overdue_ms:
+            self.overdue_ms = own
+
+    async def watch_stalls(self, interval_s: float = STALL_CHECK_S,
+                           overdue_s: float = OVERDUE_CHECK_S) -> None:
+        """Run `check_overdue` every `overdue_s` and `check_stalls` every `interval_s`
+        until cancelled. Time this process was not running (its host stalled) does not
+        count as waiting: nobody could answer."""
         loop = asyncio.get_running_loop()
         next_prune_s = loop.time() + PRUNE_EVERY_S
+        next_stall_check_s = loop.time() + interval_s
         while True:
             before = loop.time()
-            await asyncio.sleep(interval_s)
-            overslept_s = loop.time() - before - interval_s
+            await asyncio.sleep(overdue_s)
+            overslept_s = loop.time() - before - overdue_s
             if overslept_s > STALL_TOLERANCE_S:
                 self._stalls.paused(overslept_s)
             if self._stalls.waiting:
-                self.check_stalls()
+                self.check_overdue(late=overslept_s > OVERDUE_LATE_S)
+                if loop.time() >= next_stall_check_s:
+                    self.check_stalls()
+            elif self.overdue_ms or self._penalties.overdue_pending:
+                self._penalties.overdue([], self._clock())
+                self.overdue_ms = {}
+            if loop.time() >= next_stall_check_s:
+                next_stall_check_s = loop.time() + interval_s
             if loop.time() >= next_prune_s:
                 self.prune()
                 next_prune_s = loop.time() + PRUNE_EVERY_S

@@ -25,6 +25,8 @@ from router.registry.inflight import InFlight
 from router.registry.snapshot import RegionRanking, Snapshot
 from router.registry.worker_view import WorkerView
 
+_NO_OVERRUNS: dict[str, float] = {}
+
 
 def effective_load(view: WorkerView, local_inflight_now: int) -> int:
     """Sequences running or waiting on the worker now, as best this router can tell.
@@ -226,6 +228,8 @@ class PredictedTtft(Policy):
         open_requests = inflight.counts
         tokens = request.prompt_tokens
         origin = request.origin_region
+        health = context.health
+        overdue = _NO_OVERRUNS if health is None else health.overdue_ms
         region_costs: dict[str, float] = {}
         scored: list[tuple[float, WorkerView]] = []
         best_ms = math.inf
@@ -241,6 +245,8 @@ class PredictedTtft(Policy):
                 queue_ms_per_request = queue_price_ms(view, inflight, now_s)
             score = predicted_ms(base, engine_ms, tokens, prefill_ms_per_token, queued,
                                  queue_ms_per_request)
+            if overdue:  # its streams waiting now are later than this (Health.check_overdue)
+                score += overdue.get(worker_id, 0.0)
             scored.append((score, view))
             if score < best_ms:
                 best_ms = score
@@ -313,6 +319,8 @@ class PredictedTtft(Policy):
         open_requests = inflight.counts
         prompt_tokens = request.prompt_tokens
         origin = request.origin_region
+        health = context.health
+        overdue = _NO_OVERRUNS if health is None else health.overdue_ms
         scored: list[tuple[float, WorkerView]] = []
         for view in candidates:
             region = view.region
@@ -325,6 +333,8 @@ class PredictedTtft(Policy):
             score = predicted_ms(base, view.engine_ms, tokens, view.prefill_ms_per_token,
                                  queued, queue_price_ms(view, inflight, now_s) if queued > 0
                                  else 0.0)
+            if overdue:  # its streams waiting now are later than this (Health.check_overdue)
+                score += overdue.get(worker_id, 0.0)
             scored.append((score, view))
         return scored
 

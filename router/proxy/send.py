@@ -22,12 +22,26 @@ STALE_CONNECTION_RETRIES = 2
 
 
 async def send(pool: UpstreamPool, target: Target, payload: bytes,
-               deadline: Deadline) -> UpstreamConnection:
-    """Send the request and wait for the answer's head (status and headers)."""
+               deadline: Deadline, attempt: Attempt | None = None) -> UpstreamConnection:
+    """Send the request and wait for the answer's head (status and headers). `attempt`:
+    told while a new connection is being opened, and how long that took (`connect_s`)."""
     for tries_left in range(STALE_CONNECTION_RETRIES, -1, -1):
         try:
-            upstream = (pool.send_idle(target.host, target.port, payload)
-                        or await pool.send(target.host, target.port, payload, ssl=target.ssl))
+            upstream = pool.send_idle(target.host, target.port, payload)
+            if upstream is None:
+                # A new connection: its handshakes are a one-off wait, which passive
+                # health does not take for the path's (Attempt.connect_s).
+                loop = pool.loop
+                connecting_s = loop.time()
+                if attempt is not None:
+                    attempt.connecting = True
+                try:
+                    upstream = await pool.send(target.host, target.port, payload,
+                                               ssl=target.ssl)
+                finally:
+                    if attempt is not None:
+                        attempt.connecting = False
+                        attempt.connect_s += loop.time() - connecting_s
         except ConnectFailed as exc:
             raise UpstreamFailure("could not connect to the worker", Failure.CONNECT,
                                   detail=f"cannot connect to worker: {exc}") from None

@@ -50,7 +50,7 @@ async def open_stream(pool: UpstreamPool, target: Target, payload: bytes,
     connection that broke, a first event that is an error worth a retry."""
     deadline = attempt.first_byte_deadline = Deadline(timeouts.first_byte_s, pool.loop)
     try:
-        upstream = await send(pool, target, payload, deadline)
+        upstream = await send(pool, target, payload, deadline, attempt)
         refused = await refuse_if_failed(upstream)
         if refused is not None:
             return upstream, refused, True

@@ -396,3 +396,145 @@ def test_penalties_of_a_large_fleet_are_recomputed_at_a_bounded_rate() -> None:
         penalties.learn(slow, 0.0)
     assert penalties.penalty_ms("us-east", 0.01) == 0.0  # 400 workers: 40 ms between
     assert penalties.penalty_ms("us-east", 0.04) > 900.0
+
+
+def test_first_bytes_late_now_penalise_their_region_before_they_come() -> None:
+    """A region that turns slow at once (300 ms more RTT) is penalised by its streams still
+    waiting, as soon as they overrun on several of its workers, not seconds later when
+    those first bytes have come and been averaged in; once they come (or the round
+    cannot judge), only what was learnt remains."""
+    views = {"us-1": view("us-1"), "us-2": view("us-2"), "eu-1": view("eu-1", "eu-west")}
+    clock = FakeClock(0.0)
+    health = Health(POLICY, clock=clock, views=lambda: views)
+    for _ in range(20):  # as predicted, everywhere
+        for worker_id, region in (("us-1", "us-east"), ("us-2", "us-east"),
+                                  ("eu-1", "eu-west")):
+            health.attempt_finished(attempt(worker_id, None, region, ttfb_s=0.050))
+    waiting = [streaming("us-1", "us-east", 10.0), streaming("us-2", "us-east", 10.05)]
+    for sent in waiting:
+        sent.predicted_ttft_ms = 50.0
+        health.dispatched(sent)
+    assert health.quiet
+    clock.now = 10.2  # us-1's has waited 200 ms, 150 beyond its prediction; us-2's 100
+    health.check_overdue()
+    assert health.region_penalty_ms("us-east", 10.2) == pytest.approx(100.0 - FLOOR, abs=1)
+    assert health.region_penalty_ms("eu-west", 10.2) == 0.0
+    # us-1 is later than its region's penalty says: scored so much beyond its prediction.
+    assert health.overdue_ms == {"us-1": pytest.approx(150.0 - FLOOR - (100.0 - FLOOR), abs=1)}
+    clock.now = 10.4
+    health.check_overdue(late=True)  # the check itself ran late: judges nothing new...
+    assert health.region_penalty_ms("us-east", 10.4) == pytest.approx(100.0 - FLOOR, abs=1)
+    clock.now = 10.5
+    health.check_overdue(late=True)  # ...and its last judgement stands only so long
+    assert health.region_penalty_ms("us-east", 10.5) == 0.0 and health.overdue_ms == {}
+    clock.now = 10.4
+    health.check_overdue()
+    assert health.region_penalty_ms("us-east", 10.4) == pytest.approx(300.0 - FLOOR, abs=1)
+    # One slow worker alone is its own business, not its region's: it alone is scored
+    # beyond its prediction, so that its sibling takes its requests.
+    waiting[1].first_byte_s = 10.12
+    health.attempt_finished(waiting[1])
+    health.check_overdue()
+    assert health.region_penalty_ms("us-east", 10.4) < 10.0
+    assert set(health.overdue_ms) == {"us-1"} and health.overdue_ms["us-1"] > 300.0
+    # Come at last: its real wait is learnt (one sample, weighted 0.2), the overrun gone.
+    waiting[0].first_byte_s = 10.45
+    health.attempt_finished(waiting[0])
+    health.check_overdue()
+    assert health.region_penalty_ms("us-east", 10.45) == 0.0  # us-2 answered on time
+    assert health.overdue_ms == {} and health.quiet
+
+
+def test_overdue_streams_in_one_region_leave_the_others_alone() -> None:
+    """Overruns of a region that has a single worker count at once (there is no second
+    to ask), a non-streaming wait (its first byte is its whole answer) never, and a wait
+    within the noise floor of its prediction is not an overrun."""
+    views = {"eu-1": view("eu-1", "eu-west"), "us-1": view("us-1")}
+    clock = FakeClock(0.0)
+    health = Health(POLICY, clock=clock, views=lambda: views)
+    late = streaming("eu-1", "eu-west", 0.0)
+    whole = streaming("us-1", "us-east", 0.0)
+    whole.streamed = False
+    for sent in (late, whole):
+        sent.predicted_ttft_ms = 100.0
+        health.dispatched(sent)
+    clock.now = 0.12  # 20 ms over: noise
+    health.check_overdue()
+    assert health.region_penalties(0.12) == {}
+    clock.now = 0.5
+    health.check_overdue()
+    assert health.region_penalty_ms("eu-west", 0.5) == pytest.approx(400.0 - FLOOR, abs=1)
+    assert health.region_penalty_ms("us-east", 0.5) == 0.0
+
+
+def test_opening_a_connection_is_not_the_paths_delay() -> None:
+    """A region that just took traffic opens connections to its workers: the handshakes'
+    round trips are a one-off wait, which must not be learnt as the path's slowness (the
+    region then looked ~80 ms slower than predicted for its first seconds)."""
+    views = {"eu-1": view("eu-1", "eu-west"), "eu-2": view("eu-2", "eu-west")}
+
+    def penalty_after(ttfb_s: float, connect_s: float) -> float:
+        health = Health(POLICY, clock=FakeClock(0.0), views=lambda: views)
+        for worker_id in ("eu-1", "eu-2"):
+            for _ in range(5):  # predicted: 50 ms of RTT, 0 of engine
+                sent = attempt(worker_id, None, "eu-west", ttfb_s=ttfb_s, predicted_ms=50.0)
+                sent.prediction = Prediction(50.0, 0.0, 0.0, 0.0, 0.0)
+                sent.connect_s = connect_s
+                health.attempt_finished(sent)
+        return health.region_penalty_ms("eu-west", 0.0)
+
+    assert penalty_after(0.150, 0.100) == 0.0  # a handshake of two round trips: excused
+    assert penalty_after(0.150, 0.0) > 50.0  # the same wait on kept-alive connections
+    # A handshake far slower than its round trips is the path's slowness too: only two
+    # predicted round trips (100 ms) of its 300 are excused.
+    assert penalty_after(0.400, 0.300) == pytest.approx(250.0 - FLOOR, abs=1)
+
+
+def test_a_step_in_a_paths_delay_is_believed_at_its_second_sample() -> None:
+    """Two misses in a row 300 ms beyond a worker's mean replace the mean (an average
+    weighted 0.2 would take ~5 samples, and a region traffic has left sends no more);
+    one stray miss is only averaged in; the way back down is as quick."""
+    views = {"us-1": view("us-1"), "us-2": view("us-2")}
+    clock = FakeClock(0.0)
+    health = Health(POLICY, clock=clock, views=lambda: views)
+
+    def answered(ttfb_s: float) -> None:
+        for worker_id in views:
+            health.attempt_finished(attempt(worker_id, None, "us-east", ttfb_s=ttfb_s))
+
+    for _ in range(10):
+        answered(0.050)  # as predicted
+    answered(0.350)  # one stray miss: averaged in (0.2 x 300 ms)
+    assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(60.0 - FLOOR, abs=1)
+    answered(0.050)
+    answered(0.350)
+    answered(0.350)  # the second in a row: the path slowed by 300 ms
+    assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(300.0 - FLOOR, abs=1)
+    answered(0.050)
+    answered(0.050)  # healed: believed as soon
+    assert health.region_penalty_ms("us-east", 0.0) == 0.0
+
+
+def test_a_miss_the_whole_fleet_shares_sends_nothing_away_from_busy_local_workers() -> None:
+    """Every region's first bytes come 150 ms later than predicted (predictions low for
+    a busy host): nobody's path. Local workers with streams in flight (the idle remote
+    ones have none) must not be scored slower for it, nor their region penalised; a
+    stream still opening its connection is allowed the handshakes' two round trips."""
+    views = {"us-1": view("us-1"), "us-2": view("us-2"),
+             "eu-1": view("eu-1", "eu-west"), "eu-2": view("eu-2", "eu-west")}
+    clock = FakeClock(10.0)
+    health = Health(POLICY, clock=clock, views=lambda: views)
+    for _ in range(5):
+        for worker_id, worker in views.items():
+            health.attempt_finished(attempt(worker_id, None, worker.region, ttfb_s=0.200))
+    for worker_id in ("us-1", "us-2"):
+        health.dispatched(streaming(worker_id, "us-east", 10.0))
+    connecting = streaming("eu-1", "eu-west", 10.0)  # opening its connection (TLS)
+    connecting.prediction = Prediction(80.0, 0.0, 0.0, 0.0, 0.0)
+    connecting.predicted_ttft_ms = 80.0
+    connecting.connecting = True
+    health.dispatched(connecting)
+    clock.now = 10.2  # waited 200 ms each, as every first byte lately
+    health.check_overdue()
+    assert health.region_penalties(10.2) == {"us-east": 0.0, "eu-west": 0.0}
+    assert health.overdue_ms == {}

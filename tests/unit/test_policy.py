@@ -518,3 +518,27 @@ def test_a_holder_is_dropped_once_the_worker_was_sent_more_than_its_cache_holds(
     assert affinity.lookup(None, (1, 2)) == {"b": 512}
     affinity.remember(None, (1, 2), "a")  # served again: cached again
     assert affinity.lookup(None, (1, 2)) == {"a": 512, "b": 512}
+
+
+def test_a_worker_whose_streams_are_late_now_gives_its_requests_to_its_sibling() -> None:
+    """A stream waiting on us-1 far beyond its prediction (its path or engine slowed just
+    now) makes us-1 look that much slower: new requests go to us-2, still in us-east, not
+    away from the region on one worker's evidence."""
+    from router.core.outcome import Attempt
+    from router.health import Health
+
+    clock = FakeClock(100.0)
+    views = {v.worker_id: v for v in (view("us-1"), view("us-2"), view("eu-1", "eu-west"))}
+    health = Health(clock=clock, views=lambda: views)
+    policy = create_policy("predicted_ttft", RoutingContext(
+        rtt_ms=rtt_ms, inflight=InFlight(), clock=clock, rng=random.Random(7),
+        near_equal_ms=5.0, health=health))
+    snap = snapshot(*views.values())
+    request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=100)
+    late = Attempt(worker_id="us-1", region="us-east", predicted_ttft_ms=20.0,
+                   reason="local", started_s=100.0, streamed=True)
+    health.dispatched(late)
+    clock.now = 100.6
+    health.check_overdue()
+    chosen = {policy.pick(snap, request).worker.worker_id for _ in range(20)}
+    assert chosen == {"us-2"}

@@ -264,16 +264,19 @@ class RealPool:
         _terminate(agent.process, 120)
         return sorted(pid for pid in {agent.process.pid, *agent.seen_pids} if alive(pid))
 
-    def start_router(self, *extra: str, queue: bool = True
+    def start_router(self, *extra: str, queue: bool = True,
+                     settings: dict[str, Any] | None = None
                      ) -> tuple[str, subprocess.Popen[bytes]]:
         """A router replica; `queue=False`: without its queue for busy workers (every
-        request is sent at once, as before router.admission.queue existed)."""
+        request is sent at once, as before router.admission.queue existed); `settings`:
+        more of regions.yaml's `router` section."""
         port = free_port()
         log_path = self.work / f"router-{port}.log"
         config_path = self.config_path
-        if not queue:
-            config_path = self.work / "regions-no-queue.yaml"
-            self._write_config(config_path, queue={"enabled": False})
+        if not queue or settings:
+            config_path = self.work / f"regions-{port}.yaml"
+            self._write_config(config_path, **(settings or {}),
+                               **({} if queue else {"queue": {"enabled": False}}))
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "router.cli", "router", "--config",

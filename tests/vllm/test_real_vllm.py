@@ -188,14 +188,24 @@ async def watching(pool: RealPool, region: str) -> AsyncIterator[Callable[[], li
             await asyncio.gather(task, return_exceptions=True)
 
 
+HOST_STALL_S = 0.5  # a 50 ms sleep that took this much longer: the host stalled
+
+
 async def until_beat(pool: RealPool, region: str, accept: Callable[[Heartbeat], bool],
                      timeout_s: float = 30.0) -> Heartbeat:
-    """The first heartbeat of `region` that `accept`s; on timeout, the failure names the
-    last ones seen (state, running, waiting, KV usage), to tell a starved probe from load
-    that never rose."""
+    """The first heartbeat of `region` that `accept`s within `timeout_s` of this process
+    running; on timeout, the failure names the last ones seen (state, running, waiting, KV
+    usage), to tell a starved probe from load that never rose.
+
+    A stall of the whole host (seen here for up to 5 s at a time, every process at once:
+    the router logs "the collector was not scheduled for 5.0 s") does not count against
+    `timeout_s`: nothing could have answered meanwhile, as the router's heartbeat ages
+    exclude that time too."""
     seen: list[tuple[str, int, int, float | None]] = []
+    stalled_s = 0.0
+    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(timeout_s) as deadline:
             while True:
                 beat = pool.heartbeat(region)
                 if beat is not None:
@@ -205,9 +215,15 @@ async def until_beat(pool: RealPool, region: str, accept: Callable[[Heartbeat], 
                                beat.load.kv_cache_usage)
                     if not seen or seen[-1] != summary:
                         seen.append(summary)
+                before = loop.time()
                 await asyncio.sleep(0.05)
+                overslept_s = loop.time() - before - 0.05
+                if overslept_s > HOST_STALL_S:
+                    stalled_s += overslept_s
+                    deadline.reschedule((deadline.when() or loop.time()) + overslept_s)
     except TimeoutError:
-        raise AssertionError(f"no accepted heartbeat of {region} in {timeout_s:g} s; "
+        raise AssertionError(f"no accepted heartbeat of {region} in {timeout_s:g} s "
+                             f"(and {stalled_s:.1f} s the host stalled); "
                              f"the last seen: {seen[-12:]}") from None
 
 
@@ -245,6 +261,18 @@ async def keep_busy(engine: openai.AsyncOpenAI, stop: asyncio.Event, max_tokens:
         except openai.APIError as exc:
             outcomes.append(repr(exc)[:160])
             await asyncio.sleep(retry_s)
+
+
+def long_answers_to_us_east(pool: RealPool, senders: int) -> tuple[
+        openai.AsyncOpenAI, asyncio.Event, list[str], list[asyncio.Task[None]]]:
+    """`senders` clients asking us-east's vLLM straight for 2,000-token answers, one after
+    another (`keep_busy`): (its client, the stop event, their outcomes, their tasks)."""
+    engine = pool.async_client(url=pool.agents["us-east"].engine_url)
+    stop = asyncio.Event()
+    outcomes: list[str] = []
+    pressure = [asyncio.create_task(keep_busy(engine, stop, 2000, outcomes))
+                for _ in range(senders)]
+    return engine, stop, outcomes, pressure
 
 
 async def stop_senders(stop: asyncio.Event, senders: list[asyncio.Task[None]],
@@ -378,14 +406,10 @@ async def test_a_full_vllm_queue_503_is_retried_in_the_other_region(pool: RealPo
     rr_url, rr = pool.start_router("--policy", "round_robin", queue=False)
     pool.routers.append(rr)
     await until_beat(pool, "us-east", idle)
-    engine = pool.async_client(url=pool.agents["us-east"].engine_url)
     # More senders than vLLM admits (--max-num-queued-reqs caps running + waiting), each
     # trying again at once: whenever a slot frees, one of them takes it, so the queue
     # stays full and the engine refuses everything else.
-    stop = asyncio.Event()
-    outcomes: list[str] = []
-    pressure = [asyncio.create_task(keep_busy(engine, stop, 2000, outcomes))
-                for _ in range(MAX_UNFINISHED + 3)]
+    engine, stop, outcomes, pressure = long_answers_to_us_east(pool, MAX_UNFINISHED + 3)
     try:
         async with asyncio.timeout(60):
             while not any("503" in outcome for outcome in outcomes):  # noqa: ASYNC110
@@ -412,6 +436,70 @@ async def test_a_full_vllm_queue_503_is_retried_in_the_other_region(pool: RealPo
     await until_beat(pool, "us-east", idle, timeout_s=30)
 
 
+async def engine_gauge(http: aiohttp.ClientSession, pool: RealPool, region: str,
+                       name: str) -> float:
+    """One of a real vLLM's own /metrics values (summed over its label sets)."""
+    async with http.get(f"{pool.agents[region].engine_url}/metrics") as response:
+        text = await response.text()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == name)
+
+
+async def hedged_stream(client: openai.AsyncOpenAI) -> tuple[str, str, int]:
+    """(region, route reason, tokens) of one stream that asks to be hedged."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT, max_tokens=4, extra_body=EXACT, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"x-globalpool-hedge": "on"})
+    tokens = -1
+    async for chunk in raw.parse():
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return raw.headers.get(REGION, ""), raw.headers.get(ROUTE, ""), tokens
+
+
+async def test_a_late_stream_is_hedged_to_the_other_region_and_its_copy_aborted(
+        pool: RealPool, measurements: dict[str, Any]) -> None:
+    # us-east's vLLM holds new requests in its queue: every batch slot is taken by long
+    # answers sent straight to it (2,000 tokens, ~80 s each here: none ends during the
+    # test), and 2 more wait. round_robin without the router's queue sends every other
+    # stream there whatever its load (as a stale view would); each asks to be hedged (no
+    # budget limit here), so a copy goes to eu-west after its delay without a first token
+    # and answers, and the router closes the us-east one.
+    rr_url, rr = pool.start_router("--policy", "round_robin", queue=False,
+                                   settings={"hedging": {"max_fraction": 1.0}})
+    pool.routers.append(rr)
+    await until_beat(pool, "us-east", idle)
+    engine, stop, outcomes, pressure = long_answers_to_us_east(pool, MAX_NUM_SEQS + 2)
+    http = aiohttp.ClientSession()
+    waiting = "vllm:num_requests_waiting"
+    try:
+        await until_beat(pool, "us-east", lambda beat: beat.load.waiting >= 2, timeout_s=60)
+        waiting_before = await engine_gauge(http, pool, "us-east", waiting)
+        client = pool.async_client("us-east", url=rr_url)
+        results = [await hedged_stream(client) for _ in range(8)]
+        await client.close()
+        # A copy the router closed is aborted by vLLM: its queue is back to what the long
+        # answers keep waiting. One still there would wait until they are done.
+        waiting_after = await engine_gauge(http, pool, "us-east", waiting)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                while waiting_after > waiting_before:
+                    await asyncio.sleep(0.2)
+                    waiting_after = await engine_gauge(http, pool, "us-east", waiting)
+    finally:
+        await http.close()
+        await stop_senders(stop, pressure, engine)
+        await until_beat(pool, "us-east", idle, timeout_s=60)
+    assert [tokens for _, _, tokens in results] == [4] * 8, results
+    copies_won = [region for region, route, _ in results if route == "hedge"]
+    assert copies_won and set(copies_won) == {"eu-west"}, results
+    assert [outcome for outcome in outcomes if outcome != "ok"] == []  # all admitted
+    assert waiting_after <= waiting_before, (
+        f"{waiting_after - waiting_before:g} copies outrun are still waiting in us-east")
+    measurements["hedged streams with us-east's queue full: answered where, how"] = dict(
+        Counter(f"{region}/{route}" for region, route, _ in results))
+
+
 async def steady_requests(client: openai.AsyncOpenAI, stop: asyncio.Event,
                           results: list[tuple[str, str, int] | BaseException]) -> None:
     while not stop.is_set():
@@ -419,6 +507,77 @@ async def steady_requests(client: openai.AsyncOpenAI, stop: asyncio.Event,
             results.append(await chat(client, 8))
         except openai.APIError as exc:
             results.append(exc)
+
+
+# The stream's length: far more than its engine is let generate before it is killed, and
+# short enough that the continuation's prompt (the text so far, tokenized again, which can
+# take more tokens than were generated) and the tokens left fit the model's 2,048
+# positions (vLLM would cut the continuation short: 1,757 of 1,800 seen).
+STREAM_TOKENS = 1500
+MAX_STEPS = 10  # 20 ms each: up to 84 tokens a step were seen here
+
+
+def signal_all(pids: list[int], signum: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def step(frozen: list[int]) -> None:
+    """Let frozen processes run for 20 ms (in a thread: the test's event loop, busy
+    parsing, would wake a coroutine late, and the engine would run on meanwhile)."""
+    signal_all(frozen, signal.SIGCONT)
+    time.sleep(0.02)
+    signal_all(frozen, signal.SIGSTOP)
+
+
+async def step_until_first_token(core: list[int], started: asyncio.Event) -> int:
+    """Let a frozen engine (its core and worker processes stopped) run 20 ms at a time until
+    the client has the stream's first token, and leave it frozen: so it is killed well
+    before the end of its answer, however fast it generates. (Killed when the client had
+    its first token, with the engine running freely, it had already generated the whole
+    answer in 3 of 4 runs: this CPU engine generates faster than its API server streams,
+    and vLLM merges the tokens it is behind on into fewer events.) How many steps."""
+    for steps in range(1, MAX_STEPS + 1):
+        await asyncio.to_thread(step, core)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):  # what the engine made reaches the client
+                await started.wait()
+                return steps
+    async with asyncio.timeout(60):  # frozen: only what it made already can come
+        await started.wait()
+    return MAX_STEPS
+
+
+async def stream_across_the_kill(client: openai.AsyncOpenAI, started: asyncio.Event,
+                                 killed: asyncio.Event) -> dict[str, Any]:
+    """A long stream that sets `started` at its first token; what it got, and what it had
+    when it first saw `killed` set."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT, max_tokens=STREAM_TOKENS, extra_body=EXACT, stream=True,
+        stream_options={"include_usage": True})
+    seen: dict[str, Any] = {"region": raw.headers.get(REGION, ""), "ids": set(),
+                            "finishes": [], "usage_tokens": None, "tokens": 0}
+    pieces: list[str] = []
+    async for chunk in raw.parse():
+        if killed.is_set() and "text_before_kill" not in seen:
+            seen["text_before_kill"] = "".join(pieces)
+            seen["tokens_before_kill"] = seen["tokens"]
+        if pieces and not started.is_set():
+            seen["first_token_s"] = time.monotonic()
+            started.set()
+        seen["ids"].add(chunk.id)
+        if chunk.usage is not None:
+            seen["usage_tokens"] = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            if choice.delta.role is None and choice.delta.content:
+                seen["tokens"] += 1
+                pieces.append(choice.delta.content)
+            if choice.finish_reason is not None:
+                seen["finishes"].append(choice.finish_reason)
+    seen["text"] = "".join(pieces)
+    seen["ended_s"] = time.monotonic()
+    return seen
 
 
 async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarted(
@@ -434,10 +593,21 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
     client = pool.async_client("us-east")
     stop = asyncio.Event()
     results: list[tuple[str, str, int] | BaseException] = []
-    senders = [asyncio.create_task(steady_requests(client, stop, results)) for _ in range(4)]
+    core = [pid for pid in old_tree if pid != vllm_pid]  # engine core and its workers
+    started, killed = asyncio.Event(), asyncio.Event()
+    signal_all(core, signal.SIGSTOP)  # frozen: it takes the request and generates nothing
+    carried = asyncio.create_task(stream_across_the_kill(client, started, killed))
+    senders: list[asyncio.Task[None]] = []
     try:
-        await asyncio.sleep(1.0)
-        os.kill(vllm_pid, signal.SIGKILL)
+        steps = await step_until_first_token(core, started)
+        # The long stream is under way in us-east, its engine frozen a few steps in; more
+        # requests arrive there, then the engine is killed (all of it: the frozen
+        # processes would not take a SIGTERM from the agent).
+        senders = [asyncio.create_task(steady_requests(client, stop, results))
+                   for _ in range(4)]
+        await asyncio.sleep(0.3)
+        signal_all([vllm_pid, *core], signal.SIGKILL)
+        killed.set()
         killed_at = time.monotonic()
         degraded = await until_beat(pool, "us-east",
                                     lambda b: b.state is LifecycleState.DEGRADED, 5)
@@ -446,7 +616,25 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
     finally:
         stop.set()
         await asyncio.gather(*senders)
+        signal_all(core, signal.SIGCONT)  # (if the test failed before the kill)
+        async with asyncio.timeout(180):
+            stream = await carried
         await client.close()
+    # The stream whose engine died was finished by eu-west's, as one stream: the text the
+    # client had, then the rest, with the whole token count and one finish reason.
+    assert stream["region"] == "us-east", stream
+    router_log = (pool.work / f"router-{pool.router_url.rsplit(':', 1)[1]}.log").read_text()
+    assert "broke off" in router_log, (steps, stream.get("tokens_before_kill"), stream["tokens"],
+                                       stream["usage_tokens"], stream["ended_s"] - killed_at)
+    assert f"stream continued on {pool.agents['eu-west'].worker_id} (eu-west)" in router_log
+    assert len(stream["ids"]) == 1 and stream["finishes"] == ["length"], stream
+    assert stream["usage_tokens"] == STREAM_TOKENS, stream
+    # One event per token, or fewer: vLLM puts several tokens in one event when its
+    # output falls behind the engine (1,685 events for 1,800 tokens seen here).
+    assert 0 < stream["tokens"] <= STREAM_TOKENS, stream
+    assert stream["text"].startswith(stream["text_before_kill"])
+    measurements["stream carried across kill -9: events before / after; engine steps"] = (
+        stream["tokens_before_kill"], stream["tokens"] - stream["tokens_before_kill"], steps)
     assert [r for r in results if isinstance(r, BaseException)] == []
     served = [r for r in results if not isinstance(r, BaseException)]
     assert all(tokens == 8 for _, _, tokens in served)

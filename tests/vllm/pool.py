@@ -205,7 +205,10 @@ class RealPool:
         self.measurements: dict[str, Any] = {}
         # Signed heartbeats, as a deployment has them: one key for the agents and routers.
         self.signing_env = {KEYS_ENV: f"vllm-tier:{secrets.token_urlsafe(32)}"}
-        self._redis = redis.Redis.from_url(redis_url)
+        # The test's own reads of heartbeats: a stall of this host (measured up to 13 s in
+        # one run of the tier) must not time them out (redis-py's default is 5 s).
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=60,
+                                           socket_connect_timeout=60)
 
     # -- lifecycle -----------------------------------------------------------------------
 

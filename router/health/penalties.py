@@ -98,10 +98,15 @@ class RegionPenalties:
         """
         if region not in self._excess_ms:
             return 0.0
+        self._refresh_if_due(now_s)
+        return self._penalties.get(region, 0.0)
+
+    def _refresh_if_due(self, now_s: float) -> None:
+        """Recompute if PENALTY_REFRESH_S has passed, or a sample came and the least gap
+        between recomputations for new samples has (see REFRESH_S_PER_WORKER)."""
         since_s = now_s - self._penalties_at_s
         if since_s > PENALTY_REFRESH_S or since_s < 0 or (self._dirty and since_s >= self._gap_s):
             self._refresh(now_s)
-        return self._penalties.get(region, 0.0)
 
     def all(self, now_s: float) -> dict[str, float]:
         """Every region's `penalty_ms` now, for operators (/metrics, /admin/status): why
@@ -200,9 +205,8 @@ class RegionPenalties:
         """How much every region's first bytes miss their predictions lately (ms, >= 0):
         the least region's learnt excess, a miss the whole fleet shares (predictions
         low for this machine, engines slowed by a busy host), which is nobody's path."""
-        since_s = now_s - self._penalties_at_s
-        if self._excess_ms and (since_s > PENALTY_REFRESH_S or since_s < 0 or self._dirty):
-            self._refresh(now_s)
+        if self._excess_ms:
+            self._refresh_if_due(now_s)  # (an overdue round recomputes at once: `overdue`)
         return self._usual_ms
 
     @property

@@ -298,10 +298,8 @@ class Health:
         to OVERDUE_KEEP_S."""
         now_s = self._clock()
         if late:
-            if (self.overdue_ms or self._penalties.overdue_pending) and (
-                    now_s - self._overdue_at_s > OVERDUE_KEEP_S):
-                self._penalties.overdue([], now_s)
-                self.overdue_ms = {}
+            if now_s - self._overdue_at_s > OVERDUE_KEEP_S:
+                self._forget_overdue(now_s)
             return
         views = self._views()
         waiting: list[tuple[Attempt, float, float | None]] = []
@@ -326,6 +324,13 @@ class Health:
         if own or self.overdue_ms:
             self.overdue_ms = own
 
+    def _forget_overdue(self, now_s: float) -> None:
+        """No stream counts as overdue any more (none waits, or the last judgement is
+        too old to stand)."""
+        if self.overdue_ms or self._penalties.overdue_pending:
+            self._penalties.overdue([], now_s)
+            self.overdue_ms = {}
+
     async def watch_stalls(self, interval_s: float = STALL_CHECK_S,
                            overdue_s: float = OVERDUE_CHECK_S) -> None:
         """Run `check_overdue` every `overdue_s` and `check_stalls` every `interval_s`
@@ -340,15 +345,15 @@ class Health:
             overslept_s = loop.time() - before - overdue_s
             if overslept_s > STALL_TOLERANCE_S:
                 self._stalls.paused(overslept_s)
+            stall_check_due = loop.time() >= next_stall_check_s
+            if stall_check_due:
+                next_stall_check_s = loop.time() + interval_s
             if self._stalls.waiting:
                 self.check_overdue(late=overslept_s > OVERDUE_LATE_S)
-                if loop.time() >= next_stall_check_s:
+                if stall_check_due:
                     self.check_stalls()
-            elif self.overdue_ms or self._penalties.overdue_pending:
-                self._penalties.overdue([], self._clock())
-                self.overdue_ms = {}
-            if loop.time() >= next_stall_check_s:
-                next_stall_check_s = loop.time() + interval_s
+            else:
+                self._forget_overdue(self._clock())
             if loop.time() >= next_prune_s:
                 self.prune()
                 next_prune_s = loop.time() + PRUNE_EVERY_S

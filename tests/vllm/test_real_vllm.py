@@ -36,6 +36,7 @@ from tests.vllm.pool import (
     alive,
     pss_mib,
 )
+from worker.engine_metrics import parse_metrics
 from worker.schema import Heartbeat, LifecycleState
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -440,13 +441,11 @@ async def test_a_full_vllm_queue_503_is_retried_in_the_other_region(pool: RealPo
     await until_beat(pool, "us-east", idle, timeout_s=30)
 
 
-async def engine_gauge(http: aiohttp.ClientSession, pool: RealPool, region: str,
-                       name: str) -> float:
-    """One of a real vLLM's own /metrics values (summed over its label sets)."""
+async def engine_waiting(http: aiohttp.ClientSession, pool: RealPool, region: str) -> int:
+    """The requests waiting in the region's vLLM now, read from its /metrics as the agent
+    reads them (worker.engine_metrics), without waiting for a heartbeat."""
     async with http.get(f"{pool.agents[region].engine_url}/metrics") as response:
-        text = await response.text()
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples if sample.name == name)
+        return parse_metrics(await response.text()).waiting
 
 
 async def hedged_stream(client: openai.AsyncOpenAI) -> tuple[str, str, int]:
@@ -475,21 +474,20 @@ async def test_a_late_stream_is_hedged_to_the_other_region_and_its_copy_aborted(
     await until_beat(pool, "us-east", idle)
     engine, stop, outcomes, pressure = long_answers_to_us_east(pool, MAX_NUM_SEQS + 2)
     http = aiohttp.ClientSession()
-    waiting = "vllm:num_requests_waiting"
     try:
         await until_beat(pool, "us-east", lambda beat: beat.load.waiting >= 2, timeout_s=60)
-        waiting_before = await engine_gauge(http, pool, "us-east", waiting)
+        waiting_before = await engine_waiting(http, pool, "us-east")
         client = pool.async_client("us-east", url=rr_url)
         results = [await hedged_stream(client) for _ in range(8)]
         await client.close()
         # A copy the router closed is aborted by vLLM: its queue is back to what the long
         # answers keep waiting. One still there would wait until they are done.
-        waiting_after = await engine_gauge(http, pool, "us-east", waiting)
+        waiting_after = await engine_waiting(http, pool, "us-east")
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(10):
                 while waiting_after > waiting_before:
                     await asyncio.sleep(0.2)
-                    waiting_after = await engine_gauge(http, pool, "us-east", waiting)
+                    waiting_after = await engine_waiting(http, pool, "us-east")
     finally:
         await http.close()
         await stop_senders(stop, pressure, engine)
@@ -499,7 +497,7 @@ async def test_a_late_stream_is_hedged_to_the_other_region_and_its_copy_aborted(
     assert copies_won and set(copies_won) == {"eu-west"}, results
     assert [outcome for outcome in outcomes if outcome != "ok"] == []  # all admitted
     assert waiting_after <= waiting_before, (
-        f"{waiting_after - waiting_before:g} copies outrun are still waiting in us-east")
+        f"{waiting_after - waiting_before} copies outrun are still waiting in us-east")
     measurements["hedged streams with us-east's queue full: answered where, how"] = dict(
         Counter(f"{region}/{route}" for region, route, _ in results))
 

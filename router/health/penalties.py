@@ -169,8 +169,10 @@ class RegionPenalties:
         if router_delay_s > 0.5 * ttfb_s:
             self.skipped_lagged += 1
             return
-        # (Faster than predicted by more than a step is not believed: a forged or absurd
-        # heartbeat TTFT would otherwise make one worker cancel its region's penalty.)
+        # (Faster than predicted by more than a step counts as a step faster: it bounds
+        # how far below its predictions a worker's mean can be pulled, by an absurd
+        # heartbeat TTFT for one. While such a heartbeat lasts, that worker still holds
+        # its region's penalty at 0: a region's excess is the least of its workers'.)
         excess = max(-JUMP_MS, (ttfb_s - router_delay_s) * 1000.0
                      - _expected_ms(attempt, engine_ttft_ms))
         workers = self._excess_ms.setdefault(attempt.region, {})

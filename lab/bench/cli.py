@@ -37,6 +37,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the routers hedge interactive streams, at most FRACTION of "
                         "them (router.hedging.max_fraction; 0, the default: no hedging). "
                         "Compare runs with and without on the same --seed")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="finish the test bed's runs within this many seconds: the "
+                        "waits for idle engines and a calm machine shrink, and a disturbed "
+                        "policy is not run again when its rerun would not fit (default: no "
+                        "limit)")
     parser.add_argument("--attempts", type=int, default=2,
                         help="run a policy again, up to this many times in all, when the "
                         "load generator fell behind (the machine stalled) (default "
@@ -57,6 +62,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if not 0.0 <= args.hedge <= 1.0:
         print("--hedge: a fraction between 0 and 1", file=sys.stderr)
         return 2
+    if args.time_limit is not None and args.time_limit <= 0:
+        print("--time-limit: a number of seconds above 0", file=sys.stderr)
+        return 2
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     unknown = [p for p in policies if p not in Policy.registry]
     if not policies or unknown:
@@ -67,6 +75,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         scenario=args.scenario, policies=policies, out=args.out, quick=args.quick,
         replicas=args.replicas, trace_path=args.trace_path, save_trace=args.save_trace,
         seed=args.seed, attempts=max(1, args.attempts), hedge=args.hedge,
+        time_limit_s=args.time_limit,
         command="globalpool " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]),
     )
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,8 @@ def _pct(value: float | None) -> str:
 
 def build_results(*, scenario: Scenario, scenario_file: Path, trace: Trace,
                   runs: dict[str, dict[str, Any]], twin: dict[str, dict[str, Any]],
-                  replicas: int, router_regions: list[str], quick: bool, command: str
+                  replicas: int, router_regions: list[str], quick: bool, command: str,
+                  stuck_routers: Sequence[str] = ()
                   ) -> dict[str, Any]:
     found = goals(runs, replicas, twin, scenario.name)
     return {
@@ -169,6 +171,7 @@ def build_results(*, scenario: Scenario, scenario_file: Path, trace: Trace,
         "trace": trace.header,
         "test_bed": {
             "router_replicas": replicas, "router_regions": router_regions,
+            "stuck_routers": list(stuck_routers),
             "network": "client -> its region's router: loopback (no delay); router -> "
                        "worker: user-space netem adding RTT(router region, worker region)",
         },

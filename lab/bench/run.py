@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.bench import stats
-from lab.bench.measure import run_policy, write_jsonl
+from lab.bench.measure import MAX_WAIT_S, run_policy, write_jsonl
 from lab.bench.progress import ProgressBar
 from lab.bench.scenario import Scenario, load_scenario, resolve
 from lab.bench.testbed import Testbed
@@ -45,6 +45,9 @@ class BenchOptions:
     attempts: int = 2  # runs of a policy when the machine disturbed the first
     hedge: float = 0.0  # router.hedging.max_fraction for interactive streams (0: none)
     command: str = ""
+    # Wall-clock bound on the test bed's part (None: none): waits shrink and reruns are
+    # skipped so that the runs end within it (see `_with_attempts`).
+    time_limit_s: float | None = None
 
 
 def load_trace(options: BenchOptions, scenario: Scenario) -> Trace:
@@ -86,40 +89,78 @@ async def run_bench(options: BenchOptions, say: Say, bar: ProgressBar | None = N
     testbed = Testbed(scenario, options.out, replicas, say, hedge=options.hedge)
     runs: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
+    deadline_s = None if options.time_limit_s is None else started + options.time_limit_s
     await testbed.start(options.policies[0])
     say(f"test bed up in {time.monotonic() - started:.1f} s: routers "
         + ", ".join(f"{region} {testbed.router_for(region)}" for region in testbed.router_regions))
     try:
         salts = iter(range(10_000))
-        for policy in options.policies:
+        for index, policy in enumerate(options.policies):
+            budget = _Budget(deadline_s, policies_after=len(options.policies) - index - 1)
             runs[policy] = await _with_attempts(testbed, trace, scenario, policy, salts,
-                                                options, say, bar)
+                                                options, say, bar, budget)
     finally:
         say("stopping the test bed ...")
         await testbed.stop()
     results = build_results(scenario=scenario, scenario_file=scenario_file, trace=trace,
                             runs=runs, twin=twin, replicas=replicas,
                             router_regions=testbed.router_regions, quick=options.quick,
-                            command=options.command)
+                            command=options.command, stuck_routers=testbed.stuck_routers)
     write_outputs(options.out, results)
     return results
 
 
+@dataclass(frozen=True)
+class _Budget:
+    """What is left of `--time-limit` for one policy: its share of the time to the
+    deadline (the policies after it need theirs), and whether a rerun still fits."""
+
+    deadline_s: float | None
+    policies_after: int
+
+    def share_s(self) -> float | None:
+        if self.deadline_s is None:
+            return None
+        return (self.deadline_s - time.monotonic()) / (self.policies_after + 1)
+
+    def wait_s(self, run_s: float) -> float:
+        """The bound on each wait before a replay that takes about `run_s` (at least a
+        few seconds: a replay on busy engines is still a measurement, marked as such)."""
+        share = self.share_s()
+        if share is None:
+            return MAX_WAIT_S
+        return max(5.0, min(MAX_WAIT_S, (share - run_s) / 2))
+
+    def fits(self, run_s: float) -> bool:
+        share = self.share_s()
+        return share is None or share >= run_s
+
+
 async def _with_attempts(testbed: Testbed, trace: Trace, scenario: Scenario, policy: str,
                          salts: Iterator[int], options: BenchOptions, say: Say,
-                         bar: ProgressBar) -> dict[str, Any]:
-    """Run `policy`, again (up to `options.attempts` in all) while the machine disturbs it;
-    the last run counts, and says how many there were."""
+                         bar: ProgressBar, budget: _Budget) -> dict[str, Any]:
+    """Run `policy`, again (up to `options.attempts` in all, and while `budget` has the
+    time) while the machine disturbs it; the last run counts, and says how many there
+    were."""
     attempts: list[dict[str, Any]] = []
+    run_s = trace.duration_s + 30.0  # a first guess: restart, replay, stragglers
     while True:
+        started = time.monotonic()
         run = await run_policy(testbed, trace, scenario, policy, next(salts), options.out,
-                               say, bar)
+                               say, bar, wait_s=budget.wait_s(run_s))
+        run_s = time.monotonic() - started
+        say(f"    {policy}: took {run_s:.0f} s")
         attempts.append({"loadgen": run["loadgen"], "host_load_1m": run["host_load_1m"],
-                         "cpu_pressure": run["cpu_pressure"], "disturbed": disturbed(run)})
+                         "cpu_pressure": run["cpu_pressure"], "disturbed": disturbed(run),
+                         "took_s": round(run_s, 1)})
         if not disturbed(run) or len(attempts) >= options.attempts:
             break
         if scenario.host_noise.processes:
             break  # the scenario's own CPU hogs disturb it on purpose: a rerun would too
+        if not budget.fits(run_s):
+            say(f"    {policy}: the load generator fell behind (the machine stalled); no "
+                "time left under --time-limit to run it again")
+            break
         say(f"    {policy}: the load generator fell behind (send lag p99 "
             f"{run['loadgen']['p99_ms']} ms, max {run['loadgen']['max_ms']} ms): the "
             "machine stalled; running this policy again")

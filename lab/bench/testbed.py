@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,13 +32,15 @@ import aiohttp
 import yaml
 
 from lab.bench.scenario import Scenario
-from lab.devstack.children import Child, StackError
+from lab.devstack.children import Child, StackError, terminate
 from lab.devstack.stack import LocalStack, region_address
 from lab.devstack.valkey import free_port
 from router.config_loader import load_config
 
 Say = Callable[[str], None]
 KEY_PREFIX = "gp-bench"
+# A router between runs has nothing in flight: it exits on SIGTERM at once.
+ROUTER_STOP_S = 30.0
 
 
 def config_document(scenario: Scenario, policy: str, router_region: str, port: int,
@@ -126,6 +127,7 @@ class Testbed:
         self.stack: BenchStack | None = None
         self.policy: str | None = None
         self._unused = False  # the routers have not served a run yet
+        self.stuck_routers: list[str] = []  # routers SIGKILLed when SIGTERM did not stop them
 
     def _write_config(self, policy: str, port: int) -> None:
         document = config_document(self.scenario, policy, self.router_regions[0], port,
@@ -162,7 +164,12 @@ class Testbed:
             return
         self._unused = False
         routers = stack.by_role("router")
-        await stack.kill(routers, signal.SIGTERM)
+        stopped = await asyncio.gather(*(terminate(r, ROUTER_STOP_S) for r in routers))
+        for router, clean in zip(routers, stopped, strict=True):
+            if not clean:
+                self.stuck_routers.append(router.name)
+                self._say(f"    {router.name} (pid {router.pid}) did not exit within "
+                          f"{ROUTER_STOP_S:g} s of SIGTERM: killed (see its log)")
         self._write_config(policy, stack.port)
         restarted = await asyncio.gather(*(stack.restart(router) for router in routers))
         workers = len(stack.by_role("sim"))

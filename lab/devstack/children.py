@@ -116,10 +116,11 @@ async def _copy_stdout(child: Child) -> None:
         child._log.flush()
 
 
-async def terminate(child: Child, timeout_s: float) -> None:
-    """SIGTERM, then SIGKILL after `timeout_s`; reaps the process."""
+async def terminate(child: Child, timeout_s: float) -> bool:
+    """SIGTERM, then SIGKILL after `timeout_s`; reaps the process. False when it took
+    the SIGKILL (SIGTERM did not stop it in time)."""
     if child.process.returncode is not None:
-        return
+        return True
     with contextlib.suppress(ProcessLookupError):
         child.process.send_signal(signal.SIGTERM)
     try:
@@ -128,6 +129,8 @@ async def terminate(child: Child, timeout_s: float) -> None:
         with contextlib.suppress(ProcessLookupError):
             child.process.kill()
         await child.process.wait()
+        return False
+    return True
 
 
 async def close(child: Child) -> None:

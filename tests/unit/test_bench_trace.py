@@ -247,3 +247,26 @@ def test_the_command_refuses_unknown_policies_before_starting_anything(
                  "predicted_ttft,fastest"]) == 2
     assert "unknown fastest" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_time_limit_shares_what_is_left_among_the_policies_still_to_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--time-limit`: each policy may use its share of the time to the deadline; the waits
+    before a replay shrink to fit (never below 5 s, never above the usual 120 s), and a
+    rerun happens only while a run as long as the last one fits."""
+    import time
+
+    from lab.bench.run import _Budget
+    from router.cli import main
+
+    unlimited = _Budget(None, policies_after=2)
+    assert unlimited.wait_s(60.0) == 120.0 and unlimited.fits(10_000.0)
+    budget = _Budget(time.monotonic() + 300.0, policies_after=2)  # ~100 s each
+    assert 15.0 < budget.wait_s(60.0) <= 20.0  # (100 - 60) / 2, shared by two waits
+    assert budget.wait_s(200.0) == 5.0
+    assert budget.fits(90.0) and not budget.fits(110.0)
+    assert _Budget(time.monotonic() + 10_000.0, policies_after=0).wait_s(60.0) == 120.0
+    assert _Budget(time.monotonic() - 1.0, policies_after=0).wait_s(1.0) == 5.0
+
+    assert main(["bench", "--out", str(tmp_path / "out"), "--time-limit", "0"]) == 2
+    assert "--time-limit" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from router.auth.config import AuthConfig
 from router.auth.endpoints import entry_problem
+from worker import redis_client
 
 API_VERSION = "globalpool/v1"
 
@@ -26,8 +27,9 @@ class _Strict(BaseModel):
 class RedisConfig(_Strict):
     url: str = Field(
         default="embedded",
-        description="redis://, rediss:// (TLS) or unix:// URL; 'embedded' = the Valkey that "
-        "`globalpool up` starts. The REDIS_URL environment variable overrides it.",
+        description="redis://, rediss:// (TLS), unix:// or redis+sentinel://HOST:PORT[,...]/"
+        "SERVICE URL; 'embedded' = the Valkey that `globalpool up` starts. The REDIS_URL "
+        "environment variable overrides it.",
     )
     key_prefix: str = Field(default="globalpool", pattern=r"^[A-Za-z0-9:_.-]+$")
 
@@ -40,23 +42,10 @@ class RedisConfig(_Strict):
         return url
 
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
-
-
 def redis_url_problem(url: str) -> str | None:
     """Why the router and agents cannot use `url` (None: they can). The same check for
     regions.yaml, --redis-url and REDIS_URL, made before anything listens."""
-    if url == "embedded":
-        return None
-    scheme, separator, rest = url.partition("://")
-    if not separator:
-        return f"{url[:80]!r} is not a URL: use redis://host:port, rediss:// (TLS) or unix://"
-    if scheme not in REDIS_SCHEMES:
-        return (f"the scheme {scheme[:30]!r} is not supported: use redis://, rediss:// (TLS) "
-                "or unix://")
-    if scheme != "unix" and not rest.rpartition("@")[2].split("/", 1)[0]:
-        return f"{scheme}:// needs a host (redis://host:6379/0)"
-    return None
+    return None if url == "embedded" else redis_client.url_problem(url)
 
 
 class Timeouts(_Strict):

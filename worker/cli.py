@@ -32,6 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from worker import redis_client
 from worker.agent import AgentSettings, serve
 from worker.heartbeat import HeartbeatTiming, WorkerIdentity
 from worker.schema import MAX_SEQS
@@ -61,7 +62,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id",
                         help="unique id (default: <region>-<host>-<port> of --advertise-url)")
     parser.add_argument("--redis-url",
-                        help="redis:// or rediss:// URL (default: $REDIS_URL, then --config)")
+                        help="redis://, rediss:// (TLS) or redis+sentinel://HOST:PORT[,...]/"
+                        "SERVICE URL (default: $REDIS_URL, then --config)")
     parser.add_argument("--key-prefix",
                         help=f"Redis namespace (default: --config, then {DEFAULT_KEY_PREFIX})")
     parser.add_argument("--interval-s", type=float,
@@ -175,6 +177,9 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     redis_url = args.redis_url or environ.get("REDIS_URL") or config.redis.url
     if not redis_url or redis_url == "embedded":
         raise WorkerConfigError("no Redis URL: pass --redis-url or set REDIS_URL")
+    problem = redis_client.url_problem(redis_url)
+    if problem is not None:
+        raise WorkerConfigError(f"Redis URL {redact_url(redis_url)}: {problem}")
     interval_s: float = _first(args.interval_s, config.heartbeat.interval_s, DEFAULT_INTERVAL_S)
     ttl_s: float = _first(args.ttl_s, config.heartbeat.ttl_s, DEFAULT_TTL_S)
     if interval_s <= 0:
@@ -298,10 +303,15 @@ def default_worker_id(region: str, advertise_url: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password, fit for logs."""
+    """The URL without its passwords (the server's, and a sentinel's in the query), fit
+    for logs."""
     parts = urlsplit(url)
+    if parts.query:
+        query = "&".join(f"{name}=***" if name.endswith("password") else f"{name}{eq}{value}"
+                         for name, eq, value in (p.partition("=") for p in parts.query.split("&")))
+        parts = parts._replace(query=query)
     if parts.password is None:
-        return url
+        return urlunsplit(parts)
     user = f"{parts.username}:***@" if parts.username else ":***@"
     host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit(parts._replace(netloc=user + host))

@@ -2,16 +2,33 @@
 
 redis-py's defaults retry for many seconds against a partitioned server; here every
 call fails in about `socket_timeout_s` (plus one quick retry), so callers can fail static
-instead of hanging. Works with `redis://`, `rediss://` (TLS) and AUTH in the URL.
+instead of hanging. Works with `redis://`, `rediss://` (TLS) and AUTH in the URL, and with
+Redis Sentinel:
+
+    redis+sentinel://[[user]:password@]host:26379[,host:26379...]/SERVICE[/DB]
+    rediss+sentinel://...   (TLS to the sentinels and to the primary)
+
+The sentinels are asked for SERVICE's primary whenever a connection is opened, so after a
+failover new connections go to the promoted replica; the user and password are the
+primary's, and `?sentinel_password=...` (and `sentinel_username`) authenticate to the
+sentinels when they require it.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
+
+PLAIN_SCHEMES = ("redis", "rediss", "unix")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+SENTINEL_DEFAULT_PORT = 26379
 
 
 def connect(
@@ -26,7 +43,7 @@ def connect(
     Pub/sub connections need no socket timeout on reads (they block waiting for messages);
     use `connect_pubsub` for those.
     """
-    pool = BlockingConnectionPool.from_url(
+    return _client(
         url,
         max_connections=max_connections,
         timeout=pool_wait_s,
@@ -34,14 +51,12 @@ def connect(
         socket_connect_timeout=socket_timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=1),
         health_check_interval=10,
-        decode_responses=False,
     )
-    return Redis(connection_pool=pool)
 
 
 def connect_pubsub(url: str, *, connect_timeout_s: float = 1.0) -> Redis:
     """A client for SUBSCRIBE: bounded connect time, no read timeout (reads wait for messages)."""
-    pool = BlockingConnectionPool.from_url(
+    return _client(
         url,
         max_connections=2,
         timeout=connect_timeout_s,
@@ -49,9 +64,116 @@ def connect_pubsub(url: str, *, connect_timeout_s: float = 1.0) -> Redis:
         socket_timeout=None,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=0),
         health_check_interval=5,
-        decode_responses=False,
     )
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` cannot be connected to (None: it can), said before anything connects."""
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        return (f"{url[:80]!r} is not a URL: use redis://host:port, rediss:// (TLS), unix:// "
+                "or redis+sentinel://host:port/service")
+    if scheme in SENTINEL_SCHEMES:
+        try:
+            SentinelURL.parse(url)
+        except ValueError as exc:
+            return f"{scheme}://: {exc}"
+        return None
+    if scheme not in PLAIN_SCHEMES:
+        return (f"the scheme {scheme[:30]!r} is not supported: use redis://, rediss:// (TLS), "
+                "unix:// or redis+sentinel:// (rediss+sentinel:// with TLS)")
+    if scheme != "unix" and not rest.rpartition("@")[2].split("/", 1)[0]:
+        return f"{scheme}:// needs a host (redis://host:6379/0)"
+    return None
+
+
+def _client(url: str, **pool_kwargs: Any) -> Redis:
+    if url.partition("://")[0] in SENTINEL_SCHEMES:
+        return _sentinel_client(SentinelURL.parse(url), **pool_kwargs)
+    pool = BlockingConnectionPool.from_url(url, decode_responses=False, **pool_kwargs)
     return Redis(connection_pool=pool)
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """A `redis+sentinel://` URL, parsed (see the module's docstring)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> SentinelURL:
+        """Raises ValueError, saying what is wrong, on a malformed URL."""
+        parts = urlsplit(url)
+        if parts.scheme not in SENTINEL_SCHEMES:
+            raise ValueError(f"not a sentinel URL (scheme {parts.scheme!r})")
+        credentials, _, hosts = parts.netloc.rpartition("@")
+        sentinels = tuple(_host_port(item) for item in hosts.split(",") if item)
+        if not sentinels:
+            raise ValueError("redis+sentinel:// needs at least one sentinel host[:port]")
+        path = [item for item in parts.path.split("/") if item]
+        if not path or len(path) > 2:
+            raise ValueError("redis+sentinel://HOSTS/SERVICE[/DB]: name the monitored service")
+        if len(path) == 2 and not path[1].isdigit():
+            raise ValueError(f"the database {path[1][:20]!r} is not a number")
+        user, has_password, password = credentials.partition(":")
+        query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+        unknown = set(query) - {"sentinel_username", "sentinel_password"}
+        if unknown:
+            raise ValueError(f"unknown URL parameters {sorted(unknown)} (known: "
+                             "sentinel_username, sentinel_password)")
+        return cls(
+            sentinels=sentinels, service=unquote(path[0]),
+            db=int(path[1]) if len(path) == 2 else 0,
+            tls=parts.scheme == "rediss+sentinel",
+            username=unquote(user) or None,
+            password=unquote(password) if has_password else None,
+            sentinel_username=query.get("sentinel_username"),
+            sentinel_password=query.get("sentinel_password"),
+        )
+
+
+def _host_port(item: str) -> tuple[str, int]:
+    if item.startswith("["):  # [IPv6]:port
+        host, _, rest = item[1:].partition("]")
+        port = rest.removeprefix(":")
+    else:
+        host, _, port = item.partition(":")
+    port = port or str(SENTINEL_DEFAULT_PORT)
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{item[:60]!r} is not host:port")
+    return host, int(port)
+
+
+class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
+    """The primary's connections, found through the sentinels, with the bounded wait for
+    a free connection that every other client here has."""
+
+
+def _sentinel_client(url: SentinelURL, *, max_connections: int, timeout: float | None,
+                     **connection_kwargs: Any) -> Redis:
+    tls = {"ssl": True} if url.tls else {}
+    bounded = {key: connection_kwargs[key] for key in ("socket_connect_timeout", "retry")}
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(url.sentinels),
+        sentinel_kwargs={**tls, **bounded,
+                         "socket_timeout": connection_kwargs["socket_connect_timeout"],
+                         "username": url.sentinel_username,
+                         "password": url.sentinel_password},
+    )
+    client: Redis = sentinel.master_for(
+        url.service, redis_class=Redis, connection_pool_class=_SentinelBlockingPool,
+        max_connections=max_connections, timeout=timeout, db=url.db,
+        username=url.username, password=url.password, decode_responses=False,
+        **tls, **connection_kwargs,
+    )
+    return client
 
 
 def raise_if_cancelling() -> None:

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -69,19 +69,23 @@ class EmbeddedValkey:
         cls, *, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 10.0,
         workdir: Path | None = None, die_with_parent: bool = False,
         log_path: Path | None = None, password: str | None = None,
-        avoid_ports: Collection[int] = (),
+        avoid_ports: Collection[int] = (), config_file: Path | None = None,
+        extra_args: Sequence[str] = (),
     ) -> EmbeddedValkey:
         """`password` turns on AUTH (`requirepass`); `url` then carries it. Without `port` it
-        listens on a free one outside `avoid_ports`."""
+        listens on a free one outside `avoid_ports`. `config_file` (first on the command
+        line, as a sentinel needs) and `extra_args` (last) are passed to the server."""
         chosen = port or free_port(host, avoid_ports)
         args = [
-            valkey_binary(), "--port", str(chosen), "--bind", host, "--save", "",
+            valkey_binary(), *([str(config_file)] if config_file is not None else []),
+            "--port", str(chosen), "--bind", host, "--save", "",
             "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",
         ]
         if password is not None:
             args += ["--requirepass", password]
         if workdir is not None:
             args += ["--dir", str(workdir)]
+        args += extra_args
         log = tempfile.TemporaryFile() if log_path is None else open(log_path, "wb")  # noqa: SIM115
         process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -40,10 +40,10 @@ def _globalpool(*args: str, env: dict[str, str] | None = None) -> subprocess.Com
 
 @pytest.mark.parametrize(("changes", "problem"), [
     ({"router": {"policy": "fastest"}}, "router.policy: unknown policy 'fastest'"),
-    ({"redis": {"url": "redis+sentinel://127.0.0.1:26379/mymaster"}},
-     "the scheme 'redis+sentinel' is not supported"),
+    ({"redis": {"url": "redis+sentinel://127.0.0.1:26379"}},
+     "redis+sentinel://HOSTS/SERVICE[/DB]: name the monitored service"),
     ({"redis": {"url": "redis://"}}, "redis:// needs a host"),
-], ids=["unknown-policy", "sentinel-url", "no-host"])
+], ids=["unknown-policy", "sentinel-url-without-service", "no-host"])
 def test_check_config_and_the_router_refuse_the_same_file_in_one_line(
         tmp_path: Path, changes: dict[str, Any], problem: str) -> None:
     config = _config(tmp_path, **changes)
@@ -62,5 +62,11 @@ def test_a_redis_url_from_the_environment_is_checked_before_listening(tmp_path: 
     started = _globalpool("router", "--config", str(config),
                           env={"REDIS_URL": "redis+cluster://127.0.0.1:7000"})
     assert started.returncode == 2, started
-    assert started.stderr.strip() == ("REDIS_URL: the scheme 'redis+cluster' is not "
-                                      "supported: use redis://, rediss:// (TLS) or unix://")
+    assert started.stderr.strip() == (
+        "REDIS_URL: the scheme 'redis+cluster' is not supported: use redis://, rediss:// "
+        "(TLS), unix:// or redis+sentinel:// (rediss+sentinel:// with TLS)")
+    started = _globalpool("router", "--config", str(config),
+                          env={"REDIS_URL": "redis+sentinel://127.0.0.1:26379"})
+    assert started.returncode == 2, started
+    assert started.stderr.strip() == ("REDIS_URL: redis+sentinel://: redis+sentinel://HOSTS/"
+                                      "SERVICE[/DB]: name the monitored service")

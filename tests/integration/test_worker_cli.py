@@ -123,6 +123,16 @@ def test_passwords_are_not_printed() -> None:
     assert redact_url("rediss://default:s3cret@host:6380/0") == "rediss://default:***@host:6380/0"
     assert redact_url("redis://:s3cret@host:6379") == "redis://:***@host:6379"
     assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+    assert redact_url("redis+sentinel://:pw@s1:26379,s2/gp/0?sentinel_password=spw"
+                      "&sentinel_username=u") == (
+        "redis+sentinel://:***@s1:26379,s2/gp/0?sentinel_password=***&sentinel_username=u")
+
+
+def test_a_malformed_sentinel_url_is_refused_before_connecting() -> None:
+    with pytest.raises(WorkerConfigError, match=r"is not host:port"):
+        settings_from_args(parse("--redis-url", "redis+sentinel://s1:x/gp"), {})
+    with pytest.raises(WorkerConfigError, match=r"\*\*\*.*name the monitored service"):
+        settings_from_args(parse("--redis-url", "redis+sentinel://:pw@s1"), {})
 
 
 def parse_launch(*argv: str) -> argparse.Namespace:

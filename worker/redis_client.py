@@ -11,7 +11,8 @@ Redis Sentinel:
 The sentinels are asked for SERVICE's primary whenever a connection is opened, so after a
 failover new connections go to the promoted replica; the user and password are the
 primary's, and `?sentinel_password=...` (and `sentinel_username`) authenticate to the
-sentinels when they require it.
+sentinels when they require it; with TLS, `?ssl_ca_certs=/path/ca.pem` checks both the
+sentinels' and the servers' certificates against that CA.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from redis.backoff import ExponentialBackoff
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_DEFAULT_PORT = 26379
+SENTINEL_URL_PARAMETERS = ("sentinel_username", "sentinel_password", "ssl_ca_certs")
 
 
 def connect(
@@ -106,6 +108,7 @@ class SentinelURL:
     password: str | None = None
     sentinel_username: str | None = None
     sentinel_password: str | None = None
+    ssl_ca_certs: str | None = None  # a CA file to check the servers' certificates with
 
     @classmethod
     def parse(cls, url: str) -> SentinelURL:
@@ -124,10 +127,12 @@ class SentinelURL:
             raise ValueError(f"the database {path[1][:20]!r} is not a number")
         user, has_password, password = credentials.partition(":")
         query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
-        unknown = set(query) - {"sentinel_username", "sentinel_password"}
+        unknown = set(query) - set(SENTINEL_URL_PARAMETERS)
         if unknown:
             raise ValueError(f"unknown URL parameters {sorted(unknown)} (known: "
-                             "sentinel_username, sentinel_password)")
+                             f"{', '.join(SENTINEL_URL_PARAMETERS)})")
+        if "ssl_ca_certs" in query and parts.scheme != "rediss+sentinel":
+            raise ValueError("ssl_ca_certs needs TLS: rediss+sentinel://")
         return cls(
             sentinels=sentinels, service=unquote(path[0]),
             db=int(path[1]) if len(path) == 2 else 0,
@@ -136,6 +141,7 @@ class SentinelURL:
             password=unquote(password) if has_password else None,
             sentinel_username=query.get("sentinel_username"),
             sentinel_password=query.get("sentinel_password"),
+            ssl_ca_certs=query.get("ssl_ca_certs"),
         )
 
 
@@ -158,7 +164,9 @@ class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
 
 def _sentinel_client(url: SentinelURL, *, max_connections: int, timeout: float | None,
                      **connection_kwargs: Any) -> Redis:
-    tls = {"ssl": True} if url.tls else {}
+    tls: dict[str, Any] = {}
+    if url.tls:
+        tls = {"ssl": True} | ({"ssl_ca_certs": url.ssl_ca_certs} if url.ssl_ca_certs else {})
     bounded = {key: connection_kwargs[key] for key in ("socket_connect_timeout", "retry")}
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         list(url.sentinels),

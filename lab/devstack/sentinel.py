@@ -33,6 +33,7 @@ class SentinelGroup:
     primary: EmbeddedValkey
     replicas: list[EmbeddedValkey]
     sentinels: list[EmbeddedValkey]
+    workdir: Path
     service: str = SERVICE
     password: str | None = None
     killed: list[EmbeddedValkey] = field(default_factory=list)
@@ -55,14 +56,15 @@ class SentinelGroup:
         started: list[EmbeddedValkey] = []
         try:
             # Each data node in a folder of its own: replication writes RDB files there.
-            primary = EmbeddedValkey.start(host=host, password=password,
+            primary = EmbeddedValkey.start(host=host, password=password, die_with_parent=True,
                                            workdir=_folder(workdir / "primary"),
                                            log_path=workdir / "primary.log", extra_args=auth)
             started.append(primary)
             copies = []
             for number in range(replicas):
                 copy = EmbeddedValkey.start(
-                    host=host, password=password, workdir=_folder(workdir / f"replica-{number}"),
+                    host=host, password=password, die_with_parent=True,
+                    workdir=_folder(workdir / f"replica-{number}"),
                     log_path=workdir / f"replica-{number}.log",
                     extra_args=["--replicaof", primary.host, str(primary.port), *auth])
                 started.append(copy)
@@ -81,7 +83,7 @@ class SentinelGroup:
                     lines.append(f"sentinel auth-pass {SERVICE} {password}")
                 config.write_text("\n".join(lines) + "\n")
                 watcher = EmbeddedValkey.start(
-                    host=host, config_file=config, extra_args=["--sentinel"],
+                    host=host, config_file=config, die_with_parent=True, extra_args=["--sentinel"],
                     log_path=workdir / f"sentinel-{number}.log", workdir=workdir)
                 started.append(watcher)
                 watchers.append(watcher)
@@ -89,7 +91,7 @@ class SentinelGroup:
             for server in reversed(started):
                 server.stop()
             raise
-        group = cls(primary, copies, watchers, password=password)
+        group = cls(primary, copies, watchers, workdir, password=password)
         group.wait_for_sentinels(timeout_s=10.0)
         return group
 
@@ -141,6 +143,24 @@ class SentinelGroup:
                     return address
             time.sleep(0.1)
         raise EmbeddedRedisError(f"no new primary within {timeout_s:g} s")
+
+    def rejoin(self, node: EmbeddedValkey, primary: tuple[str, int]) -> EmbeddedValkey:
+        """Start a killed data node again on its port, as a replica of `primary` (what an
+        operator does once the old primary's machine is back); it takes `node`'s place."""
+        auth = ["--masterauth", self.password] if self.password is not None else []
+        name = "primary" if node is self.primary else f"replica-{self.replicas.index(node)}"
+        workdir = self.workdir / name
+        back = EmbeddedValkey.start(
+            host=node.host, port=node.port, password=self.password, die_with_parent=True,
+            workdir=_folder(workdir),
+            log_path=self.workdir / f"{name}-rejoined.log",
+            extra_args=["--replicaof", primary[0], str(primary[1]), *auth])
+        if node is self.primary:
+            self.primary = back
+        else:
+            self.replicas[self.replicas.index(node)] = back
+        self.killed.remove(node)
+        return back
 
     def stop(self) -> None:
         for server in (*self.sentinels, *self.replicas, self.primary):

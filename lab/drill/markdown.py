@@ -41,6 +41,13 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                      f"{_value(report.get('workers_seen_min_during'))} of {expected}"))
         rows.append(("fewest workers in its view in the 5 s after Redis returned",
                      f"{_value(report.get('workers_seen_min_after'))} of {expected}"))
+    if "failover" in report:
+        failover = report["failover"]
+        rows.append(("failover: primary killed -> sentinels promote a replica",
+                     _value(failover.get("promoted_after_s"), " s")))
+        rows.append(("failover: primary killed -> every heartbeat fresh in the router "
+                     f"(< {failover.get('fresh_s')} s old)",
+                     _value(failover.get("heartbeats_fresh_after_s"), " s")))
     if "flap" in report:
         flap = report["flap"]
         rows.append(("flap: kills / comebacks / traffic resumed",

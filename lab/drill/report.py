@@ -13,7 +13,7 @@ from typing import Any
 from lab.devstack.loadgen import RequestResult
 from lab.drill import analysis
 from lab.drill.analysis import Target, Timeline
-from lab.drill.scenarios import Scenario, WorkerFlap
+from lab.drill.scenarios import FRESH_AFTER_FAILOVER_S, RedisFailover, Scenario, WorkerFlap
 
 STALL_S = 0.25
 # After Redis returns: how long the router's view of the workers is watched.
@@ -63,12 +63,16 @@ class DrillFacts:
     target: Target
     flap_cycles: int | None = None
     flap_comebacks: int | None = None
+    failover: dict[str, Any] | None = None  # redis-failover: how long each part took
 
     @classmethod
     def of(cls, scenario: Scenario) -> DrillFacts:
         if isinstance(scenario, WorkerFlap):
             return cls(scenario.name, scenario.describe(), scenario.target(),
                        scenario.cycles, scenario.comebacks)
+        if isinstance(scenario, RedisFailover):
+            return cls(scenario.name, scenario.describe(), scenario.target(),
+                       failover=dict(scenario.failover))
         return cls(scenario.name, scenario.describe(), scenario.target())
 
 
@@ -119,6 +123,8 @@ def build_report(
     }
     if facts.flap_cycles is not None:
         report["flap"] = _flap_stats(facts, requests, timeline, router_events)
+    if facts.failover is not None:
+        report["failover"] = facts.failover
     report["goals"] = _goals(facts.scenario, report)
     report["goals_met"] = all(goal["met"] for goal in report["goals"])
     report["exited_children"] = exited
@@ -214,6 +220,18 @@ def _goals(name: str, report: dict[str, Any]) -> list[dict[str, Any]]:
                               "fewer than half of its comebacks",
                       "measured": f"{flap['readmissions']} of {flap['comebacks']}",
                       "met": flap["readmissions"] * 2 < flap["comebacks"]})
+    if name == "redis-failover":
+        failover = report.get("failover") or {}
+        promoted, fresh = failover.get("promoted_after_s"), failover.get(
+            "heartbeats_fresh_after_s")
+        goals.append({"goal": "0 failed requests (the router fails static through the gap)",
+                      "measured": failed["total"], "met": failed["total"] == 0})
+        goals.append({"goal": f"heartbeats fresh again within {FRESH_AFTER_FAILOVER_S:g} s "
+                              "of the failover (the promotion)",
+                      "measured": None if promoted is None or fresh is None
+                      else round(fresh - promoted, 3),
+                      "met": promoted is not None and fresh is not None
+                      and fresh - promoted <= FRESH_AFTER_FAILOVER_S})
     if name == "redis-outage":
         goals.append({"goal": "the router reports its stale view while Redis is down",
                       "measured": report["time_to_detect_s"],
@@ -241,7 +259,7 @@ def reanalyze(out: Path) -> dict[str, Any]:
     workers = old.get("target_workers", [name for kind, name in labels if kind == "worker"])
     facts = DrillFacts(old["scenario"], old["description"],
                        Target(frozenset(regions), frozenset(workers)),
-                       flap.get("cycles"), flap.get("comebacks"))
+                       flap.get("cycles"), flap.get("comebacks"), old.get("failover"))
     expected = old.get("workers_expected") or max(
         (p["workers"] for p in health if isinstance(p.get("workers"), int)), default=0)
     report = build_report(

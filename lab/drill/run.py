@@ -31,6 +31,7 @@ import aiohttp
 import yaml
 
 from lab.devstack.loadgen import LoadGenerator, LoadSpec, LoadTarget, RequestResult
+from lab.devstack.sentinel import SentinelGroup
 from lab.devstack.stack import LocalStack
 from lab.devstack.valkey import free_port
 from lab.drill import analysis
@@ -182,17 +183,35 @@ async def run_drill(options: DrillOptions, say: Callable[[str], None]) -> dict[s
         f"or more (until the target is back, at most {options.return_wait_s:g} s after the "
         f"clear); fault at t={timeline.fault_s:g}s for {options.fault_s:g} s; "
         f"out: {options.out}")
+    sentinel: SentinelGroup | None = None
+    if Scenario.registry[options.scenario].needs_sentinel:
+        started = time.monotonic()
+        sentinel = await asyncio.to_thread(SentinelGroup.start, options.out / "redis",
+                                           password=secrets.token_urlsafe(16))
+        say(f"redis: a Sentinel group up in {time.monotonic() - started:.1f} s (primary "
+            f"{sentinel.primary.port}, replica {sentinel.replicas[0].port}, sentinels "
+            f"{', '.join(str(s.port) for s in sentinel.sentinels)})")
     stack = LocalStack(
         config, config_path, host="127.0.0.1", port=free_port(),
-        log_dir=options.out / "logs",
+        log_dir=options.out / "logs", redis_url=None if sentinel is None else sentinel.url,
         progress=say, netem=True, admin_token=secrets.token_urlsafe(16),
     )
+    try:
+        return await _run_on(stack, options, timeline, say, sentinel)
+    finally:
+        if sentinel is not None:
+            await asyncio.to_thread(sentinel.stop)
+
+
+async def _run_on(stack: LocalStack, options: DrillOptions, timeline: Timeline,
+                  say: Callable[[str], None], sentinel: SentinelGroup | None
+                  ) -> dict[str, Any]:
     started = time.monotonic()
     await stack.start()
     say(f"stack up in {time.monotonic() - started:.1f} s; router {stack.router_url} "
-        f"(region {config.router.region}); logs in {stack.log_dir}")
+        f"(region {stack.config.router.region}); logs in {stack.log_dir}")
     try:
-        return await _drive(options, stack, timeline, say)
+        return await _drive(options, stack, timeline, say, sentinel)
     finally:
         say("stopping the stack ...")
         stopping = time.monotonic()
@@ -201,7 +220,8 @@ async def run_drill(options: DrillOptions, say: Callable[[str], None]) -> dict[s
 
 
 async def _drive(options: DrillOptions, stack: LocalStack, timeline: Timeline,
-                 say: Callable[[str], None]) -> dict[str, Any]:
+                 say: Callable[[str], None], sentinel: SentinelGroup | None = None
+                 ) -> dict[str, Any]:
     router_region = stack.router_regions[0]
     # A bound only: the load is stopped when the after phase has what it needs. The clear
     # itself takes time too (a drain waits up to 10 s for the agents to leave).
@@ -216,7 +236,7 @@ async def _drive(options: DrillOptions, stack: LocalStack, timeline: Timeline,
     generator = LoadGenerator(spec)
     load_at_start = os.getloadavg()[0]  # other work on the machine skews latencies
     context = DrillContext(stack=stack, settings=options.settings, t0_s=time.monotonic(),
-                           say=say)
+                           say=say, sentinel=sentinel)
     scenario = Scenario.registry[options.scenario](context)
     expected_workers = len(stack.by_role("sim"))
     stop = asyncio.Event()

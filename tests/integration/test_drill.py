@@ -137,6 +137,19 @@ async def test_redis_hung_fails_nothing(tmp_path: Path) -> None:
     assert report["time_to_recover_s"] is not None
 
 
+async def test_redis_failover_under_load_fails_nothing(tmp_path: Path) -> None:
+    """Redis as a Sentinel group of real Valkey processes; its primary SIGKILLed."""
+    report = await _drill(tmp_path, "redis-failover", fault_s=8.0)
+    assert report["failed"]["total"] == 0, report["phases"]
+    failover = report["failover"]
+    assert failover["promoted_after_s"] is not None, report["events"]
+    assert failover["heartbeats_fresh_after_s"] is not None, report["events"]
+    assert failover["heartbeats_fresh_after_s"] - failover["promoted_after_s"] <= 10.0
+    assert report["goals_met"], report["goals"]
+    assert any("rejoins as a replica" in e["what"] for e in report["events"])
+    assert report["time_to_recover_s"] is not None
+
+
 async def test_worker_flap(tmp_path: Path) -> None:
     report = await _drill(tmp_path, "worker-flap", fault_s=10.0, flap_down_s=0.5,
                           flap_up_s=1.5)

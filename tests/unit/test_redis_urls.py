@@ -17,6 +17,8 @@ def test_a_sentinel_url_names_its_sentinels_service_database_and_credentials() -
     assert (url.service, url.db, url.tls) == ("gp-main", 3, True)
     assert (url.username, url.password) == ("app", "p@ss")
     assert (url.sentinel_username, url.sentinel_password) == ("watcher", "spw")
+    assert SentinelURL.parse("rediss+sentinel://s1/gp?ssl_ca_certs=/etc/gp/ca.pem"
+                             ).ssl_ca_certs == "/etc/gp/ca.pem"
     plain = SentinelURL.parse("redis+sentinel://s1/gp")
     assert (plain.db, plain.tls, plain.password, plain.sentinel_password) == (0, False, None, None)
 
@@ -28,6 +30,7 @@ def test_a_sentinel_url_names_its_sentinels_service_database_and_credentials() -
     ("redis+sentinel://s1/gp/0/extra", "name the monitored service"),
     ("redis+sentinel://s1:99999/gp", "is not host:port"),
     ("redis+sentinel://s1/gp?master_password=x", "unknown URL parameters ['master_password']"),
+    ("redis+sentinel://s1/gp?ssl_ca_certs=/ca.pem", "ssl_ca_certs needs TLS"),
     ("redis+cluster://n1:7000", "is not supported"),
     ("redis://:pw@/0", "needs a host"),
     ("localhost:6379", "is not a URL"),

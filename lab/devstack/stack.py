@@ -37,6 +37,7 @@ import aiohttp
 from lab.devstack.children import Child, StackError, close, spawn, terminate
 from lab.devstack.valkey import EmbeddedValkey, free_port
 from router.config import GlobalConfig
+from worker.redis_client import redact_url
 from worker.signing import KEYS_ENV, KEYS_FILE_ENV
 
 __all__ = ["Child", "LocalStack", "StackError", "region_address"]
@@ -151,7 +152,7 @@ class LocalStack:
                 avoid_ports=(self.port,))
             self._step(f"valkey      {self.valkey.url} (pid {self.valkey.pid})")
         else:
-            self._step(f"redis       {self.redis_url} (external)")
+            self._step(f"redis       {redact_url(self.redis_url)} (external)")
         sims = [
             self._start_sim(region, index, number)
             for index, (region, spec) in enumerate(self.config.regions.items())
@@ -167,7 +168,8 @@ class LocalStack:
         sim_children = self.by_role("sim")
         workers = await asyncio.gather(*(self._start_worker(sim) for sim in sim_children))
         for worker in workers:
-            self._step(f"worker      {worker.name:<14} -> {self.redis_url} (pid {worker.pid})")
+            self._step(f"worker      {worker.name:<14} -> {redact_url(self.redis_url)} "
+                       f"(pid {worker.pid})")
         for number, region in enumerate(self.router_regions):
             router = await self._start_router(region, number)
             await self._wait_router_sees(str(router.url), len(sim_children))

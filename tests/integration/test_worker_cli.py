@@ -11,10 +11,10 @@ import pytest
 from worker.cli import (
     WorkerConfigError,
     add_worker_arguments,
-    redact_url,
     run_worker,
     settings_from_args,
 )
+from worker.redis_client import redact_url
 
 REQUIRED = ["--region", "eu-west", "--engine-url", "http://10.0.0.7:8000/"]
 

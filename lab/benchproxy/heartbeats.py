@@ -52,6 +52,17 @@ SETTLE_TIMEOUT_S = 20.0  # for the router's pace to settle before the window (`_
 AGE_BIN_MS = 100  # the plot's bars
 
 
+def _rss_mb(pid: int) -> float | None:
+    """Resident memory of `pid` (Linux /proc), in MB; None elsewhere."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def router_config(redis_url: str, prefix: str, port: int,
                   cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE,
                   signed: bool = True) -> dict[str, Any]:
@@ -345,7 +356,9 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
         args = [sys.executable, "-m", "lab.benchproxy.hbpublish", "--redis-url", valkey.url,
                 "--prefix", prefix, "--first", str(n * share),
                 "--last", str(min(workers, (n + 1) * share)), "--hz", str(hz),
-                "--seconds", str(run_s), "--regions", str(len(REGIONS))]
+                "--seconds", str(run_s), "--regions", str(len(REGIONS)),
+                # Four beats per TTL, as the agents' defaults keep (0.5 s, 2 s).
+                "--ttl-s", f"{max(1.0, 4.0 / hz):g}"]
         if signed:
             args += ["--sign", key]
         if legacy:
@@ -395,6 +408,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
                 last_cpu = now_cpu
             cpu_after, elapsed = tree_cpu_s(router.pid), time.monotonic() - started
             valkey_after = tree_cpu_s(valkey.pid)
+            result["router_rss_mb"] = _rss_mb(router.pid)
+            result["valkey_rss_mb"] = _rss_mb(valkey.pid)
             drops = await _disconnections(redis) - drops_before
             counts_after = await _router_counts(session, port)
             result["request_waits"] = await _request_waits(session, port, admin_token,
@@ -477,6 +492,9 @@ def render(r: dict[str, Any]) -> str:
         f"  router CPU: {r['router_cpu_pct']:.1f}% of one core over {r['seconds']:g} s "
         f"({r['router_cpu_us_per_heartbeat']:.1f} us per heartbeat); Valkey "
         f"{r['valkey_cpu_pct']:.0f}%"
+        + ("" if r.get("router_rss_mb") is None else
+           f"; memory (RSS): router {r['router_rss_mb']:.0f} MB, Valkey "
+           f"{r['valkey_rss_mb']:.0f} MB")
         + ("" if r.get("router_fleet_view_cpu_pct") is None else
            f"; of the router's, keeping the fleet view by its own account "
            f"(globalpool_fleet_view_cpu_seconds_total): {r['router_fleet_view_cpu_pct']:.1f}%"),

@@ -92,14 +92,18 @@ def test_workloads_picks_which_are_measured_and_refuses_unknown_names(tmp_path: 
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_heartbeat_plane_bench_runs_small_and_reports_what_keeping_the_view_costs(
-        tmp_path: Path) -> None:
-    """`globalpool bench-heartbeats` at 300 workers, signed: the router keeps up, checks
-    every record it takes, and its own account of the fleet view's CPU
-    (globalpool_fleet_view_cpu_seconds_total) is a part of its process CPU."""
+        tmp_path: Path, signed: bool) -> None:
+    """`globalpool bench-heartbeats` at 300 workers: the router keeps up, checks every
+    record it takes when signed, and its own account of the fleet view's CPU
+    (globalpool_fleet_view_cpu_seconds_total) is a part of its process CPU. Unsigned too:
+    the collector-alone step once refused every unsigned record (no `insecure`) and
+    measured that."""
     done = subprocess.run(
         [sys.executable, "-m", "router.cli", "bench-heartbeats", "--workers", "300",
-         "--seconds", "3", "--signed", "--fleet-view-cpu-share", "0.2", "--out", str(tmp_path)],
+         "--seconds", "3", *(["--signed"] if signed else []), "--fleet-view-cpu-share", "0.2",
+         "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=80,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -107,7 +111,8 @@ def test_heartbeat_plane_bench_runs_small_and_reports_what_keeping_the_view_cost
     assert result["keeps_up"] and result["workers_seen_min"] == 300
     assert result["fleet_view_cpu_share"] == 0.2 and "fleet_view_cpu_share 0.2;" in done.stdout
     assert result["achieved_per_s"] > 0.9 * 1200
-    assert result["router_verified_per_s"] > 0.5 * 1200
+    assert (result["router_verified_per_s"] > 0.5 * 1200) == signed
+    assert result["router_rss_mb"] > 20 and result["valkey_rss_mb"] > 1
     assert 0 < result["router_fleet_view_cpu_pct"] < result["router_cpu_pct"]
     alone = result["collector_alone"]
     assert alone["records_applied_per_s"] > 0.5 * 1200 and alone["cpu_pct"] > 0

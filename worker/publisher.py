@@ -10,13 +10,19 @@ that was not written):
   since the last heartbeat Redis took (the first one, a new state, models...): routers
   learn of those in milliseconds, and are not sent thousands of messages a second that
   only repeat a fleet's identity;
-- the same JSON on the tap channel, for people and tools watching every heartbeat.
+- the same JSON on the tap channel, for people and tools watching every heartbeat, while
+  someone listens: when a tap message reached no subscriber (PUBLISH answers how many it
+  reached), the next one goes out TAP_RECHECK_S later, so a fleet nobody watches does
+  not send Redis a copy of every heartbeat (half its bytes), and a new watcher hears
+  every worker within TAP_RECHECK_S.
 (see worker.heartbeat_keys.HeartbeatKeys)
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from enum import Enum
 from typing import Literal
 
@@ -28,6 +34,8 @@ from worker.load_records import load_record, static_digest
 from worker.redis_client import raise_if_cancelling
 from worker.schema import Heartbeat
 from worker.signing import HeartbeatSigner
+
+TAP_RECHECK_S = 10.0
 
 
 class _Signer(Enum):
@@ -49,12 +57,15 @@ class HeartbeatPublisher:
         redis: Redis,
         keys: HeartbeatKeys,
         signer: HeartbeatSigner | Literal[_Signer.FROM_ENVIRONMENT] | None = FROM_ENVIRONMENT,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`signer` signs every heartbeat; by default the key the environment names
         (worker.signing: GLOBALPOOL_HEARTBEAT_KEYS, ..._KEY_ID), unsigned when none is set.
         Raises worker.signing.SigningKeyError when the environment names a bad key."""
         self._redis = redis
         self._keys = keys
+        self._clock = clock
+        self._tap_quiet_until_s = float("-inf")  # no tap message before (nobody listened)
         self._signer = (HeartbeatSigner.from_environ(os.environ)
                         if signer is FROM_ENVIRONMENT else signer)
         # What the routers' channel last carried of each worker (its static digest), and
@@ -93,12 +104,16 @@ class HeartbeatPublisher:
                     pipe.hset(self._keys.loads(heartbeat.region), worker_id, record)
                 if announce:
                     pipe.publish(self._keys.channel, payload)
-                pipe.publish(self._keys.tap, payload)
-                await pipe.execute()
+                tap = self._clock() >= self._tap_quiet_until_s
+                if tap:
+                    pipe.publish(self._keys.tap, payload)
+                results = await pipe.execute()
             raise_if_cancelling()  # redis-py can return normally from a cancelled call
         except (RedisError, OSError) as exc:
             raise_if_cancelling()
             raise RedisUnavailableError(f"cannot publish heartbeat: {_describe(exc)}") from exc
+        if tap and results and results[-1] == 0:  # nobody listens on the tap
+            self._tap_quiet_until_s = self._clock() + TAP_RECHECK_S
         self._announced[worker_id] = digest
         if record is not None:
             self._regions[worker_id] = heartbeat.region

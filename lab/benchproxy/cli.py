@@ -93,6 +93,10 @@ def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--legacy-agents", action="store_true",
                         help="publish as agents did before load records (every heartbeat "
                         "a message on the routers' channel), to compare")
+    parser.add_argument("--tap-watched", action="store_true",
+                        help="someone subscribes to the tap channel: agents publish every "
+                        "heartbeat there too (by default, as with nobody watching, once every "
+                        "10 s)")
     parser.add_argument("--fleet-view-cpu-share", type=float,
                         default=DEFAULT_FLEET_VIEW_CPU_SHARE,
                         help="the router's router.fleet_view_cpu_share (default "
@@ -105,7 +109,8 @@ def run_bench_heartbeats(args: argparse.Namespace) -> int:
 
     return asyncio.run(main(workers=args.workers, hz=args.hz, seconds=args.seconds,
                             publishers=args.publishers, signed=args.signed, out=args.out,
-                            legacy=args.legacy_agents, cpu_share=args.fleet_view_cpu_share))
+                            legacy=args.legacy_agents, cpu_share=args.fleet_view_cpu_share,
+                            tap_watched=args.tap_watched))
 
 
 def add_bench_instructions_arguments(parser: argparse.ArgumentParser) -> None:

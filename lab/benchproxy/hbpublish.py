@@ -2,8 +2,10 @@
 
 Publishes for workers [first, last) at `hz` each what worker/publisher.py writes for one
 heartbeat: `SET <key> <json> PX <ttl>`, `HSET <region's loads> <worker> <load record>`,
-`PUBLISH <tap> <json>`, and on a worker's first heartbeat `PUBLISH <channel> <json>` (its
-announcement; nothing else changes in this bench). With `--legacy`, what agents wrote
+on a worker's first heartbeat `PUBLISH <channel> <json>` (its announcement; nothing else
+changes in this bench), and `PUBLISH <tap> <json>` once every TAP_RECHECK_S, as an agent
+does while nobody watches the tap (`--tap-watched`: every heartbeat, as while someone
+does). With `--legacy`, what agents wrote
 before load records: `SET` and `PUBLISH <channel>` for every heartbeat. Real `Heartbeat`
 JSON and load records (built by the schema once per worker; only `seq` and `sent_at_s`
 change per beat, spliced into the encoded bytes). Unlike the worker's publisher it
@@ -33,6 +35,7 @@ from lab.benchproxy.decision import fleet
 from lab.benchproxy.procs import new_event_loop
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.load_records import load_record
+from worker.publisher import TAP_RECHECK_S
 from worker.schema import Heartbeat, LifecycleState
 from worker.signing import SIGNATURE_FIELD, HeartbeatSigner, hmac_sha256_hex
 
@@ -134,6 +137,7 @@ async def publish(args: argparse.Namespace) -> dict[str, float]:
     transport, replies = await loop.create_connection(Replies, url.hostname, url.port or 6379)
     channel, tap = keys.channel.encode(), keys.tap.encode()
     ttl_ms = str(round(args.ttl_s * 1000)).encode()
+    tap_every = max(1, round(TAP_RECHECK_S * args.hz))  # beats between two tries of the tap
     commands = 0  # sent, each answered by one reply line
     rate = len(templates) * args.hz
     started = time.monotonic()
@@ -164,7 +168,8 @@ async def publish(args: argparse.Namespace) -> dict[str, float]:
                     if not args.legacy:
                         batch.append(command(b"HSET", template.loads, template.field,
                                              template.record(seq, wall)))
-                        batch.append(command(b"PUBLISH", tap, payload))
+                        if args.tap_watched or seq % tap_every == 0:
+                            batch.append(command(b"PUBLISH", tap, payload))
                 transport.write(b"".join(batch))
                 commands += len(batch)
                 sent += due
@@ -196,6 +201,9 @@ def main() -> None:
                         help="comma-separated models the workers serve (default: varied)")
     parser.add_argument("--legacy", action="store_true",
                         help="every heartbeat on the routers' channel, no load records")
+    parser.add_argument("--tap-watched", action="store_true",
+                        help="every heartbeat on the tap channel too, as agents send while "
+                        "someone subscribes to it")
     args = parser.parse_args()
     loop = new_event_loop()
     try:

@@ -322,7 +322,8 @@ def _rate(before: dict[str, float], after: dict[str, float], name: str,
 
 async def main(*, workers: int, hz: float, seconds: float, publishers: int, signed: bool,
                out: Path | None, legacy: bool = False,
-               cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE) -> int:
+               cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE, tap_watched: bool = False,
+               ) -> int:
     from redis.asyncio import Redis
 
     from lab.devstack.valkey import EmbeddedValkey
@@ -363,6 +364,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
             args += ["--sign", key]
         if legacy:
             args.append("--legacy")
+        if tap_watched:
+            args.append("--tap-watched")
         publisher_processes.append(procs.start(args, cores=load_cores, stdout_pipe=True,
                                                log_path=work / f"hbpublish-{n}.log"))
     router = procs.start([sys.executable, "-m", "router.cli", "router", "--config", str(config),
@@ -375,6 +378,7 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
                               "fleet_view_cpu_share": cpu_share,
                               "agents": "legacy (every heartbeat a message)" if legacy
                               else "load records",
+                              "tap_watched": tap_watched,
                               "router_core_share": core_share,
                               "pinning": "router on core 0, Valkey and publishers on core 1"
                               if router_cores else "not pinned"}

@@ -1,6 +1,7 @@
 # globalpool on Google Cloud, driven by ../regions.yaml: every region there gets a subnet,
-# router replicas, a Redis node (the primary or a replica) and one GPU pool per model it
-# serves; one anycast load balancer is the global entry point.
+# router replicas, a Redis node (redis-server and a sentinel: together a Redis Sentinel
+# group with automatic failover) and one GPU pool per model it serves; one anycast load
+# balancer is the global entry point.
 
 locals {
   regions_yaml_path = coalesce(var.regions_yaml_path, "${path.module}/../regions.yaml")
@@ -15,11 +16,20 @@ locals {
     "monitoring.googleapis.com",
     "iap.googleapis.com",
   ]
-  redis_primary_host = "redis.${trimsuffix(module.network.dns_zone.domain, ".")}"
+  # Each Redis node's name in the private zone. The nodes find each other by these names
+  # at boot (a node cannot be given the others' addresses: they are outputs of the same
+  # module), and their certificates carry them.
+  redis_hosts = {
+    for name in keys(module.topology.regions) : name => "redis-${name}.${trimsuffix(module.network.dns_zone.domain, ".")}"
+  }
+  # What routers and agents connect to: every node's sentinel (TLS), by address. They ask
+  # the sentinels for the primary on every new connection (rediss+sentinel:// URLs).
+  redis_sentinels = join(",", [for name in sort(keys(module.redis)) : "${module.redis[name].address}:26379"])
 }
 
-# Which regions, which pools, how many of each, which Redis is the primary: all derived
-# here, with no provider, and tested offline (modules/topology/tests).
+# Which regions, which pools, how many of each, which Redis is the initial primary and
+# the sentinels' quorum: all derived here, with no provider, and tested offline
+# (modules/topology/tests).
 module "topology" {
   source = "./modules/topology"
 
@@ -77,33 +87,32 @@ module "redis" {
   region          = each.key
   cloud_region    = each.value.cloud_region
   node            = each.value.redis
-  primary_host    = local.redis_primary_host
+  host            = local.redis_hosts[each.key]
   subnetwork      = module.network.subnetworks[each.key]
   service_account = module.iam.emails.redis
   image           = var.base_image
   labels          = var.labels
   settings = {
-    redis_password_secret = module.secrets.ids["redis-password"]
-    ops_agent             = var.ops_agent
+    redis_service            = module.topology.redis.service
+    initial_primary_host     = local.redis_hosts[module.topology.redis_primary_region]
+    redis_nodes              = join(" ", values(local.redis_hosts))
+    sentinel_quorum          = module.topology.redis.quorum
+    down_after_ms            = module.topology.redis.down_after_ms
+    failover_timeout_ms      = module.topology.redis.failover_timeout_ms
+    redis_password_secret    = module.secrets.ids["redis-password"]
+    redis_tls_ca_cert_secret = module.secrets.ids["redis-tls-ca-cert"]
+    redis_tls_ca_key_secret  = module.secrets.ids["redis-tls-ca-key"]
+    ops_agent                = var.ops_agent
   }
 }
 
-# redis.<zone>: the primary, whichever region it is in (failover moves this record).
-resource "google_dns_record_set" "redis_primary" {
-  project      = var.project_id
-  managed_zone = module.network.dns_zone.name
-  name         = "${local.redis_primary_host}."
-  type         = "A"
-  ttl          = 30
-  rrdatas      = [module.redis[module.topology.redis_primary_region].address]
-}
-
-# redis-<region>.<zone>: each region's own node, for reads close to home.
+# redis-<region>.<zone>: each region's node. Nodes find each other by these names at boot;
+# clients use addresses (redis_sentinels) and never need a name to move on failover.
 resource "google_dns_record_set" "redis_region" {
   for_each     = module.topology.regions
   project      = var.project_id
   managed_zone = module.network.dns_zone.name
-  name         = "redis-${each.key}.${module.network.dns_zone.domain}"
+  name         = "${local.redis_hosts[each.key]}."
   type         = "A"
   ttl          = 300
   rrdatas      = [module.redis[each.key].address]
@@ -120,15 +129,17 @@ module "gpu_pool" {
   image           = var.gpu_image
   labels          = var.labels
   settings = merge(module.topology.worker, {
-    globalpool_pip_spec     = var.globalpool_pip_spec
-    requirements_lock       = local.requirements_lock
-    vllm_pip_spec           = var.vllm_pip_spec
-    redis_host              = local.redis_primary_host
-    redis_password_secret   = module.secrets.ids["redis-password"]
-    heartbeat_keys_secret   = module.secrets.ids["heartbeat-keys"]
-    hf_token_secret         = module.secrets.ids["hf-token"]
-    upstream_api_key_secret = module.secrets.ids["upstream-api-key"]
-    ops_agent               = var.ops_agent
+    globalpool_pip_spec      = var.globalpool_pip_spec
+    requirements_lock        = local.requirements_lock
+    vllm_pip_spec            = var.vllm_pip_spec
+    redis_sentinels          = local.redis_sentinels
+    redis_service            = module.topology.redis.service
+    redis_password_secret    = module.secrets.ids["redis-password"]
+    redis_tls_ca_cert_secret = module.secrets.ids["redis-tls-ca-cert"]
+    heartbeat_keys_secret    = module.secrets.ids["heartbeat-keys"]
+    hf_token_secret          = module.secrets.ids["hf-token"]
+    upstream_api_key_secret  = module.secrets.ids["upstream-api-key"]
+    ops_agent                = var.ops_agent
   })
 }
 
@@ -142,6 +153,8 @@ module "router" {
   zones           = each.value.zones
   name            = each.value.router.name
   replicas        = each.value.router.replicas
+  max_replicas    = each.value.router.max_replicas
+  cpu_target      = each.value.router.cpu_target
   machine_type    = each.value.router.machine_type
   port            = module.topology.router.port
   health_path     = module.topology.router.health_path
@@ -151,18 +164,20 @@ module "router" {
   regions_yaml    = local.regions_yaml
   labels          = var.labels
   settings = {
-    globalpool_pip_spec     = var.globalpool_pip_spec
-    requirements_lock       = local.requirements_lock
-    redis_host              = local.redis_primary_host
-    redis_password_secret   = module.secrets.ids["redis-password"]
-    heartbeat_keys_secret   = module.secrets.ids["heartbeat-keys"]
-    admin_token_secret      = module.secrets.ids["admin-token"]
-    admin_token_env         = module.topology.router.admin_token_env
-    api_keys_secret         = module.secrets.ids["api-keys"]
-    keys_file               = module.topology.router.keys_file
-    upstream_api_key_secret = module.secrets.ids["upstream-api-key"]
-    upstream_key_envs       = module.topology.router.upstream_key_envs
-    ops_agent               = var.ops_agent
+    globalpool_pip_spec      = var.globalpool_pip_spec
+    requirements_lock        = local.requirements_lock
+    redis_sentinels          = local.redis_sentinels
+    redis_service            = module.topology.redis.service
+    redis_password_secret    = module.secrets.ids["redis-password"]
+    redis_tls_ca_cert_secret = module.secrets.ids["redis-tls-ca-cert"]
+    heartbeat_keys_secret    = module.secrets.ids["heartbeat-keys"]
+    admin_token_secret       = module.secrets.ids["admin-token"]
+    admin_token_env          = module.topology.router.admin_token_env
+    api_keys_secret          = module.secrets.ids["api-keys"]
+    keys_file                = module.topology.router.keys_file
+    upstream_api_key_secret  = module.secrets.ids["upstream-api-key"]
+    upstream_key_envs        = module.topology.router.upstream_key_envs
+    ops_agent                = var.ops_agent
   }
 }
 

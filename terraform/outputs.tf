@@ -27,11 +27,15 @@ output "gpu_pools" {
 }
 
 output "redis" {
-  description = "The Redis primary's DNS name and region, and each region's node."
+  description = "The Redis Sentinel group: each region's node (redis-server on 6379 and a sentinel on 26379, TLS only), the sentinels clients ask, the quorum, and the region of the initial primary (the sentinels move the primary after that; ask one which node it is now with primary_query)."
   value = {
-    primary_host   = local.redis_primary_host
-    primary_region = module.topology.redis_primary_region
-    nodes          = { for name, node in module.redis : name => { address = node.address, role = node.role } }
+    initial_primary_region = module.topology.redis_primary_region
+    sentinels              = local.redis_sentinels
+    quorum                 = module.topology.redis.quorum
+    nodes = {
+      for name, node in module.redis : name => { address = node.address, host = local.redis_hosts[name], initial_role = node.initial_role }
+    }
+    primary_query = "redis-cli --tls --cacert /etc/redis/tls/ca.pem -h 127.0.0.1 -p 26379 --askpass SENTINEL get-master-addr-by-name ${module.topology.redis.service}  # on any Redis node (gcloud compute ssh NODE --tunnel-through-iap); the password is the secret redis-password"
   }
 }
 

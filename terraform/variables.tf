@@ -42,7 +42,7 @@ variable "model_settings" {
 }
 
 variable "region_settings" {
-  description = "Per region of regions.yaml: { cloud_region, zones, subnet_cidr, router_replicas, router_machine_type, redis_zone, redis_machine_type, gpu_pools = { <model> = { replicas, machine_type, gpu_type, gpu_count, spot } } }."
+  description = "Per region of regions.yaml: { cloud_region, zones, subnet_cidr, router_replicas (the autoscaler's minimum), router_max_replicas, router_machine_type, redis_zone, redis_machine_type, gpu_pools = { <model> = { replicas, machine_type, gpu_type, gpu_count, spot } } }."
   type        = any
   default     = {}
 }
@@ -54,7 +54,7 @@ variable "defaults" {
 }
 
 variable "redis_primary_region" {
-  description = "The region whose Redis is the primary (default: regions.yaml router.region). Changing it is the Redis failover."
+  description = "The region whose Redis node is the primary when the deployment first starts (default: regions.yaml router.region). Failover is automatic (Redis Sentinel) and changing this later moves nothing: it only names the initial primary (kept for compatibility)."
   type        = string
   default     = null
 }

@@ -97,14 +97,21 @@ globalpool_install() {
   venv_install "$1" "$(setting globalpool_pip_spec)" "$lock"
 }
 
-# redis_url: the primary's URL with the password from Secret Manager, URL-quoted.
+# The CA certificate that Redis nodes' certificates are checked against (not a secret).
+readonly REDIS_CA=$ETC/redis-ca.pem
+
+# redis_url: the URL of the Redis primary, found through the sentinels of every Redis node
+# (rediss+sentinel://: TLS to the sentinels and to the primary, both checked against the
+# CA in REDIS_CA, which this writes), with the password from Secret Manager, URL-quoted,
+# for the primary and for the sentinels. Every new connection asks the sentinels where the
+# primary is, so a failover needs nothing from here.
 redis_url() {
-  local password host
-  password=$(secret "$(setting redis_password_secret)")
-  host=$(setting redis_host)
-  printf 'redis://:%s@%s:6379/0' \
-    "$(printf '%s' "$password" | python3 -c 'import sys, urllib.parse; print(urllib.parse.quote(sys.stdin.read(), safe=""))')" \
-    "$host"
+  local password
+  secret "$(setting redis_tls_ca_cert_secret)" | install -m 0644 -o root -g root /dev/stdin "$REDIS_CA"
+  password=$(secret "$(setting redis_password_secret)" |
+    python3 -c 'import sys, urllib.parse; print(urllib.parse.quote(sys.stdin.read(), safe=""))')
+  printf 'rediss+sentinel://:%s@%s/%s/0?ssl_ca_certs=%s&sentinel_password=%s' \
+    "$password" "$(setting redis_sentinels)" "$(setting redis_service)" "$REDIS_CA" "$password"
 }
 
 install_ops_agent() {

@@ -5,7 +5,7 @@
   module (its .tftest.hcl files and regions.yaml fixtures);
 - the repository's own regions.yaml evaluated through the topology module, the way the
   root module calls it: every region gets routers and a Redis node, every (region, model)
-  a GPU pool.
+  a GPU pool, and the Redis sentinels' quorum is a majority of the nodes.
 """
 
 from __future__ import annotations
@@ -143,3 +143,15 @@ def test_router_settings_follow_regions_yaml(repo_topology: dict[str, Any],
     assert repo_topology["router"]["port"] == (router.get("port") or 8080)
     total_s = (router.get("timeouts") or {}).get("total_s", 900)
     assert repo_topology["router"]["lb_timeout_s"] >= total_s
+
+
+def test_sentinel_quorum_is_a_majority_of_the_redis_nodes(repo_topology: dict[str, Any],
+                                                         regions_yaml: dict[str, Any]) -> None:
+    """One Redis node (and sentinel) per region; a failover needs the quorum, a majority,
+    so that the two sides of a partition can never both promote a primary."""
+    nodes = len(regions_yaml["regions"])
+    redis = repo_topology["redis"]
+    assert redis["nodes"] == nodes == len(repo_topology["regions"])
+    assert redis["quorum"] == nodes // 2 + 1
+    assert nodes < 2 * redis["quorum"] and redis["quorum"] <= nodes
+    assert redis["initial_primary_region"] == repo_topology["redis_primary_region"]

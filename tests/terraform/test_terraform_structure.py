@@ -7,7 +7,12 @@ the Google provider cannot be downloaded.
   ../regions.yaml (one source of truth);
 - the router endpoints are outputs;
 - no secret value can reach Terraform state; files named by file() exist; the
-  start-up scripts are valid bash.
+  start-up scripts are valid bash (and pass shellcheck, where it is installed);
+- Redis (issue #25): clients get only TLS Sentinel URLs, Redis and its sentinels listen
+  with TLS only, the firewall lets clients and nodes reach both ports, the quorum and
+  timings reach the sentinels from the topology, the CA key reaches Redis nodes only,
+  failover needs no Terraform, and the router groups autoscale on CPU. What the scripts
+  write is checked by running them: test_terraform_redis_scripts.py.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import skip_for_missing_tool
 from tests.terraform.tfcli import TERRAFORM_DIR
 
 hcl2 = pytest.importorskip("hcl2", reason="python-hcl2 is not installed (pip install python-hcl2)")
@@ -234,9 +240,22 @@ def test_startup_scripts_are_valid_bash(script: str) -> None:
     assert checked.returncode == 0, checked.stderr
 
 
+@pytest.mark.parametrize("script", ["gpu-worker.sh", "router.sh", "redis.sh"])
+def test_startup_scripts_pass_shellcheck(script: str) -> None:
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        skip_for_missing_tool("shellcheck is not installed (apt-get install shellcheck)")
+    text = "#!/bin/bash\n" + (SCRIPTS_DIR / "lib.sh").read_text(encoding="utf-8") + "\n" + (
+        SCRIPTS_DIR / script).read_text(encoding="utf-8")
+    checked = subprocess.run([shellcheck, "--severity=warning", "-"], input=text,
+                             capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stdout
+
+
 # Which lib.sh functions read which settings.
 _LIB_READS = {
-    "redis_url": {"redis_password_secret", "redis_host"},
+    "redis_url": {"redis_password_secret", "redis_sentinels", "redis_service",
+                  "redis_tls_ca_cert_secret"},
     "install_ops_agent": {"ops_agent"},
     "globalpool_install": {"globalpool_pip_spec", "requirements_lock"},
 }
@@ -268,3 +287,164 @@ def test_startup_scripts_read_only_settings_that_terraform_writes(
             read |= keys
     assert read, script
     assert read <= written, f"{script} reads {sorted(read - written)}, which Terraform never writes"
+
+
+# Redis: Sentinel across regions, TLS and AUTH on every connection (issue #25).
+
+REDIS_PORT = "6379"
+SENTINEL_PORT = "26379"
+
+
+def _script(name: str) -> str:
+    return (SCRIPTS_DIR / name).read_text(encoding="utf-8")
+
+
+def _function(script: str, name: str) -> str:
+    """The body of the bash function NAME in a start-up script."""
+    found = re.search(rf"^{name}\(\) {{\n(.*?)^}}$", _script(script), re.M | re.S)
+    assert found is not None, f"{script} defines no function {name}"
+    return found[1]
+
+
+def test_clients_get_only_tls_sentinel_urls() -> None:
+    """No script or .tf file spells a plain redis:// or rediss:// URL, nor a sentinel URL
+    without TLS; lib.sh's redis_url builds rediss+sentinel:// with the CA and the sentinels'
+    password, and routers and agents take their REDIS_URL from it."""
+    scheme = re.compile(r"\b(rediss?(?:\+sentinel)?)://")
+    sources = [*SCRIPTS_DIR.glob("*.sh"), *TERRAFORM_DIR.rglob("*.tf")]
+    for path in sources:
+        spelled = set(scheme.findall(path.read_text(encoding="utf-8")))
+        assert spelled <= {"rediss+sentinel"}, (
+            f"{path.relative_to(TERRAFORM_DIR)} spells {sorted(spelled - {'rediss+sentinel'})}"
+            ":// URLs; clients must use rediss+sentinel:// (TLS, primary found by the sentinels)")
+    url = _function("lib.sh", "redis_url")
+    assert "rediss+sentinel://" in url
+    for parameter in ("ssl_ca_certs=", "sentinel_password="):
+        assert parameter in url, f"redis_url leaves out {parameter}"
+    for script in ("router.sh", "gpu-worker.sh"):
+        assignments = re.findall(r"REDIS_URL=[^\s\"]*", _script(script))
+        assert assignments == ["REDIS_URL=$(redis_url)"], (script, assignments)
+
+
+@pytest.mark.parametrize("function", ["redis_conf", "sentinel_conf"])
+def test_redis_and_its_sentinel_listen_with_tls_only(function: str) -> None:
+    """The configurations redis.sh writes open no plain-text port (`port` other than 0),
+    listen with TLS, replicate (and, for the sentinel, talk to the nodes) over TLS, and
+    require the password."""
+    body = _function("redis.sh", function)
+    ports = re.findall(r"^port (\S+)$", body, re.M)
+    assert ports == ["0"], f"{function}: port {ports}: every listener must be TLS (port 0)"
+    port = "$REDIS_PORT" if function == "redis_conf" else "$SENTINEL_PORT"
+    for directive in (f"tls-port {port}", "tls-replication yes", "tls-auth-clients no",
+                      "tls-cert-file ", "tls-key-file ", "tls-ca-cert-file ",
+                      "requirepass $(redis_quote"):
+        assert re.search(rf"^{re.escape(directive)}", body, re.M), f"{function}: no {directive!r}"
+    constants = dict(re.findall(r"^readonly (REDIS_PORT|SENTINEL_PORT)=(\d+)$",
+                                _script("redis.sh"), re.M))
+    assert constants == {"REDIS_PORT": REDIS_PORT, "SENTINEL_PORT": SENTINEL_PORT}
+
+
+def test_firewall_lets_clients_and_nodes_reach_redis_and_its_sentinels(
+        modules: dict[Path, Module], root: Module) -> None:
+    network = modules[TERRAFORM_DIR / "modules" / "network"]
+    to_redis = [body for name, body in network.resources.items()
+                if name.startswith("google_compute_firewall.")
+                and "var.service_accounts.redis" in str(body.get("target_service_accounts"))]
+    assert len(to_redis) == 1, "one rule lets traffic in to the Redis nodes"
+    rule = to_redis[0]
+    sources = str(rule["source_service_accounts"])
+    assert "values(var.service_accounts)" in sources or all(
+        f"var.service_accounts.{kind}" in sources for kind in ("router", "worker", "redis")), (
+        "routers, workers and the Redis nodes themselves (replication, sentinels) need Redis")
+    ports = {port for allow in rule["allow"] if allow["protocol"] == "tcp"
+             for port in allow["ports"]}
+    assert {REDIS_PORT, SENTINEL_PORT} <= ports, f"the firewall opens only {sorted(ports)}"
+    # The clients are given the sentinels' port that the firewall opens.
+    assert f":{SENTINEL_PORT}" in root.locals["redis_sentinels"]
+    assert "module.redis" in root.locals["redis_sentinels"]
+
+
+def test_quorum_and_timings_reach_the_sentinels_from_the_topology(
+        modules: dict[Path, Module], root: Module) -> None:
+    """The quorum is computed once (a majority of the nodes; its values are checked by the
+    topology's terraform tests and test_terraform_cli.py) and passed to every sentinel."""
+    topology = modules[TERRAFORM_DIR / "modules" / "topology"]
+    redis = topology.locals["redis"]
+    assert re.fullmatch(r"\$\{floor\(local\.redis_nodes / 2\) \+ 1\}", redis["quorum"]), (
+        redis["quorum"])
+    assert "length(local.region_names)" in topology.locals["redis_nodes"]
+    settings = root.calls["redis"].arguments["settings"]
+    for setting, source in (("sentinel_quorum", "quorum"), ("down_after_ms", "down_after_ms"),
+                            ("failover_timeout_ms", "failover_timeout_ms"),
+                            ("redis_service", "service")):
+        assert settings[setting] == f"${{module.topology.redis.{source}}}", setting
+    main = _function("redis.sh", "main")
+    assert re.search(r"sentinel_conf .*\$\(setting sentinel_quorum\)", main)
+    assert "sentinel monitor $service $monitored $REDIS_PORT $quorum" in _function(
+        "redis.sh", "sentinel_conf")
+
+
+def test_sentinel_file_is_merged_not_overwritten_at_boot() -> None:
+    """The start-up script writes the sentinel's file only through sentinel_conf, which reads
+    the file it replaces (test_terraform_redis_scripts.py runs it), into the sentinel's
+    state folder."""
+    redis = _script("redis.sh")
+    allowed = [
+        r'fallback=\$\(learnt_primary "\$SENTINEL_CONF" "\$service"\)',
+        r'sentinel_conf "\$SENTINEL_CONF" .*',
+        r'install [^\n]*/dev/stdin "\$SENTINEL_CONF\.new"',
+        r'mv "\$SENTINEL_CONF\.new" "\$SENTINEL_CONF"',
+        r"ExecStart=/usr/bin/redis-server \$SENTINEL_CONF --sentinel .*",
+    ]
+    uses = [line.strip() for line in redis.splitlines() if "$SENTINEL_CONF" in line]
+    others = [line for line in uses if not any(re.fullmatch(p, line) for p in allowed)]
+    assert not others, f"redis.sh touches the sentinel's file other than by merging: {others}"
+    assert len(uses) == len(allowed), uses
+    assert re.search(r"^readonly SENTINEL_DIR=/var/lib/\S+$", redis, re.M)
+    assert re.search(r"^readonly SENTINEL_CONF=\$SENTINEL_DIR/\S+$", redis, re.M)
+
+
+def test_redis_failover_needs_no_terraform(root: Module) -> None:
+    """No watcher of instance metadata, no DNS name that must move: the sentinels fail
+    over, and every client knows every sentinel."""
+    redis = _script("redis.sh")
+    assert "wait_for_change" not in redis and "globalpool-redis-role <<" not in redis
+    records = [body for name, body in root.resources.items()
+               if name.startswith("google_dns_record_set.")]
+    assert all("redis_primary_region" not in str(body) for body in records)
+    for call in ("router", "gpu_pool"):
+        settings = str(root.calls[call].arguments["settings"])
+        assert "local.redis_sentinels" in settings and "redis_host" not in settings, call
+
+
+def test_redis_tls_secrets_have_the_right_readers(modules: dict[Path, Module],
+                                                  root: Module) -> None:
+    """The CA's key only on Redis nodes (they sign their own certificates); the CA
+    certificate wherever Redis is a client or a server. Both come from Secret Manager."""
+    secrets = modules[TERRAFORM_DIR / "modules" / "secrets"].locals["secrets"]
+    assert secrets["redis-tls-ca-key"]["readers"] == ["redis"]
+    assert set(secrets["redis-tls-ca-cert"]["readers"]) == {"worker", "router", "redis"}
+    assert not secrets["redis-tls-ca-key"]["optional"]
+    for call in ("router", "gpu_pool"):
+        settings = str(root.calls[call].arguments["settings"])
+        assert "redis-tls-ca-key" not in settings, f"{call} must not be given the CA key"
+        assert "redis-tls-ca-cert" in settings, call
+    assert "redis-tls-ca-key" in str(root.calls["redis"].arguments["settings"])
+
+
+def test_router_groups_autoscale_on_cpu(modules: dict[Path, Module], root: Module) -> None:
+    router = modules[TERRAFORM_DIR / "modules" / "router"]
+    group = router.resources["google_compute_region_instance_group_manager.routers"]
+    assert "target_size" not in group, "an autoscaled group leaves its size to the autoscaler"
+    autoscalers = [body for name, body in router.resources.items()
+                   if name.startswith("google_compute_region_autoscaler.")]
+    assert len(autoscalers) == 1
+    autoscaler = autoscalers[0]
+    assert "google_compute_region_instance_group_manager.routers" in autoscaler["target"]
+    policy = autoscaler["autoscaling_policy"][0]
+    assert policy["min_replicas"] == "${var.replicas}"
+    assert policy["max_replicas"] == "${var.max_replicas}"
+    assert policy["cpu_utilization"][0]["target"] == "${var.cpu_target}"
+    arguments = root.calls["router"].arguments
+    assert arguments["max_replicas"] == "${each.value.router.max_replicas}"
+    assert arguments["cpu_target"] == "${each.value.router.cpu_target}"

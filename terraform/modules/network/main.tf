@@ -1,7 +1,7 @@
 # One global VPC: a subnet per region (ranges from the topology module), Cloud NAT so that
 # machines without public addresses can install packages and download weights, firewall
 # rules between the kinds of machine by service account, and a private DNS zone in which
-# the Redis primary has a stable name.
+# each Redis node has a name (redis-<region>), by which the nodes find each other.
 
 terraform {
   required_version = ">= 1.9"
@@ -155,18 +155,21 @@ resource "google_compute_firewall" "engine_health" {
   }
 }
 
+# Redis (6379) and its sentinels (26379), both TLS only: workers and routers ask the
+# sentinels for the primary and then use it; the Redis nodes replicate from the primary,
+# and their sentinels watch every node and talk to each other, across regions.
 resource "google_compute_firewall" "to_redis" {
   project                 = var.project_id
   name                    = "${var.name_prefix}-to-redis"
   network                 = google_compute_network.this.id
-  description             = "Workers, routers and the other Redis nodes reach Redis."
+  description             = "Workers, routers and the other Redis nodes reach Redis (6379) and its sentinels (26379), over TLS."
   direction               = "INGRESS"
   source_service_accounts = values(var.service_accounts)
   target_service_accounts = [var.service_accounts.redis]
 
   allow {
     protocol = "tcp"
-    ports    = ["6379"]
+    ports    = ["6379", "26379"]
   }
 }
 

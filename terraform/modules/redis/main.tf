@@ -1,5 +1,8 @@
-# The Redis node of one region (scripts/redis.sh): the primary, or a replica of the
-# primary, on a fixed internal address. Its role is instance metadata, changed in place.
+# The Redis node of one region (scripts/redis.sh) on a fixed internal address:
+# redis-server and a sentinel, TLS only, with AUTH. Together the nodes of all regions are
+# one Redis Sentinel group: the sentinels promote a replica when the primary is lost, and
+# a node decides its role at each boot by asking them (its initial role only counts when
+# none answers, at the deployment's first start).
 
 terraform {
   required_version = ">= 1.9"
@@ -27,7 +30,7 @@ variable "cloud_region" {
 }
 
 variable "node" {
-  description = "The topology module's regions[region].redis: name, role, zone, machine_type."
+  description = "The topology module's regions[region].redis: name, role (at the first start), zone, machine_type."
   type = object({
     name         = string
     role         = string
@@ -41,8 +44,8 @@ variable "node" {
   }
 }
 
-variable "primary_host" {
-  description = "The DNS name of the primary (replicas follow it)."
+variable "host" {
+  description = "This node's DNS name in the private zone (the other nodes find it by this name; its certificate carries it)."
   type        = string
 }
 
@@ -62,7 +65,7 @@ variable "image" {
 }
 
 variable "settings" {
-  description = "What the start-up script reads (secret ids, Ops Agent); no secret values."
+  description = "What the start-up script reads (the other nodes' names, the initial primary's, quorum and timings, secret ids, Ops Agent); no secret values."
   type        = any
 }
 
@@ -79,9 +82,9 @@ locals {
     file("${path.module}/../../scripts/redis.sh"),
   ])
   settings = merge(var.settings, {
-    region       = var.region
-    role         = var.node.role
-    primary_host = var.primary_host
+    region    = var.region
+    role      = var.node.role
+    node_host = var.host
   })
 }
 
@@ -125,7 +128,7 @@ resource "google_compute_instance" "redis" {
     enable_integrity_monitoring = true
   }
 
-  # A changed role is applied in place by the node's watcher, not by a new machine.
+  # Read at boot only: changed settings apply at the next boot, not by a new machine.
   metadata = {
     startup-script         = local.startup_script
     globalpool-settings    = jsonencode(local.settings)
@@ -140,7 +143,7 @@ output "address" {
   value       = google_compute_address.redis.address
 }
 
-output "role" {
-  description = "primary or replica."
+output "initial_role" {
+  description = "primary or replica at the deployment's first start (the sentinels move the primary after that)."
   value       = var.node.role
 }

@@ -1,6 +1,7 @@
 # The router replicas of one region: a regional managed instance group of small machines
-# running `globalpool router --region R` (scripts/router.sh), autohealed on /health and
-# behind the global load balancer. They are stateless, so updates roll with a surge.
+# running `globalpool router --region R` (scripts/router.sh), autohealed on /health,
+# autoscaled on CPU and behind the global load balancer. They are stateless, so updates
+# roll with a surge.
 
 terraform {
   required_version = ">= 1.9"
@@ -39,8 +40,24 @@ variable "name" {
 }
 
 variable "replicas" {
-  description = "Router replicas in this region."
+  description = "The fewest router replicas in this region (the autoscaler's minimum)."
   type        = number
+}
+
+variable "max_replicas" {
+  description = "The most router replicas the autoscaler may run in this region."
+  type        = number
+
+  validation {
+    condition     = var.max_replicas >= 1
+    error_message = "max_replicas: at least 1."
+  }
+}
+
+variable "cpu_target" {
+  description = "The routers' mean CPU utilisation (0-1] the autoscaler keeps them at: above it, it adds replicas."
+  type        = number
+  default     = 0.6
 }
 
 variable "machine_type" {
@@ -166,8 +183,8 @@ resource "google_compute_region_instance_group_manager" "routers" {
   name                      = var.name
   region                    = var.cloud_region
   base_instance_name        = var.name
-  target_size               = var.replicas
   distribution_policy_zones = var.zones
+  # No target_size: the autoscaler below owns the group's size.
 
   version {
     instance_template = google_compute_instance_template.router.id
@@ -189,6 +206,35 @@ resource "google_compute_region_instance_group_manager" "routers" {
     minimal_action        = "REPLACE"
     max_surge_fixed       = 4
     max_unavailable_fixed = 0
+  }
+}
+
+# A router's work is CPU (parsing requests, scoring workers, relaying streams), so CPU is
+# the signal. A new replica installs and compiles globalpool at boot: the
+# autoscaler ignores its CPU for the first five minutes, as autohealing does, and it
+# removes at most one replica per ten minutes so that a short lull does not shrink the
+# group just before the next burst.
+resource "google_compute_region_autoscaler" "routers" {
+  project = var.project_id
+  name    = var.name
+  region  = var.cloud_region
+  target  = google_compute_region_instance_group_manager.routers.id
+
+  autoscaling_policy {
+    min_replicas    = var.replicas
+    max_replicas    = var.max_replicas
+    cooldown_period = 300
+
+    cpu_utilization {
+      target = var.cpu_target
+    }
+
+    scale_in_control {
+      time_window_sec = 600
+      max_scaled_in_replicas {
+        fixed = 1
+      }
+    }
   }
 }
 

@@ -37,12 +37,14 @@ variable "labels" {
 locals {
   # name => who reads it. Optional secrets may stay without a version.
   secrets = {
-    "redis-password"   = { readers = ["worker", "router", "redis"], optional = false, what = "Redis AUTH password (URL-safe, e.g. openssl rand -hex 32)" }
-    "heartbeat-keys"   = { readers = ["worker", "router"], optional = false, what = "heartbeat signing keys, key_id:secret per line (GLOBALPOOL_HEARTBEAT_KEYS_FILE)" }
-    "admin-token"      = { readers = ["router"], optional = false, what = "the routers' admin API token" }
-    "api-keys"         = { readers = ["router"], optional = true, what = "the keys file (auth.keys_file) with API key hashes" }
-    "upstream-api-key" = { readers = ["worker", "router"], optional = true, what = "the key routers send to vLLM (VLLM_API_KEY)" }
-    "hf-token"         = { readers = ["worker"], optional = true, what = "Hugging Face token for gated models" }
+    "redis-password"    = { readers = ["worker", "router", "redis"], optional = false, what = "Redis AUTH password, of the servers and of the sentinels (URL-safe, e.g. openssl rand -hex 32)" }
+    "redis-tls-ca-cert" = { readers = ["worker", "router", "redis"], optional = false, what = "PEM certificate of the CA that signs the Redis nodes' TLS certificates; clients check the nodes against it" }
+    "redis-tls-ca-key"  = { readers = ["redis"], optional = false, what = "PEM private key of that CA: each Redis node signs its own certificate with it at boot" }
+    "heartbeat-keys"    = { readers = ["worker", "router"], optional = false, what = "heartbeat signing keys, key_id:secret per line (GLOBALPOOL_HEARTBEAT_KEYS_FILE)" }
+    "admin-token"       = { readers = ["router"], optional = false, what = "the routers' admin API token" }
+    "api-keys"          = { readers = ["router"], optional = true, what = "the keys file (auth.keys_file) with API key hashes" }
+    "upstream-api-key"  = { readers = ["worker", "router"], optional = true, what = "the key routers send to vLLM (VLLM_API_KEY)" }
+    "hf-token"          = { readers = ["worker"], optional = true, what = "Hugging Face token for gated models" }
   }
   grants = merge([
     for name, secret in local.secrets : {

@@ -83,6 +83,46 @@ locals {
     contains(local.region_names, coalesce(local.router_region, "\n")) ? local.router_region : local.region_names[0],
   )
 
+  # The routers' autoscaler keeps between `replicas` (the minimum) and `max_replicas`.
+  router_replicas = {
+    for name in local.region_names : name => coalesce(try(local.region_setting[name].router_replicas, null), var.defaults.router_replicas)
+  }
+
+  # Redis: one node per region, each running redis-server and a sentinel. The sentinels
+  # promote a replica when a majority of them (the quorum) agree that the primary is down,
+  # so the two sides of a partition can never both promote one. With three or more
+  # regions the loss of any one leaves a majority; with two, the one left is no majority
+  # and does not fail over.
+  #
+  # Failover budget, the primary's region lost at t = 0 (issue #25: routers elsewhere see
+  # fresh heartbeats again within 10 s, and route from their last view until then):
+  #   down_after_ms        3.0 s  every sentinel marks the primary down (no valid PING
+  #                               reply for this long; sentinels PING every second)
+  #   agreement, election  ~1 s   the sentinels ask each other once a second, then vote a
+  #                               leader (one round trip between regions, ~0.2 s, plus up
+  #                               to 1 s of random desync that keeps votes from splitting)
+  #   promotion            ~1 s   REPLICAOF NO ONE to the best replica; the leader polls
+  #                               its INFO every second during a failover
+  #   clients              <= 3 s agents write a heartbeat every 0.5 s: the write to the
+  #                               lost primary times out in 1 s, the next connection asks
+  #                               the sentinels (which skip a primary they see down) and
+  #                               lands on the new one; routers retry with a backoff capped
+  #                               at 2 s, then a full read
+  #   total                ~7-9 s
+  # failover_timeout_ms bounds one attempt: a leader election or a promotion that has not
+  # happened after 5 s is abandoned and retried 2 x 5 s after it began (Redis's default,
+  # 180 s, would retry only after six minutes). It cannot buy a second attempt inside the
+  # 10 s; it keeps a first attempt that is slow across regions from being abandoned.
+  redis_nodes = length(local.region_names)
+  redis = {
+    service                = "globalpool"
+    initial_primary_region = local.redis_primary_region
+    nodes                  = local.redis_nodes
+    quorum                 = floor(local.redis_nodes / 2) + 1
+    down_after_ms          = 3000
+    failover_timeout_ms    = 5000
+  }
+
   regions = {
     for name in local.region_names : name => {
       name         = name
@@ -93,11 +133,14 @@ locals {
       models       = local.region_models[name]
       router = {
         name         = local.short_name["${name}/router"]
-        replicas     = coalesce(try(local.region_setting[name].router_replicas, null), var.defaults.router_replicas)
+        replicas     = local.router_replicas[name]
+        max_replicas = coalesce(try(local.region_setting[name].router_max_replicas, null), var.defaults.router_max_replicas, 3 * local.router_replicas[name])
+        cpu_target   = var.defaults.router_cpu_target
         machine_type = coalesce(try(local.region_setting[name].router_machine_type, null), var.defaults.router_machine_type)
       }
       redis = {
-        name         = local.short_name["${name}/redis"]
+        name = local.short_name["${name}/redis"]
+        # The role at the deployment's first boot; the sentinels move the primary after that.
         role         = name == local.redis_primary_region ? "primary" : "replica"
         machine_type = coalesce(try(local.region_setting[name].redis_machine_type, null), var.defaults.redis_machine_type)
         zone = coalesce(
@@ -197,6 +240,9 @@ locals {
     [for key, pool in local.gpu_pools : "${key}: max_num_seqs" if pool.max_num_seqs < 1 || floor(pool.max_num_seqs) != pool.max_num_seqs],
   )
   invalid_router_counts = [
-    for name, region in local.regions : name if region.router.replicas < 1 || floor(region.router.replicas) != region.router.replicas
+    for name, region in local.regions : name if(
+      region.router.replicas < 1 || floor(region.router.replicas) != region.router.replicas
+      || region.router.max_replicas < region.router.replicas || floor(region.router.max_replicas) != region.router.max_replicas
+    )
   ]
 }

@@ -1,5 +1,5 @@
 output "regions" {
-  description = "Per region of regions.yaml: cloud region, zones, subnet, router group and Redis node."
+  description = "Per region of regions.yaml: cloud region, zones, subnet, router group (replicas: the autoscaler's minimum) and Redis node (role: at the first start)."
   value       = local.regions
 
   precondition {
@@ -20,7 +20,7 @@ output "regions" {
   }
   precondition {
     condition     = length(local.invalid_router_counts) == 0
-    error_message = "router_replicas must be a whole number >= 1 in ${join(", ", local.invalid_router_counts)}."
+    error_message = "router_replicas must be a whole number >= 1, and router_max_replicas a whole number >= router_replicas, in ${join(", ", local.invalid_router_counts)}."
   }
 }
 
@@ -39,8 +39,13 @@ output "gpu_pools" {
 }
 
 output "redis_primary_region" {
-  description = "The region whose Redis node is the primary; every other region runs a replica of it."
+  description = "The region whose Redis node is the primary when the deployment first starts (every other region's is a replica of it); the sentinels move the primary after that."
   value       = local.redis_primary_region
+}
+
+output "redis" {
+  description = "The Redis Sentinel group: the monitored service's name, the initial primary's region, the number of nodes (one per region), the quorum (a majority of them) and the failover timings (see locals)."
+  value       = local.redis
 }
 
 output "router" {

@@ -56,6 +56,8 @@ variable "defaults" {
     spot                = optional(bool, false)
     max_num_seqs        = optional(number, 256)
     router_replicas     = optional(number, 2)
+    router_max_replicas = optional(number) # null: three times router_replicas
+    router_cpu_target   = optional(number, 0.6)
     router_machine_type = optional(string, "e2-standard-2")
     redis_machine_type  = optional(string, "e2-standard-2")
   })
@@ -66,11 +68,17 @@ variable "defaults" {
     condition     = var.defaults.gpu_boot_s >= 60 && var.defaults.gpu_boot_s <= 3600
     error_message = "defaults.gpu_boot_s: between 60 and 3600 (the autohealing delay GCE accepts)."
   }
+  validation {
+    condition     = var.defaults.router_cpu_target > 0 && var.defaults.router_cpu_target <= 1
+    error_message = "defaults.router_cpu_target: the routers' mean CPU utilisation the autoscaler aims at, above 0 and at most 1 (0.6 = 60 %)."
+  }
 }
 
 variable "region_settings" {
   description = <<-EOT
     Per region of regions.yaml (same names): where it runs in the cloud and how big it is.
+    router_replicas is the fewest router replicas, router_max_replicas the most the
+    autoscaler may add on CPU (default: three times router_replicas).
     cloud_region defaults from a small table of common names (us-east -> us-east4, ...), or
     the name itself when it is already a cloud region; subnet_cidr defaults to a /20 fixed
     per cloud region, so adding a region never moves another. gpu_pools is keyed by model.
@@ -80,6 +88,7 @@ variable "region_settings" {
     zones               = optional(list(string))
     subnet_cidr         = optional(string)
     router_replicas     = optional(number)
+    router_max_replicas = optional(number)
     router_machine_type = optional(string)
     redis_zone          = optional(string)
     redis_machine_type  = optional(string)
@@ -134,7 +143,7 @@ variable "model_settings" {
 }
 
 variable "redis_primary_region" {
-  description = "The region whose Redis is the primary (default: regions.yaml router.region, else the first region by name)."
+  description = "The region whose Redis node is the primary when the deployment first starts (default: regions.yaml router.region, else the first region by name); the sentinels move the primary after that."
   type        = string
   default     = null
 

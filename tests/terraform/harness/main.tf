@@ -49,3 +49,7 @@ output "redis_primary_region" {
 output "router" {
   value = module.topology.router
 }
+
+output "redis" {
+  value = module.topology.redis
+}

@@ -21,6 +21,10 @@ run "a_minimal_file_takes_the_defaults" {
     error_message = "without router.region the first region holds the Redis primary"
   }
   assert {
+    condition     = output.redis.nodes == 1 && output.redis.quorum == 1
+    error_message = "one Redis node: its own sentinel is the quorum (there is nothing to fail over to)"
+  }
+  assert {
     condition = (output.router.port == 8080 && output.router.lb_timeout_s == 930
       && output.router.admin_token_env == "GLOBALPOOL_ADMIN_TOKEN" && output.router.keys_file == null
     && length(output.router.upstream_key_envs) == 0)

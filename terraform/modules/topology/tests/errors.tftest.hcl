@@ -83,6 +83,22 @@ run "no_router_replicas" {
   expect_failures = [output.regions]
 }
 
+run "fewer_router_replicas_at_most_than_at_least" {
+  command = plan
+  variables {
+    region_settings = { "eu-west" = { router_replicas = 3, router_max_replicas = 2 } }
+  }
+  expect_failures = [output.regions]
+}
+
+run "a_cpu_target_above_one" {
+  command = plan
+  variables {
+    defaults = { router_cpu_target = 60 }
+  }
+  expect_failures = [var.defaults]
+}
+
 run "fractional_gpus" {
   command = plan
   variables {

@@ -52,6 +52,19 @@ run "routers_and_redis_follow_regions_yaml" {
     error_message = "two router replicas per region by default"
   }
   assert {
+    condition     = alltrue([for r in values(output.regions) : r.router.max_replicas == 6 && r.router.cpu_target == 0.6])
+    error_message = "the routers autoscale on CPU (60 %) up to three times their minimum by default"
+  }
+  assert {
+    condition = (output.redis.service == "globalpool" && output.redis.nodes == 3 && output.redis.quorum == 2
+    && output.redis.initial_primary_region == "us-east")
+    error_message = "three Redis nodes: the sentinels' quorum is two, a majority"
+  }
+  assert {
+    condition     = output.redis.down_after_ms + 6000 <= 10000 && output.redis.failover_timeout_ms >= 3000 && output.redis.failover_timeout_ms <= 10000
+    error_message = "a lost primary is noticed early enough for the failover to fit in 10 s (the failover budget in main.tf); an attempt is neither abandoned before a promotion across regions can finish nor retried only minutes later"
+  }
+  assert {
     condition     = output.regions["eu-west"].redis.zone == "europe-west4-b"
     error_message = "the Redis node sits in zone -b of its region by default"
   }
@@ -77,9 +90,9 @@ run "region_settings_override_the_defaults" {
         router_replicas    = 3
         redis_machine_type = "n2-highmem-2"
       }
-      "eu-west" = { subnet_cidr = "10.200.0.0/20", redis_zone = "europe-west4-c" }
+      "eu-west" = { subnet_cidr = "10.200.0.0/20", redis_zone = "europe-west4-c", router_max_replicas = 4 }
     }
-    defaults             = { router_machine_type = "n2-standard-4" }
+    defaults             = { router_machine_type = "n2-standard-4", router_cpu_target = 0.75 }
     redis_primary_region = "eu-west"
   }
 
@@ -102,7 +115,49 @@ run "region_settings_override_the_defaults" {
     error_message = "defaults apply where a region says nothing"
   }
   assert {
-    condition     = output.redis_primary_region == "eu-west" && output.regions["eu-west"].redis.role == "primary" && output.regions["us-east"].redis.role == "replica"
-    error_message = "redis_primary_region moves the primary (the failover knob)"
+    condition = (output.regions["ap-south"].router.max_replicas == 9 && output.regions["eu-west"].router.max_replicas == 4
+    && output.regions["us-east"].router.cpu_target == 0.75)
+    error_message = "the autoscaler's maximum follows the region's minimum unless the region sets it; the CPU target comes from defaults"
+  }
+  assert {
+    condition = (output.redis_primary_region == "eu-west" && output.regions["eu-west"].redis.role == "primary"
+    && output.regions["us-east"].redis.role == "replica" && output.redis.initial_primary_region == "eu-west")
+    error_message = "redis_primary_region names the initial primary"
+  }
+}
+
+run "the_quorum_is_a_majority_of_the_redis_nodes" {
+  command = plan
+
+  variables {
+    config = {
+      apiVersion = "globalpool/v1"
+      regions = {
+        "us-east"  = { models = ["tiny-llama"] }, "eu-west" = { models = ["tiny-llama"] },
+        "ap-south" = { models = ["tiny-llama"] }, "us-west" = { models = ["tiny-llama"] },
+        "eu-north" = { models = ["tiny-llama"] },
+      }
+    }
+  }
+
+  assert {
+    condition     = output.redis.nodes == 5 && output.redis.quorum == 3
+    error_message = "five nodes: three sentinels must agree (any two regions may be lost)"
+  }
+}
+
+run "two_regions_need_both_sentinels" {
+  command = plan
+
+  variables {
+    config = {
+      apiVersion = "globalpool/v1"
+      regions    = { "us-east" = { models = ["tiny-llama"] }, "eu-west" = { models = ["tiny-llama"] } }
+    }
+  }
+
+  assert {
+    condition     = output.redis.nodes == 2 && output.redis.quorum == 2
+    error_message = "two nodes: a majority is both, so losing either region stops automatic failover (hence >= 3 regions)"
   }
 }

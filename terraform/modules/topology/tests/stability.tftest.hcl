@@ -45,4 +45,8 @@ run "after_adding_ap_northeast" {
     condition     = output.redis_primary_region == run.before.redis_primary_region
     error_message = "the Redis primary stays where it was"
   }
+  assert {
+    condition     = run.before.redis.quorum == 2 && output.redis.nodes == 4 && output.redis.quorum == 3
+    error_message = "a fourth Redis node raises the quorum to three, a majority of four"
+  }
 }

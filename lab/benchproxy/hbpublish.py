@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 
 from lab.benchproxy.decision import fleet
 from lab.benchproxy.procs import new_event_loop
+from lab.devstack.valkey import resp_command as command
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.load_records import load_record
 from worker.publisher import TAP_RECHECK_S
@@ -40,14 +41,6 @@ from worker.schema import Heartbeat, LifecycleState
 from worker.signing import SIGNATURE_FIELD, HeartbeatSigner, hmac_sha256_hex
 
 TICK_S = 0.01
-
-
-def _bulk(value: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(value), value)
-
-
-def command(*parts: bytes) -> bytes:
-    return b"*%d\r\n" % len(parts) + b"".join(_bulk(p) for p in parts)
 
 
 def worker_heartbeat(index: int, regions: int, ttl_s: float) -> Heartbeat:

@@ -13,11 +13,9 @@ silence, so a failover takes ~2-4 s here (Redis's default is 30 s + an election)
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
 from urllib.parse import quote
 
 from lab.devstack.valkey import EmbeddedRedisError, EmbeddedValkey, TLSFiles
@@ -40,6 +38,16 @@ class SentinelGroup:
     killed: list[EmbeddedValkey] = field(default_factory=list)
 
     @property
+    def nodes(self) -> tuple[EmbeddedValkey, ...]:
+        """The data nodes (primary first, as started)."""
+        return (self.primary, *self.replicas)
+
+    def _node_at(self, address: tuple[str, int] | None) -> EmbeddedValkey | None:
+        """The running data node at `address` (None: none)."""
+        return next((s for s in self.nodes if (s.host, s.port) == address
+                     and s not in self.killed), None)
+
+    @property
     def url(self) -> str:
         """The URL routers and agents use (the data nodes' password, if any, in it)."""
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
@@ -57,22 +65,15 @@ class SentinelGroup:
         """Start the data nodes, wait for every replica to be in sync, then the sentinels
         (quorum: a majority of them). `binary` and `tls`: see `EmbeddedValkey.start`."""
         workdir.mkdir(parents=True, exist_ok=True)
-        auth = ["--masterauth", password] if password is not None else []
         started: list[EmbeddedValkey] = []
         try:
-            # Each data node in a folder of its own: replication writes RDB files there.
-            primary = EmbeddedValkey.start(host=host, password=password, die_with_parent=True,
-                                           binary=binary, tls=tls,
-                                           workdir=_folder(workdir / "primary"),
-                                           log_path=workdir / "primary.log", extra_args=auth)
+            primary = _data_node(workdir, "primary", host=host, password=password,
+                                 binary=binary, tls=tls)
             started.append(primary)
             copies = []
             for number in range(replicas):
-                copy = EmbeddedValkey.start(
-                    host=host, password=password, die_with_parent=True, binary=binary, tls=tls,
-                    workdir=_folder(workdir / f"replica-{number}"),
-                    log_path=workdir / f"replica-{number}.log",
-                    extra_args=["--replicaof", primary.host, str(primary.port), *auth])
+                copy = _data_node(workdir, f"replica-{number}", host=host, password=password,
+                                  binary=binary, tls=tls, replica_of=(primary.host, primary.port))
                 started.append(copy)
                 copies.append(copy)
             for copy in copies:
@@ -108,7 +109,7 @@ class SentinelGroup:
         for watcher in self.sentinels:
             if watcher in self.killed:
                 continue
-            reply = _command(watcher, "SENTINEL", "get-master-addr-by-name", self.service)
+            reply = watcher.command("SENTINEL", "get-master-addr-by-name", self.service)
             if reply and len(reply) == 2:
                 return reply[0], int(reply[1])
         return None
@@ -119,7 +120,7 @@ class SentinelGroup:
         while time.monotonic() < deadline:
             ready = True
             for watcher in self.sentinels:
-                info = _command(watcher, "SENTINEL", "master", self.service) or []
+                info = watcher.command("SENTINEL", "master", self.service) or []
                 fields = dict(zip(info[::2], info[1::2], strict=False))
                 if (int(fields.get("num-other-sentinels", 0)) < len(self.sentinels) - 1
                         or int(fields.get("num-slaves", 0)) < len(self.replicas)):
@@ -132,8 +133,9 @@ class SentinelGroup:
     def kill_primary(self) -> EmbeddedValkey:
         """SIGKILL the current primary (as the sentinels name it); returns it."""
         address = self.primary_address()
-        victim = next(s for s in (self.primary, *self.replicas)
-                      if (s.host, s.port) == address and s not in self.killed)
+        victim = self._node_at(address)
+        if victim is None:
+            raise EmbeddedRedisError(f"the sentinels name no running primary ({address})")
         victim.process.kill()
         victim.process.wait()
         self.killed.append(victim)
@@ -145,9 +147,8 @@ class SentinelGroup:
         while time.monotonic() < deadline:
             address = self.primary_address()
             if address is not None and address != (old.host, old.port):
-                node = next(s for s in (self.primary, *self.replicas)
-                            if (s.host, s.port) == address)
-                if (_command(node, "ROLE") or [""])[0] == "master":
+                node = self._node_at(address)
+                if node is not None and (node.command("ROLE") or [""])[0] == "master":
                     return address
             time.sleep(0.1)
         raise EmbeddedRedisError(f"no new primary within {timeout_s:g} s")
@@ -155,15 +156,10 @@ class SentinelGroup:
     def rejoin(self, node: EmbeddedValkey, primary: tuple[str, int]) -> EmbeddedValkey:
         """Start a killed data node again on its port, as a replica of `primary` (what an
         operator does once the old primary's machine is back); it takes `node`'s place."""
-        auth = ["--masterauth", self.password] if self.password is not None else []
         name = "primary" if node is self.primary else f"replica-{self.replicas.index(node)}"
-        workdir = self.workdir / name
-        back = EmbeddedValkey.start(
-            host=node.host, port=node.port, password=self.password, die_with_parent=True,
-            binary=self.binary, tls=self.tls,
-            workdir=_folder(workdir),
-            log_path=self.workdir / f"{name}-rejoined.log",
-            extra_args=["--replicaof", primary[0], str(primary[1]), *auth])
+        back = _data_node(self.workdir, name, host=node.host, password=self.password,
+                          binary=self.binary, tls=self.tls, replica_of=primary, port=node.port,
+                          log_name=f"{name}-rejoined")
         if node is self.primary:
             self.primary = back
         else:
@@ -172,54 +168,31 @@ class SentinelGroup:
         return back
 
     def stop(self) -> None:
-        for server in (*self.sentinels, *self.replicas, self.primary):
+        for server in (*self.sentinels, *reversed(self.nodes)):
             server.stop()
 
 
-def _folder(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def _data_node(workdir: Path, name: str, *, host: str, password: str | None,
+               binary: str | None, tls: TLSFiles | None,
+               replica_of: tuple[str, int] | None = None, port: int | None = None,
+               log_name: str | None = None) -> EmbeddedValkey:
+    """A primary, or a replica of `replica_of`, in WORKDIR/NAME (a folder of its own:
+    replication writes RDB files there), logging to WORKDIR/LOG_NAME.log."""
+    folder = workdir / name
+    folder.mkdir(parents=True, exist_ok=True)
+    args = [] if replica_of is None else ["--replicaof", replica_of[0], str(replica_of[1])]
+    if password is not None:
+        args += ["--masterauth", password]
+    return EmbeddedValkey.start(host=host, port=port, password=password, die_with_parent=True,
+                                binary=binary, tls=tls, workdir=folder,
+                                log_path=workdir / f"{log_name or name}.log", extra_args=args)
 
 
 def _wait_in_sync(replica: EmbeddedValkey, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        info = _command(replica, "INFO", "replication")
+        info = replica.command("INFO", "replication")
         if isinstance(info, str) and "master_link_status:up" in info:
             return
         time.sleep(0.05)
     raise EmbeddedRedisError(f"replica {replica.port} did not sync in {timeout_s:g} s")
-
-
-def _command(server: EmbeddedValkey, *words: str) -> Any:
-    """One command over a plain socket (RESP2), its reply decoded; None when the server
-    does not answer. Kept free of redis-py: this checks the code that uses redis-py."""
-    request = b"".join(b"$%d\r\n%s\r\n" % (len(w.encode()), w.encode()) for w in words)
-    try:
-        with server.connect(timeout_s=1.0) as sock:
-            if server.password is not None and words[0] != "SENTINEL":
-                secret = server.password.encode()
-                sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret))
-                _read(sock.makefile("rb"))
-            sock.sendall(b"*%d\r\n" % len(words) + request)
-            with contextlib.closing(sock.makefile("rb")) as reader:
-                return _read(reader)
-    except (OSError, ValueError):
-        return None
-
-
-def _read(reader: BinaryIO) -> Any:
-    line = reader.readline()
-    kind, rest = line[:1], line[1:-2].decode()
-    if kind in (b"+", b"-"):
-        return rest if kind == b"+" else None
-    if kind == b":":
-        return int(rest)
-    if kind == b"$":
-        if int(rest) < 0:
-            return None
-        data = reader.read(int(rest) + 2)
-        return data[:-2].decode(errors="replace")
-    if kind == b"*":
-        return [] if int(rest) < 0 else [_read(reader) for _ in range(int(rest))]
-    raise ValueError(f"unexpected reply {line[:40]!r}")

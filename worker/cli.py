@@ -35,7 +35,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from worker import redis_client
 from worker.agent import AgentSettings, serve
 from worker.heartbeat import HeartbeatTiming, WorkerIdentity
-from worker.redis_client import redact_url
 from worker.schema import MAX_SEQS
 from worker.signing import KEY_ID_ENV, KEYS_ENV, HeartbeatSigner, SigningKeyError
 from worker.supervisor import EngineCommand, RestartPolicy
@@ -150,7 +149,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
     def announce() -> None:
         print(f"worker {settings.identity.worker_id} publishing to "
-              f"{redact_url(settings.redis_url)} every {settings.timing.interval_s:g}s",
+              f"{redis_client.redact_url(settings.redis_url)} every "
+              f"{settings.timing.interval_s:g}s",
               flush=True)
 
     return _run(serve(settings, announce=announce))
@@ -180,7 +180,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         raise WorkerConfigError("no Redis URL: pass --redis-url or set REDIS_URL")
     problem = redis_client.url_problem(redis_url)
     if problem is not None:
-        raise WorkerConfigError(f"Redis URL {redact_url(redis_url)}: {problem}")
+        raise WorkerConfigError(f"Redis URL {redis_client.redact_url(redis_url)}: {problem}")
     interval_s: float = _first(args.interval_s, config.heartbeat.interval_s, DEFAULT_INTERVAL_S)
     ttl_s: float = _first(args.ttl_s, config.heartbeat.ttl_s, DEFAULT_TTL_S)
     if interval_s <= 0:

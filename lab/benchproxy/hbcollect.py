@@ -38,7 +38,8 @@ async def collect(redis_url: str, prefix: str, seconds: float, keys: str,
                   cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE) -> dict[str, Any]:
     # Unsigned (no keys): believed, as by the bench's router (heartbeat.insecure); without
     # it the gate refuses every heartbeat and this measures refusing, not taking them.
-    config = ten_regions().model_copy(update={"heartbeat": ten_regions().heartbeat.model_copy(
+    regions = ten_regions()
+    config = regions.model_copy(update={"heartbeat": regions.heartbeat.model_copy(
         update={"insecure": not keys})})
     gate = heartbeat_gate(lambda: config, parse_keys(keys) if keys else {}, SecurityStats())
     holder = SnapshotHolder()

@@ -313,9 +313,6 @@ class RedisFailover(Scenario, name="redis-failover",
     def target(self) -> Target:
         return Target()
 
-    def describe(self) -> str:
-        return self.summary
-
     async def inject(self) -> None:
         killed_at = self.context.now_s()
         self.killed = await asyncio.to_thread(self.group.kill_primary)

@@ -21,6 +21,11 @@ from router.proxy.transcript import Transcript
 from router.proxy.upstream.connection import UpstreamConnection
 from router.proxy.upstream.errors import UpstreamError
 
+# After the host stalled this process, the loop runs expired timers before it reads the
+# sockets (libuv: timers, then I/O): what arrived during the stall is not seen yet. A
+# timeout looks again after one more read of the sockets, this long, before it is final.
+STALL_GRACE_S = 0.05
+
 
 @dataclass(slots=True)
 class Reply:
@@ -133,12 +138,16 @@ class AiohttpExchange:
         request = self._request
         if request.content.is_eof():
             return await request.read()  # already all here: nothing to time out
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await request.read()
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s"
-                           ) from None
+        # One read, waited for twice (see STALL_GRACE_S): cancelling it would lose the
+        # part it read.
+        reading = asyncio.ensure_future(request.read())
+        done, _ = await asyncio.wait((reading,), timeout=timeout_s)
+        if not done:
+            done, _ = await asyncio.wait((reading,), timeout=STALL_GRACE_S)
+        if not done:
+            reading.cancel()
+            raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s")
+        return reading.result()
 
     async def relay(
         self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection,

@@ -25,7 +25,7 @@ import socket
 from typing import Protocol, cast
 
 from router.core.errors import ApiError
-from router.proxy.exchange import InferenceHandler, error_reply
+from router.proxy.exchange import STALL_GRACE_S, InferenceHandler, error_reply
 from router.proxy.front_exchange import FrontExchange, answer_head
 from router.proxy.front_head import parse_head
 from router.proxy.upstream.connection import UpstreamConnection
@@ -34,9 +34,6 @@ log = logging.getLogger("globalpool.front")
 
 # A request head longer than this goes to aiohttp, whose limits answer it.
 MAX_HEAD_BYTES = 16 * 1024
-# A connection whose head is late is closed this long after header_s, once the loop has
-# read the sockets again (see FrontProtocol._check_head).
-HEAD_GRACE_S = 0.05
 # The name of a connection's task (one per connection, serving its requests in turn).
 TASK_NAME = "front-connection"
 # Bytes of later requests read ahead while one is served; reading pauses beyond.
@@ -169,19 +166,29 @@ class FrontProtocol(asyncio.Protocol):
     async def read_body(self, length: int, timeout_s: float) -> bytes:
         if len(self._buffer) < length:
             self._resume_reading()
-            waiter = self._body_waiter = self._loop.create_future()
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await waiter
-            except TimeoutError:
+            # A body that came while the host stalled this process: see STALL_GRACE_S.
+            if not (await self._body_came(length, timeout_s)
+                    or await self._body_came(length, STALL_GRACE_S)):
                 raise ApiError(408, "the request body did not arrive within "
-                               f"{timeout_s:g} s") from None
-            finally:
-                self._body_waiter = None
+                               f"{timeout_s:g} s")
         body = bytes(self._buffer[:length])
         del self._buffer[:length]
         self._body_left = 0
         return body
+
+    async def _body_came(self, length: int, timeout_s: float) -> bool:
+        """Whether the buffer holds `length` bytes of body within `timeout_s`."""
+        if len(self._buffer) >= length:
+            return True
+        waiter = self._body_waiter = self._loop.create_future()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        except TimeoutError:
+            return False
+        finally:
+            self._body_waiter = None
+        return True
 
     async def _serve_requests(self) -> None:
         """The connection's requests, one after another, in one task: a task per request
@@ -267,7 +274,7 @@ class FrontProtocol(asyncio.Protocol):
             # reads the sockets: a head that arrived meanwhile is not seen yet. Look again
             # after the next read of the sockets before closing.
             self._head_grace = True
-            self._timer = self._loop.call_later(HEAD_GRACE_S, self._check_head)
+            self._timer = self._loop.call_later(STALL_GRACE_S, self._check_head)
         elif self.transport.get_write_buffer_size():
             # The last answer is still unread: a client that stopped reading. close()
             # would keep its bytes until it reads them, perhaps never.

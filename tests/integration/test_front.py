@@ -19,7 +19,8 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from router.proxy.exchange import Exchange, Reply
+from router.core.errors import ApiError
+from router.proxy.exchange import AiohttpExchange, Exchange, Reply, error_reply
 from router.proxy.front import TASK_NAME
 from router.proxy.site import FrontSite
 from router.proxy.upstream.pool import UpstreamPool
@@ -467,30 +468,38 @@ async def test_a_body_larger_than_the_read_ahead_is_read_whole(
         writer.close()
 
 
-def test_a_head_that_arrived_while_the_host_stalled_is_served() -> None:
-    """libuv runs due timers after the I/O callbacks of an iteration: when the process
-    stalls inside one of those callbacks (this machine's host stalls processes for tens
-    of seconds) past header_s, the head timer fires before the loop reads the head that
-    arrived meanwhile. The front must look again before closing the connection."""
+def _answer_across_a_stall(first: bytes, rest: bytes, *, header_timeout_s: float,
+                           body_timeout_s: float) -> bytes:
+    """What the router answers a client that sends `first`, then `rest` while the router's
+    loop is stalled for 0.6 s inside an I/O callback: a stalled host, as the loop sees it.
+    The router reads bodies within `body_timeout_s` (its own front, or aiohttp for what
+    the front hands over) and answers 200 with the body, or the 408."""
 
-    async def ok(exchange: Exchange) -> Reply:
-        await exchange.read_body(5.0)
-        return Reply(200, {"Content-Type": "text/plain"}, b"ok")
+    async def echo(exchange: Exchange) -> Reply:
+        try:
+            body = await exchange.read_body(body_timeout_s)
+        except ApiError as exc:
+            return error_reply(exc.status, exc.message)
+        return Reply(200, {"Content-Type": "text/plain"}, body)
+
+    async def echo_from_aiohttp(request: web.Request) -> web.Response:
+        reply = await echo(AiohttpExchange(request))
+        return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
 
     class Staller(asyncio.Protocol):
-        """Its data_received blocks the whole loop: a stalled host, as the loop sees it."""
-
         def data_received(self, data: bytes) -> None:
             time.sleep(0.6)
 
     answers: list[bytes] = []
 
-    def client(port: int, connected: threading.Event, go: threading.Event) -> None:
+    def client(port: int, first_sent: threading.Event, go: threading.Event) -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-            connected.set()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(first)
+            first_sent.set()
             go.wait(5)
             time.sleep(0.1)  # inside the stall
-            sock.sendall(_post("/v1/chat/completions", b"{}"))
+            sock.sendall(rest)
             try:
                 answers.append(sock.recv(65536))
             except OSError as exc:
@@ -498,18 +507,20 @@ def test_a_head_that_arrived_while_the_host_stalled_is_served() -> None:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        runner = web.AppRunner(web.Application())
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", echo_from_aiohttp)
+        runner = web.AppRunner(app)
         await runner.setup()
-        site = FrontSite(runner, "127.0.0.1", 0, handler=ok, header_timeout_s=0.3)
+        site = FrontSite(runner, "127.0.0.1", 0, handler=echo, header_timeout_s=header_timeout_s)
         await site.start()
         staller = await loop.create_server(Staller, "127.0.0.1", 0)
         stall_port = staller.sockets[0].getsockname()[1]
-        connected, go = threading.Event(), threading.Event()
-        thread = threading.Thread(target=client, args=(site.port, connected, go))
+        first_sent, go = threading.Event(), threading.Event()
+        thread = threading.Thread(target=client, args=(site.port, first_sent, go))
         thread.start()
         try:
-            await loop.run_in_executor(None, connected.wait, 5)
-            await asyncio.sleep(0.05)  # the front has the connection: its head timer runs
+            await loop.run_in_executor(None, first_sent.wait, 5)
+            await asyncio.sleep(0.05)  # the router has the connection: its timer runs
             _, poke = await asyncio.open_connection("127.0.0.1", stall_port)
             go.set()
             poke.write(b"x")  # the stall starts in an I/O callback of the next iteration
@@ -522,9 +533,39 @@ def test_a_head_that_arrived_while_the_host_stalled_is_served() -> None:
             await loop.run_in_executor(None, thread.join, 5)
             staller.close()
             await runner.cleanup()
-        assert answers and answers[0].startswith(b"HTTP/1.1 200 "), answers
 
     uvloop.run(main())
+    assert answers, "no answer"
+    return answers[0]
+
+
+def test_a_head_that_arrived_while_the_host_stalled_is_served() -> None:
+    """libuv runs due timers after the I/O callbacks of an iteration: when the process
+    stalls inside one of those callbacks (this machine's host stalls processes for tens
+    of seconds) past header_s, the head timer fires before the loop reads the head that
+    arrived meanwhile. The front must look again before closing the connection."""
+    answer = _answer_across_a_stall(b"", _post("/v1/chat/completions", b"{}"),
+                                    header_timeout_s=0.3, body_timeout_s=5.0)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+
+
+_CHUNKED_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n")
+
+
+@pytest.mark.parametrize("request_bytes", [
+    _post("/v1/chat/completions", b'{"model": "m"}'),
+    _CHUNKED_HEAD + b'e\r\n{"model": "m"}\r\n0\r\n\r\n',  # aiohttp reads this one
+], ids=["front", "aiohttp"])
+def test_a_body_that_arrived_while_the_host_stalled_is_read(request_bytes: bytes) -> None:
+    """As a head (above): when the process stalls past client_timeouts.body_s, the body
+    timer fires before the loop reads the body that arrived meanwhile. The router must
+    look again before answering 408 (the real-vLLM tier met this: a host stall while two
+    CPU engines ran turned a hedged stream into a 408)."""
+    answer = _answer_across_a_stall(request_bytes[:-12], request_bytes[-12:],
+                                    header_timeout_s=5.0, body_timeout_s=0.3)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+    assert answer.endswith(b'{"model": "m"}'), answer
 
 
 async def test_stopping_the_site_lets_a_stream_in_progress_finish() -> None:

@@ -12,6 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import CheckFunction
 from schemathesis.specs.openapi.checks import (
+    negative_data_rejection,
     positive_data_acceptance,
 )
 
@@ -53,6 +54,11 @@ def test_the_router_answers_as_documented(
     # models, context lengths), which the document cannot list: a schema-valid request
     # may rightly get a 400 (e.g. an unknown x-globalpool-client-region) or 404.
     excluded: list[CheckFunction] = [positive_data_acceptance]
+    if case.media_type == "multipart/form-data":
+        # Every field of a form is text: an "integer" prompt arrives as the string "-5422",
+        # which is a valid prompt. schemathesis counts it as a type violation the router
+        # should have refused (1 run in ~5 drew one): no form can be refused for that.
+        excluded.append(negative_data_rejection)
     case.call_and_validate(base_url=live.url, headers={"Authorization": f"Bearer {token}"},
                            excluded_checks=excluded, timeout=30)
 

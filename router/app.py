@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from router.core.errors import openai_errors
 from router.core.stats import SecurityStats
 from router.health import BreakerPolicy, Health, RetryBudget
 from router.policy import RoutingContext, create_policy
+from router.processes import ProcessSlot
 from router.proxy import catalog
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
 from router.proxy.handlers import Proxy
@@ -62,6 +64,9 @@ class RouterSettings:
     config_path: Path | None = None
     # Traces go here; None: OTLP export when the OTEL_* variables say so, else none.
     tracer_provider: TracerProvider | None = None
+    # One of several processes of this replica on one socket (router.processes); None:
+    # the only one, listening itself.
+    process: ProcessSlot | None = None
 
 
 SETTINGS = web.AppKey("settings", RouterSettings)
@@ -95,6 +100,7 @@ def build_app(settings: RouterSettings) -> web.Application:
     operations = Operations.create(
         config, config_path=settings.config_path, region=settings.region,
         policy_override=settings.policy, tracer_provider=settings.tracer_provider,
+        process=settings.process,
     )
     app = web.Application(
         middlewares=[openai_errors],
@@ -316,18 +322,26 @@ def tune_gc() -> None:
 
 
 def router_site(runner: web.AppRunner, host: str, port: int, *,
-                shutdown_timeout_s: float = 60.0) -> FrontSite:
+                shutdown_timeout_s: float = 60.0, sock: socket.socket | None = None
+                ) -> FrontSite:
     """The listening site for a set-up router app: inference on the router's own front
-    (`router.proxy.front`), everything else on aiohttp."""
+    (`router.proxy.front`), everything else on aiohttp. `sock`: a listening socket shared
+    with sibling processes (router.processes), instead of host:port."""
     app = runner.app
     header_s = app[OPERATIONS].configs.current.router.client_timeouts.header_s
     return FrontSite(runner, host, port, handler=app[INFERENCE], header_timeout_s=header_s,
-                     shutdown_timeout_s=shutdown_timeout_s)
+                     shutdown_timeout_s=shutdown_timeout_s, sock=sock)
 
 
 def run(settings: RouterSettings, host: str, port: int) -> None:
-    """Serve until SIGINT/SIGTERM. Client disconnects cancel their handler (and upstream)."""
-    log.info("router region=%s listening on http://%s:%d", settings.region, host, port)
+    """Serve until SIGINT/SIGTERM. Client disconnects cancel their handler (and upstream).
+    SIGHUP reloads regions.yaml."""
+    slot = settings.process
+    if slot is None:
+        log.info("router region=%s listening on http://%s:%d", settings.region, host, port)
+    else:
+        log.info("router region=%s: process %d of %d (start %d) on the supervisor's socket",
+                 settings.region, slot.index, slot.count, slot.starts)
     app = build_app(settings)
     compiled = compiled_modules()
     log.info("request path: %s", f"compiled ({len(compiled)} modules, mypyc)" if compiled
@@ -352,13 +366,20 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
         access_log=None,
     )
     await runner.setup()
+    slot = app[SETTINGS].process
+    shared = None if slot is None else socket.socket(fileno=slot.listen_fd)
     try:
-        await router_site(runner, host, port).start()
-        print(f"router listening on http://{host}:{port}", flush=True)
+        await router_site(runner, host, port, sock=shared).start()
+        if slot is None:
+            print(f"router listening on http://{host}:{port}", flush=True)
+        else:
+            print(f"router listening on http://{host}:{port} (process {slot.index} of "
+                  f"{slot.count})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, app[OPERATIONS].reload_on_signal)
         await stop.wait()
     finally:
         await runner.cleanup()

@@ -90,6 +90,11 @@ def build_parser(*, with_lab: bool | None = None) -> argparse.ArgumentParser:
     router.add_argument("--redis-url", default=None, help="default: REDIS_URL, then the config")
     router.add_argument("--policy", default=None, help="routing policy (default: the config's)")
     router.add_argument("--seed", type=int, default=None, help="seed routing randomness")
+    router.add_argument("--processes", type=_processes,
+                        default=os.environ.get("GLOBALPOOL_ROUTER_PROCESSES"),
+                        help="serving processes on the port (default: "
+                        "GLOBALPOOL_ROUTER_PROCESSES, else the cores this process may use; "
+                        "1: one process, no supervisor)")
     router.set_defaults(run=_run_router)
 
     worker = commands.add_parser("worker", help="run the agent beside one vLLM server")
@@ -176,6 +181,7 @@ def resolve_redis_url(flag: str | None, config: GlobalConfig) -> str | None:
 
 def _run_router(args: argparse.Namespace) -> int:
     from router.app import RouterSettings, run
+    from router.processes import ProcessSlot, supervise, usable_cores
 
     config = _load_or_report(args.config, policy_override=args.policy)
     if config is None:
@@ -194,13 +200,24 @@ def _run_router(args: argparse.Namespace) -> int:
     if region is not None and region not in config.regions:
         print(f"--region: no region named {region!r} in {args.config}", file=sys.stderr)
         return 2
+    host = args.host or config.router.host
+    port = args.port if args.port is not None else config.router.port
+    slot = ProcessSlot.from_environ(os.environ)
+    processes = args.processes if args.processes is not None else usable_cores()
+    if slot is None and processes > 1:
+        try:
+            return supervise(_process_args(args), processes, host, port,
+                             {**os.environ, "REDIS_URL": redis_url})
+        except OSError as exc:
+            print(f"cannot listen: {exc}", file=sys.stderr)
+            return 1
+    seed = args.seed if args.seed is None or slot is None else args.seed + slot.index
     settings = RouterSettings(
-        config=config, redis_url=redis_url, region=region, policy=args.policy, seed=args.seed,
-        config_path=Path(args.config),
+        config=config, redis_url=redis_url, region=region, policy=args.policy, seed=seed,
+        config_path=Path(args.config), process=slot,
     )
     try:
-        port = args.port if args.port is not None else config.router.port
-        run(settings, args.host or config.router.host, port)
+        run(settings, host, port)
     except ValueError as exc:  # an unknown policy name
         print(str(exc), file=sys.stderr)
         return 2
@@ -208,6 +225,29 @@ def _run_router(args: argparse.Namespace) -> int:
         print(f"cannot listen: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _processes(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 1024:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes (1-1024)")
+    return count
+
+
+def _process_args(args: argparse.Namespace) -> list[str]:
+    """The arguments of each process under the supervisor: this command's, one process
+    each, its Redis URL in the environment (REDIS_URL) rather than on a command line
+    that every user can read."""
+    child = ["--log-level", args.log_level, "router", "--config", args.config,
+             "--processes", "1"]
+    for flag, value in (("--region", args.region), ("--policy", args.policy),
+                        ("--seed", args.seed)):
+        if value is not None:
+            child += [flag, str(value)]
+    return child
 
 
 def _run_up(args: argparse.Namespace) -> int:

@@ -256,7 +256,9 @@ class LocalStack:
                 "--host", host, "--port", str(port)]
         if region is not None:
             args += ["--region", region]
-        env = {**os.environ, **self.signing_env}
+        # One process per replica: the lab's replicas share the machine with the
+        # simulated regions, and its tests and reports follow each replica's one process.
+        env = {**os.environ, **self.signing_env, "GLOBALPOOL_ROUTER_PROCESSES": "1"}
         if self.admin_token is not None:
             env[self.config.admin.token_env] = self.admin_token
         name = "router" if number == 0 else f"router-{region}"

@@ -154,6 +154,8 @@ async def _reload(request: web.Request) -> web.Response:
     if context.reload is None:
         raise ApiError(409, "this router was not started from a config file: nothing to reload")
     taken = context.reload()
+    if context.reload_siblings is not None:
+        context.reload_siblings()
     configs = context.configs
     error = configs.last_error
     result = "reloaded" if taken else ("refused" if error is not None else "unchanged")

@@ -18,6 +18,7 @@ from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import TracerProvider as ApiTracerProvider
 from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
 from redis.asyncio import Redis
 
 from router.admin.auth import AdminAuth
@@ -30,6 +31,7 @@ from router.config_reload import ConfigHolder, ConfigWatcher, ReloadError, initi
 from router.core.outcome import Observer
 from router.core.stats import SecurityStats
 from router.policy import create_policy
+from router.processes import ProcessSlot
 from router.proxy.exchange import InferenceHandler
 from router.proxy.handlers import Proxy
 from router.registry.drains import DrainHolder, DrainKeys, DrainRecord, DrainStore
@@ -37,6 +39,7 @@ from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder
 from router.supervisor import Supervised
 from router.telemetry.fleet import FleetCollector
+from router.telemetry.machine import merge, read_siblings, serve_own
 from router.telemetry.metrics import RequestMetrics, metrics_handler
 from router.telemetry.responses import ResponsesCollector
 from router.telemetry.security import SecurityCollector
@@ -63,9 +66,13 @@ class Operations:
     metrics: RequestMetrics = field(init=False)
     # Background tasks (drain flags, config watcher), supervised: restarted on a crash.
     supervised: dict[str, Supervised] = field(default_factory=dict)
+    # One of several processes of this replica (router.processes); None: the only one.
+    process: ProcessSlot | None = None
     _store: DrainStore | None = None
     _redis: Redis | None = None
     _fleet: FleetCollector | None = None
+    _own_metrics: asyncio.AbstractServer | None = None
+    _watcher: ConfigWatcher | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.registry, lambda: self.configs.current.models)
@@ -73,12 +80,13 @@ class Operations:
     @classmethod
     def create(cls, config: GlobalConfig, *, config_path: Path | None, region: str | None,
                policy_override: str | None = None,
-               tracer_provider: ApiTracerProvider | None = None) -> Operations:
+               tracer_provider: ApiTracerProvider | None = None,
+               process: ProcessSlot | None = None) -> Operations:
         owns = tracer_provider is None
         provider = tracer_provider if tracer_provider is not None else tracer_provider_from_env()
         return cls(configs=initial_holder(config, config_path), region=region,
                    policy_override=policy_override, tracer_provider=provider,
-                   owns_tracer_provider=owns and provider is not None)
+                   owns_tracer_provider=owns and provider is not None, process=process)
 
     def inference(self, proxy: Proxy) -> InferenceHandler:
         """The proxy's inference handler, each request in its own span when tracing."""
@@ -97,7 +105,9 @@ class Operations:
         auth = AdminAuth(lambda: self.configs.current.admin.token_env)
         add_admin_routes(app, auth)
         scrape = AdminAuth(lambda: self._metrics_token_env() or "")
-        serve_metrics = metrics_handler(self.registry, self._worker_exposition)
+        serve_metrics = metrics_handler(
+            self.registry, self._worker_exposition,
+            machine=self._machine_metrics if self.process is not None else None)
 
         async def metrics(request: web.Request) -> web.Response:
             """/metrics, behind the token `admin.metrics_auth` asks for (none by default)."""
@@ -129,6 +139,7 @@ class Operations:
                                     interval_s=lambda: self.configs.current.admin.config_check_s,
                                     extra_checks=self._policy_known)
             self.supervised["config-watcher"] = Supervised("config-watcher", watcher.run).start()
+        self._watcher = watcher
         self.configs.on_swap(lambda old, new: self._swapped(proxy, old, new))
         self.configs.on_refused(self._refused)
         self._fleet = FleetCollector(
@@ -148,8 +159,30 @@ class Operations:
             drain_holder=self.drains, inflight=inflight, window=self.window,
             events=self.events, drains=store, health=proxy.health,
             reload=watcher.reload if watcher is not None else None,
+            reload_siblings=(self.process.tell_siblings_to_reload
+                             if self.process is not None else None),
             queue=proxy.queue.backlog if proxy.queue is not None else None,
             heartbeat_keys=heartbeat_keys)
+        if self.process is not None:
+            registry = self.registry
+            self._own_metrics = await serve_own(self.process.metrics_socket(),
+                                                lambda: generate_latest(registry))
+
+    def reload_on_signal(self) -> None:
+        """SIGHUP: read regions.yaml again now, as POST /admin/reload does (in this process
+        only: the supervisor sends it to each, router.processes)."""
+        if self._watcher is None:
+            log.warning("SIGHUP: this router was not started from a config file (or is "
+                        "still starting): nothing to reload")
+            return
+        taken = self._watcher.reload()
+        log.info("SIGHUP: regions.yaml %s", "reloaded" if taken else "not changed or refused")
+
+    async def _machine_metrics(self, own: bytes) -> bytes:
+        """`own` metrics merged with the sibling processes' (router.telemetry.machine)."""
+        assert self.process is not None
+        siblings = await read_siblings(self.process.sibling_sockets())
+        return merge(own, siblings, self.process.count)
 
     async def _worker_exposition(self) -> bytes:
         """The fleet's gauges by worker, once the fleet is followed (`start`)."""
@@ -162,6 +195,8 @@ class Operations:
                                "it back")
 
     async def stop(self) -> None:
+        if self._own_metrics is not None:
+            self._own_metrics.close()
         await asyncio.gather(*(task.stop() for task in self.supervised.values()))
         if self._redis is not None:
             await self._redis.aclose()

@@ -73,6 +73,8 @@ class AdminContext:
     drains: DrainStore | None = None
     health: HealthStatusView | None = None
     reload: Callable[[], bool] | None = None
+    # Asks this replica's other processes to reload too (router.processes); None: none.
+    reload_siblings: Callable[[], None] | None = None
     queue: Sized | None = None  # requests waiting at this router (router.admission.queue)
     # Whether this router has heartbeat signing keys (None: not known here).
     heartbeat_keys: bool | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 from aiohttp import web
 
@@ -25,14 +26,17 @@ class FrontSite(web.TCPSite):
     """A TCP site whose connections start on `FrontProtocol` (aiohttp's otherwise).
 
     `handler` serves inference exchanges. Stopping waits up to
-    `shutdown_timeout_s` for requests in progress, as aiohttp does for its own.
+    `shutdown_timeout_s` for requests in progress, as aiohttp does for its own. `sock`: a
+    listening socket to accept on instead of host:port (one that sibling processes share,
+    router.processes); stopping closes this process's copy only.
     """
 
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int | None, *,
                  handler: InferenceHandler, header_timeout_s: float,
                  shutdown_timeout_s: float = 60.0, reuse_address: bool | None = None,
-                 backlog: int = LISTEN_BACKLOG) -> None:
+                 backlog: int = LISTEN_BACKLOG, sock: socket.socket | None = None) -> None:
         super().__init__(runner, host, port, reuse_address=reuse_address, backlog=backlog)
+        self._sock = sock
         self.handler = handler
         self.header_timeout_s = header_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -48,9 +52,13 @@ class FrontSite(web.TCPSite):
     async def start(self) -> None:
         self._runner._reg_site(self)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: FrontProtocol(self), self._host,
-                                                self._port, backlog=self._backlog,
-                                                reuse_address=self._reuse_address)
+        if self._sock is not None:
+            self._server = await loop.create_server(lambda: FrontProtocol(self),
+                                                    sock=self._sock, backlog=self._backlog)
+        else:
+            self._server = await loop.create_server(lambda: FrontProtocol(self), self._host,
+                                                    self._port, backlog=self._backlog,
+                                                    reuse_address=self._reuse_address)
         self._bound_port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:

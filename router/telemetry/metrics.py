@@ -202,14 +202,19 @@ class RequestMetrics:
 
 
 def metrics_handler(registry: CollectorRegistry,
-                    more: Callable[[], Awaitable[bytes]] | None = None
+                    more: Callable[[], Awaitable[bytes]] | None = None,
+                    machine: Callable[[bytes], Awaitable[bytes]] | None = None,
                     ) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """GET /metrics in Prometheus' text format: the registry's metrics, then `more` (text
+    """GET /metrics in Prometheus' text format: the registry's metrics (through `machine`,
+    which merges sibling processes' in, router.telemetry.machine), then `more` (text
     written directly, such as FleetCollector.worker_exposition)."""
 
     async def metrics(_request: web.Request) -> web.Response:
         more_text = await more() if more is not None else b""
-        return web.Response(body=generate_latest(registry) + more_text,
+        own = generate_latest(registry)
+        if machine is not None:
+            own = await machine(own)
+        return web.Response(body=own + more_text,
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return metrics

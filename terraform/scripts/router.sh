@@ -49,6 +49,7 @@ User=globalpool
 Group=globalpool
 EnvironmentFile=$ETC/router.env
 ExecStart=/opt/globalpool/bin/globalpool router --config $ETC/regions.yaml --region $(setting region) --host 0.0.0.0 --port $(setting port)
+ExecReload=/bin/kill -HUP $MAINPID
 KillSignal=SIGTERM
 TimeoutStopSec=60
 Restart=always

@@ -286,7 +286,8 @@ class RealPool:
                  str(config_path), "--redis-url", self.redis_url, "--host", "127.0.0.1",
                  "--port", str(port), "--seed", "7", *extra],
                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(ROOT), **self.signing_env},
+                env={**os.environ, "PYTHONPATH": str(ROOT), **self.signing_env,
+                     "GLOBALPOOL_ROUTER_PROCESSES": "1"},
                 preexec_fn=die_with_parent,
             )
         url = f"http://127.0.0.1:{port}"

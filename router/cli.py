@@ -181,7 +181,7 @@ def resolve_redis_url(flag: str | None, config: GlobalConfig) -> str | None:
 
 def _run_router(args: argparse.Namespace) -> int:
     from router.app import RouterSettings, run
-    from router.processes import ProcessSlot, supervise, usable_cores
+    from router.processes import ProcessSlot, follow_supervisor, supervise, usable_cores
 
     config = _load_or_report(args.config, policy_override=args.policy)
     if config is None:
@@ -211,6 +211,9 @@ def _run_router(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"cannot listen: {exc}", file=sys.stderr)
             return 1
+    if slot is not None and not follow_supervisor(slot):
+        print("router process: its supervisor is gone; not serving", file=sys.stderr)
+        return 1
     seed = args.seed if args.seed is None or slot is None else args.seed + slot.index
     settings = RouterSettings(
         config=config, redis_url=redis_url, region=region, policy=args.policy, seed=seed,

@@ -20,13 +20,17 @@ replicas'. What must be the machine's, not one process's:
   failing at start. The others keep serving: the socket stays open in them.
 
 SIGTERM or SIGINT to the supervisor stops them all (each finishes its requests in
-progress, up to its shutdown timeout) and then itself.
+progress, up to its shutdown timeout) and then itself. A supervisor that is killed
+(SIGKILL) takes them with it: each is sent SIGTERM by the kernel when it goes
+(`follow_supervisor`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import shutil
@@ -106,6 +110,19 @@ class ProcessSlot:
         its PID."""
         if os.getppid() == self.supervisor_pid:
             os.kill(self.supervisor_pid, signal.SIGHUP)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def follow_supervisor(slot: ProcessSlot) -> bool:
+    """In a router process: be sent SIGTERM when the supervisor dies (Linux), so that a
+    supervisor killed with SIGKILL leaves no processes serving on without it. False when
+    it is gone already (this process then must not serve)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    return os.getppid() == slot.supervisor_pid
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -269,6 +269,18 @@ async def test_stopping_the_supervisor_stops_every_process(
     assert [pid for pid in pids if not _gone(pid)] == []
 
 
+async def test_a_killed_supervisor_takes_its_processes_with_it(
+        machine: Callable[..., Awaitable[Machine]]) -> None:
+    m = await machine(processes=2)
+    pids = list(m.children().values())
+    m.supervisor.kill()
+    await asyncio.to_thread(m.supervisor.wait, 10)
+    deadline = time.monotonic() + 30
+    while [pid for pid in pids if not _gone(pid)]:  # reaped by init once they exit
+        assert time.monotonic() < deadline, "router processes outlived their supervisor"
+        await asyncio.sleep(0.1)
+
+
 def _gone(pid: int) -> bool:
     """Exited (a zombie not yet reaped by its parent counts: it runs no more)."""
     try:

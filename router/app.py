@@ -377,7 +377,9 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
                   f"{slot.count})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        # (Under a supervisor SIGINT is its alone: router.processes.follow_supervisor.)
+        for signum in (signal.SIGTERM,) if slot is not None else (signal.SIGINT,
+                                                                   signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         loop.add_signal_handler(signal.SIGHUP, app[OPERATIONS].reload_on_signal)
         await stop.wait()

@@ -63,6 +63,8 @@ STABLE_AFTER_S = 10.0
 MIN_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 MAX_QUICK_FAILURES = 5
+# A process that exits is started again after this much, unless a stop came meanwhile.
+SETTLE_S = 0.2
 # On stop: each process has its own shutdown timeout (requests in progress, 60 s); after
 # this much more it is killed.
 STOP_GRACE_S = 75.0
@@ -117,11 +119,15 @@ _PR_SET_PDEATHSIG = 1
 
 def follow_supervisor(slot: ProcessSlot) -> bool:
     """In a router process: be sent SIGTERM when the supervisor dies (Linux), so that a
-    supervisor killed with SIGKILL leaves no processes serving on without it. False when
-    it is gone already (this process then must not serve)."""
+    supervisor killed with SIGKILL leaves no processes serving on without it, and leave
+    SIGINT to the supervisor. False when it is gone already (this process then must not
+    serve)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    # Ctrl-C in a terminal signals the whole process group: the supervisor stops its
+    # processes itself (SIGTERM), and one that ended first would be started again.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     return os.getppid() == slot.supervisor_pid
 
 
@@ -189,6 +195,12 @@ class Supervisor:
                 return
             code = waiting.result()
             uptime_s = time.monotonic() - slot.started_s
+            # A signal sent to every process at once (a service manager's stop) may end
+            # this one before the supervisor has read its own: a moment to see it first.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), SETTLE_S)
+            if self._stopping.is_set():
+                return
             log.warning("router process %d (pid %d) exited with %s after %.1f s; starting "
                         "it again", slot.index, process.pid, _exit_text(code), uptime_s)
             if uptime_s >= STABLE_AFTER_S:

@@ -51,6 +51,7 @@ EnvironmentFile=$ETC/router.env
 ExecStart=/opt/globalpool/bin/globalpool router --config $ETC/regions.yaml --region $(setting region) --host 0.0.0.0 --port $(setting port)
 ExecReload=/bin/kill -HUP $MAINPID
 KillSignal=SIGTERM
+KillMode=mixed
 TimeoutStopSec=60
 Restart=always
 RestartSec=2

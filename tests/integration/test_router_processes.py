@@ -148,7 +148,8 @@ def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", "router.cli", *args], cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env)
+                                stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)  # its own group, as in a terminal
 
 
 async def chat(http: aiohttp.ClientSession, url: str, *, stream: bool = False) -> int:
@@ -260,13 +261,18 @@ async def test_a_process_that_goes_is_started_again_and_its_sibling_loses_nothin
     assert set(m.children()) == {0, 1}
 
 
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm", "ctrl-c"])
 async def test_stopping_the_supervisor_stops_every_process(
-        machine: Callable[..., Awaitable[Machine]]) -> None:
+        ctrl_c: bool, machine: Callable[..., Awaitable[Machine]]) -> None:
     m = await machine(processes=2)
     pids = list(m.children().values())
-    m.supervisor.send_signal(signal.SIGTERM)
+    if ctrl_c:  # a terminal signals the whole group: the processes leave it to the supervisor
+        os.killpg(m.supervisor.pid, signal.SIGINT)
+    else:
+        m.supervisor.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(m.supervisor.wait, 90) == 0
     assert [pid for pid in pids if not _gone(pid)] == []
+    assert "starting it again" not in m.log.read_text()
 
 
 async def test_a_killed_supervisor_takes_its_processes_with_it(

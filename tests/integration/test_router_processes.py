@@ -213,6 +213,30 @@ async def test_a_reload_reaches_every_process(
     await until(both_again, 10, "SIGHUP did not reload every process")
 
 
+async def test_a_drain_reaches_every_process(
+        machine: Callable[..., Awaitable[Machine]], http: aiohttp.ClientSession) -> None:
+    m = await machine(processes=2)
+    async with http.post(f"{m.url}/admin/drain", json={"worker": "a", "reason": "test"},
+                         headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+        assert response.status == 200, await response.text()
+
+    async def everywhere() -> bool:
+        return all(sample(m.own_metrics(index), "globalpool_drained", kind="worker") == 1
+                   for index in (0, 1))
+
+    await until(everywhere, 10, "the other process never saw the drain")
+
+    async def served_by() -> str:
+        async with http.post(f"{m.url}/v1/chat/completions", json=CHAT,
+                             headers={"Connection": "close"}) as response:
+            assert response.status == 200
+            return response.headers["x-globalpool-worker"]
+
+    assert set(await asyncio.gather(*(served_by() for _ in range(20)))) == {"b"}
+    own = [sample(m.own_metrics(index), "globalpool_requests_total") for index in (0, 1)]
+    assert sum(own) == 20 and min(own) > 0, own  # both processes served, neither on a
+
+
 def _config_version(metrics: str) -> str:
     match = re.search(r'^globalpool_config_info\{[^}]*version="([^"]+)"', metrics, re.M)
     assert match, metrics[:2000]

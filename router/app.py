@@ -34,6 +34,7 @@ from router.proxy import catalog
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
 from router.proxy.handlers import Proxy
 from router.proxy.responses import RESPONSES_PATH, ResponsesApi
+from router.proxy.shares import ConnectionShares
 from router.proxy.site import FrontSite
 from router.proxy.upstream.pool import UpstreamPool
 from router.readiness import CollectorState, readiness
@@ -322,15 +323,17 @@ def tune_gc() -> None:
 
 
 def router_site(runner: web.AppRunner, host: str, port: int, *,
-                shutdown_timeout_s: float = 60.0, sock: socket.socket | None = None
+                shutdown_timeout_s: float = 60.0, slot: ProcessSlot | None = None
                 ) -> FrontSite:
     """The listening site for a set-up router app: inference on the router's own front
-    (`router.proxy.front`), everything else on aiohttp. `sock`: a listening socket shared
-    with sibling processes (router.processes), instead of host:port."""
+    (`router.proxy.front`), everything else on aiohttp. `slot`: one of several processes
+    (router.processes), accepting on the socket they share instead of host:port."""
     app = runner.app
     header_s = app[OPERATIONS].configs.current.router.client_timeouts.header_s
+    sock = None if slot is None else socket.socket(fileno=slot.listen_fd)
+    shares = None if slot is None else ConnectionShares(slot.shares_file, slot.index)
     return FrontSite(runner, host, port, handler=app[INFERENCE], header_timeout_s=header_s,
-                     shutdown_timeout_s=shutdown_timeout_s, sock=sock)
+                     shutdown_timeout_s=shutdown_timeout_s, sock=sock, shares=shares)
 
 
 def run(settings: RouterSettings, host: str, port: int) -> None:
@@ -367,9 +370,8 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
     )
     await runner.setup()
     slot = app[SETTINGS].process
-    shared = None if slot is None else socket.socket(fileno=slot.listen_fd)
     try:
-        await router_site(runner, host, port, sock=shared).start()
+        await router_site(runner, host, port, slot=slot).start()
         if slot is None:
             print(f"router listening on http://{host}:{port}", flush=True)
         else:

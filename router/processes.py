@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from router.proxy.shares import create_shares, mark_not_accepting
 from router.proxy.site import LISTEN_BACKLOG
 
 log = logging.getLogger("globalpool.processes")
@@ -98,6 +99,11 @@ class ProcessSlot:
                    supervisor_pid=int(environ[SUPERVISOR_ENV]),
                    listen_fd=int(environ[LISTEN_FD_ENV]),
                    starts=int(environ.get(STARTS_ENV, "1")))
+
+    @property
+    def shares_file(self) -> Path:
+        """Each process's open connections (router.proxy.shares)."""
+        return self.directory / "connections"
 
     def metrics_socket(self, index: int | None = None) -> Path:
         return self.directory / f"metrics-{self.index if index is None else index}.sock"
@@ -165,6 +171,8 @@ class Supervisor:
         self._stopping = asyncio.Event()
         self._failed: str | None = None
         self._directory = Path(tempfile.mkdtemp(prefix="globalpool-router-"))  # 0700
+        self._shares = self._directory / "connections"  # as ProcessSlot.shares_file
+        create_shares(self._shares, count)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -194,6 +202,7 @@ class Supervisor:
                 waiting.cancel()
                 return
             code = waiting.result()
+            mark_not_accepting(self._shares, slot.index)  # its connections are gone
             uptime_s = time.monotonic() - slot.started_s
             # A signal sent to every process at once (a service manager's stop) may end
             # this one before the supervisor has read its own: a moment to see it first.

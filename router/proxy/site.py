@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 
 from aiohttp import web
 
 from router.proxy.exchange import InferenceHandler
 from router.proxy.front import FrontProtocol
+from router.proxy.shares import DEFER_S, MAX_DEFERS, ConnectionShares
 
 # Connections the kernel queues for accept (aiohttp's default, 128, filled in seconds when
 # a couple of thousand clients connect while the host stalls the router: they then saw
 # resets and SYN retries). The kernel caps it at net.core.somaxconn.
 LISTEN_BACKLOG = 4096
+
+log = logging.getLogger("globalpool.front")
 
 
 class FrontSite(web.TCPSite):
@@ -28,15 +32,19 @@ class FrontSite(web.TCPSite):
     `handler` serves inference exchanges. Stopping waits up to
     `shutdown_timeout_s` for requests in progress, as aiohttp does for its own. `sock`: a
     listening socket to accept on instead of host:port (one that sibling processes share,
-    router.processes); stopping closes this process's copy only.
+    router.processes), its connections shared with theirs through `shares`; stopping
+    closes this process's copy only.
     """
 
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int | None, *,
                  handler: InferenceHandler, header_timeout_s: float,
                  shutdown_timeout_s: float = 60.0, reuse_address: bool | None = None,
-                 backlog: int = LISTEN_BACKLOG, sock: socket.socket | None = None) -> None:
+                 backlog: int = LISTEN_BACKLOG, sock: socket.socket | None = None,
+                 shares: ConnectionShares | None = None) -> None:
         super().__init__(runner, host, port, reuse_address=reuse_address, backlog=backlog)
         self._sock = sock
+        self._shares = shares
+        self._accepting: asyncio.Task[None] | None = None  # accepting on `sock`
         self.handler = handler
         self.header_timeout_s = header_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -53,16 +61,66 @@ class FrontSite(web.TCPSite):
         self._runner._reg_site(self)
         loop = asyncio.get_running_loop()
         if self._sock is not None:
-            self._server = await loop.create_server(lambda: FrontProtocol(self),
-                                                    sock=self._sock, backlog=self._backlog)
-        else:
-            self._server = await loop.create_server(lambda: FrontProtocol(self), self._host,
-                                                    self._port, backlog=self._backlog,
-                                                    reuse_address=self._reuse_address)
+            self._sock.setblocking(False)
+            self._accepting = loop.create_task(self._accept(self._sock), name="front-accept")
+            self._bound_port = self._sock.getsockname()[1]
+            return
+        self._server = await loop.create_server(lambda: FrontProtocol(self), self._host,
+                                                self._port, backlog=self._backlog,
+                                                reuse_address=self._reuse_address)
         self._bound_port = self._server.sockets[0].getsockname()[1]
+
+    async def _accept(self, sock: socket.socket) -> None:
+        """Accept on a socket shared with sibling processes, sharing its connections with
+        them (`router.proxy.shares`: asyncio's own server would take every connection
+        waiting when it wakes, and one process would keep a whole burst)."""
+        loop = asyncio.get_running_loop()
+        shares = self._shares
+        ready: asyncio.Future[None] | None = None
+
+        def readable() -> None:
+            if ready is not None and not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(sock.fileno(), readable)
+        defers = 0
+        try:
+            while True:
+                if shares is not None:
+                    shares.set_open(len(self.connections))
+                    if defers < MAX_DEFERS and shares.over_share():
+                        defers += 1
+                        await asyncio.sleep(DEFER_S)  # a sibling with fewer takes it
+                        continue
+                defers = 0
+                try:
+                    connection, _ = sock.accept()
+                except BlockingIOError:  # none waiting, or a sibling took it
+                    ready = loop.create_future()
+                    await ready
+                    continue
+                except OSError as exc:  # EMFILE and the like: log, breathe, go on
+                    log.warning("accept failed: %s", exc)
+                    await asyncio.sleep(0.1)
+                    continue
+                connection.setblocking(False)
+                try:
+                    await loop.connect_accepted_socket(lambda: FrontProtocol(self), connection)
+                except OSError:
+                    connection.close()  # gone before it was set up
+        finally:
+            loop.remove_reader(sock.fileno())
+            if shares is not None:
+                shares.stop_accepting()
 
     async def stop(self) -> None:
         self.stopping = True
+        if self._accepting is not None and self._sock is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+            self._sock.close()  # this process's copy: the siblings still accept on theirs
         await super().stop()  # no new connections
         for connection in list(self.connections):
             connection.close_when_idle()
@@ -75,5 +133,7 @@ class FrontSite(web.TCPSite):
     def closed(self, connection: FrontProtocol) -> None:
         """`connection` is gone or handed over."""
         self.connections.discard(connection)
+        if self._shares is not None and self._accepting is not None:
+            self._shares.set_open(len(self.connections))
         if self.stopping and not self.connections:
             self._drained.set()

@@ -182,6 +182,29 @@ async def test_two_processes_share_the_port_and_metrics_count_both(
     assert "2 processes on" in m.log.read_text()
 
 
+async def test_a_burst_of_keep_alive_connections_is_shared_by_the_processes(
+        machine: Callable[..., Awaitable[Machine]]) -> None:
+    # 32 clients connect at once and keep their connection for 10 requests each (as wrk
+    # does): a process that took the whole burst would serve every request alone.
+    m = await machine(processes=2)
+    connector = aiohttp.TCPConnector(limit=32, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as http:
+
+        async def client() -> list[int]:
+            statuses = []
+            for _ in range(10):
+                async with http.post(f"{m.url}/v1/chat/completions", json=CHAT) as response:
+                    await response.read()
+                    statuses.append(response.status)
+            return statuses
+
+        results = await asyncio.gather(*(client() for _ in range(32)))
+    assert [status for each in results for status in each] == [200] * 320
+    own = [sample(m.own_metrics(index), "globalpool_requests_total") for index in (0, 1)]
+    assert sum(own) == 320
+    assert min(own) >= 0.25 * 320, own
+
+
 async def test_a_reload_reaches_every_process(
         machine: Callable[..., Awaitable[Machine]], http: aiohttp.ClientSession) -> None:
     m = await machine(processes=2)

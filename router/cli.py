@@ -180,7 +180,6 @@ def resolve_redis_url(flag: str | None, config: GlobalConfig) -> str | None:
 
 
 def _run_router(args: argparse.Namespace) -> int:
-    from router.app import RouterSettings, run
     from router.processes import ProcessSlot, follow_supervisor, supervise, usable_cores
 
     config = _load_or_report(args.config, policy_override=args.policy)
@@ -214,6 +213,8 @@ def _run_router(args: argparse.Namespace) -> int:
     if slot is not None and not follow_supervisor(slot):
         print("router process: its supervisor is gone; not serving", file=sys.stderr)
         return 1
+    from router.app import RouterSettings, run  # (not in a supervisor: it serves nothing)
+
     seed = args.seed if args.seed is None or slot is None else args.seed + slot.index
     settings = RouterSettings(
         config=config, redis_url=redis_url, region=region, policy=args.policy, seed=seed,

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router.proxy.shares import create_shares, mark_not_accepting
-from router.proxy.site import LISTEN_BACKLOG
 
 log = logging.getLogger("globalpool.processes")
 
@@ -139,7 +138,10 @@ def follow_supervisor(slot: ProcessSlot) -> bool:
 
 def listening_socket(host: str, port: int) -> socket.socket:
     """The socket every router process accepts on, inheritable by them."""
-    sock = socket.create_server((host, port), family=_family(host), backlog=LISTEN_BACKLOG)
+    # Waiting connections: as many as the kernel allows (net.core.somaxconn caps it), as
+    # router.proxy.site.LISTEN_BACKLOG asks for one process (not imported: aiohttp would
+    # then be in the supervisor's memory, which runs no request).
+    sock = socket.create_server((host, port), family=_family(host), backlog=socket.SOMAXCONN)
     sock.set_inheritable(True)
     return sock
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
 
@@ -19,10 +21,14 @@ def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="small workloads (a CI smoke test: < 60 s without peers)")
     parser.add_argument("--only", default=None,
                         help="comma-separated routers: globalpool,aiohttp,vllm-router,"
-                             "sglang-router,envoy (default: all; `direct` always runs), and "
-                             "globalpool-fleet (globalpool following 10,000 more workers "
-                             "heartbeating at 4 Hz) and its control globalpool-fleet-elsewhere "
-                             "(the same heartbeats, not followed), only when named")
+                             "sglang-router,envoy (default: all; `direct` always runs), and, "
+                             "only when named: globalpool-fleet (globalpool following 10,000 "
+                             "more workers heartbeating at 4 Hz) and its control "
+                             "globalpool-fleet-elsewhere (the same heartbeats, not followed); "
+                             "globalpool-compiled-2p (the compiled build with 2 router "
+                             "processes on the same router core; CPU is its whole process "
+                             "tree's; compare with --only "
+                             "globalpool-compiled,globalpool-compiled-2p)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the whole comparison this many times (default 1)")
     parser.add_argument("--peers-dir", type=Path, default=None,
@@ -36,9 +42,25 @@ def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="",
                         help="comma-separated workloads (unary,stream,paced) to profile "
                              "globalpool under with py-spy, after the measurements")
+    parser.add_argument("--throughput", action="store_true",
+                        help="instead of the comparison: requests/s, latency p50/p99 and "
+                             "router CPU per request under wrk (Debian's `wrk`, -t1) for the "
+                             "compiled build with 1 and 2 router processes, unpinned (the "
+                             "router may use every core, shared with wrk and the backends) and "
+                             "pinned (router processes on one core); alternating, --rounds "
+                             "times; writes throughput.json/.md/.png (see "
+                             "lab/benchproxy/throughput.py). --quick: 3 s runs")
+    parser.add_argument("--wrk-seconds", type=float, default=10.0,
+                        help="--throughput: seconds of each measured wrk run (default 10)")
+    parser.add_argument("--wrk-connections", type=int, default=32,
+                        help="--throughput: wrk's connections (default 32)")
+    parser.add_argument("--unpinned-only", action="store_true",
+                        help="--throughput: skip the pinned variant")
 
 
 def run_bench_proxy(args: argparse.Namespace) -> int:
+    if args.throughput:
+        return _run_throughput(args)
     from lab.benchproxy.procs import new_event_loop
     from lab.benchproxy.run import Options, bench_proxy
 
@@ -60,6 +82,21 @@ def run_bench_proxy(args: argparse.Namespace) -> int:
           f"{args.out / 'cpu_per_request.png'}")
     ran = [r for r in document["results"] if r.get("completed")]
     return 0 if ran else 1
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    from lab.benchproxy.throughput import ThroughputOptions, bench_throughput
+
+    options = ThroughputOptions(
+        out=args.out, rounds=max(1, args.rounds),
+        seconds=3.0 if args.quick else max(1.0, args.wrk_seconds),
+        connections=max(1, args.wrk_connections), pinned=not args.unpinned_only)
+    document = _run_unless_unavailable("bench-proxy --throughput", bench_throughput(options))
+    if document is None:
+        return 2
+    print(f"wrote {args.out / 'throughput.json'}, {args.out / 'throughput.md'}, "
+          f"{args.out / 'throughput.png'}")
+    return 0 if all(r.get("status") == "ok" for r in document["results"]) else 1
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -97,6 +134,9 @@ def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
                         help="someone subscribes to the tap channel: agents publish every "
                         "heartbeat there too (by default, as with nobody watching, once every "
                         "10 s)")
+    parser.add_argument("--router-processes", type=int, default=1,
+                        help="the router's --processes (default 1): its CPU is the whole "
+                        "process tree's, each process keeping its own fleet view")
     parser.add_argument("--fleet-view-cpu-share", type=float,
                         default=DEFAULT_FLEET_VIEW_CPU_SHARE,
                         help="the router's router.fleet_view_cpu_share (default "
@@ -110,7 +150,7 @@ def run_bench_heartbeats(args: argparse.Namespace) -> int:
     return asyncio.run(main(workers=args.workers, hz=args.hz, seconds=args.seconds,
                             publishers=args.publishers, signed=args.signed, out=args.out,
                             legacy=args.legacy_agents, cpu_share=args.fleet_view_cpu_share,
-                            tap_watched=args.tap_watched))
+                            tap_watched=args.tap_watched, processes=args.router_processes))
 
 
 def add_bench_instructions_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,8 +172,6 @@ def add_bench_instructions_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench_instructions(args: argparse.Namespace) -> int:
     from lab.benchproxy.instructions import Options, bench_instructions
-    from lab.benchproxy.procs import new_event_loop
-    from lab.benchproxy.unavailable import Unavailable
     from lab.benchproxy.workloads import workloads
 
     names = _names(args.workloads) or []
@@ -151,12 +189,23 @@ def run_bench_instructions(args: argparse.Namespace) -> int:
     options = Options(out=args.out, trees=trees, workloads=names,
                       requests=max(1, args.requests), vllm_router=args.vllm_router,
                       peers_dir=args.peers_dir)
+    document = _run_unless_unavailable("bench-instructions", bench_instructions(options))
+    if document is None:
+        return 2
+    return 0 if all(row["errors"] == 0 for row in document["results"]) else 1
+
+
+def _run_unless_unavailable(command: str, bench: Coroutine[Any, Any, dict[str, Any]]
+                            ) -> dict[str, Any] | None:
+    """`bench` run to its end on a new event loop; None (said why) if it was Unavailable."""
+    from lab.benchproxy.procs import new_event_loop
+    from lab.benchproxy.unavailable import Unavailable
+
     loop = new_event_loop()
     try:
-        document = loop.run_until_complete(bench_instructions(options))
+        return loop.run_until_complete(bench)
     except Unavailable as exc:
-        print(f"bench-instructions: {exc}")
-        return 2
+        print(f"{command}: {exc}")
+        return None
     finally:
         loop.close()
-    return 0 if all(row["errors"] == 0 for row in document["results"]) else 1

@@ -3,7 +3,9 @@
 `tree_cpu_s(pid)` is user + system time of `pid`, of every live descendant, and of the
 children it has already reaped (cutime + cstime), in seconds. Take it before and after a
 workload: the difference is what the process tree spent on it. Threads are included
-(a process's stat line sums its threads), which matters for the Rust routers.
+(a process's stat line sums its threads), which matters for the Rust routers. So are
+child processes: a `globalpool router --processes N` supervisor is charged with its N
+router processes (the descendants are found by their parent PID in every /proc/PID/stat).
 """
 
 from __future__ import annotations
@@ -90,6 +92,38 @@ def tree_cpu_s(pid: int, proc: Path = PROC) -> float | None:
     ticks = root.own_ticks + root.reaped_children_ticks
     ticks += sum(s.own_ticks for s in descendants(pid, stats))
     return ticks / CLOCK_TICKS_PER_S
+
+
+def cpu_by_process(pid: int, proc: Path = PROC) -> dict[int, float]:
+    """CPU seconds of `pid` (with its reaped children) and of each live descendant, by
+    PID: how a supervisor's tree shares its work; {} if `pid` is gone."""
+    stats = _all_stats(proc)
+    root = next((s for s in stats if s.pid == pid), None)
+    if root is None:
+        return {}
+    found = {pid: (root.own_ticks + root.reaped_children_ticks) / CLOCK_TICKS_PER_S}
+    found.update((s.pid, s.own_ticks / CLOCK_TICKS_PER_S) for s in descendants(pid, stats))
+    return found
+
+
+def start_ticks(pid: int, proc: Path = PROC) -> int | None:
+    """When `pid` started (field 22 of its stat, clock ticks after boot): with the PID, it
+    names one process (a PID is reused, a (PID, start) pair is not). None if gone."""
+    try:
+        line = (proc / str(pid) / "stat").read_text()
+        return int(line[line.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def live_descendants(pid: int, proc: Path = PROC) -> list[tuple[int, int]]:
+    """(PID, start ticks) of every live descendant of `pid`."""
+    found = []
+    for stat in descendants(pid, _all_stats(proc)):
+        started = start_ticks(stat.pid, proc)
+        if started is not None:
+            found.append((stat.pid, started))
+    return found
 
 
 def cpu_of(pids: dict[str, int], proc: Path = PROC) -> dict[str, float | None]:

@@ -323,7 +323,7 @@ def _rate(before: dict[str, float], after: dict[str, float], name: str,
 async def main(*, workers: int, hz: float, seconds: float, publishers: int, signed: bool,
                out: Path | None, legacy: bool = False,
                cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE, tap_watched: bool = False,
-               ) -> int:
+               processes: int = 1) -> int:
     from redis.asyncio import Redis
 
     from lab.devstack.valkey import EmbeddedValkey
@@ -344,7 +344,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
     config.write_text(yaml.safe_dump(router_config(valkey.url, prefix, port, cpu_share,
                                                    signed)))
     key = f"bench:{secrets.token_hex(16)}"
-    env = {**os.environ, "GLOBALPOOL_LOG_LEVEL": "WARNING"}
+    env = {**os.environ, "GLOBALPOOL_LOG_LEVEL": "WARNING",
+           "GLOBALPOOL_ROUTER_PROCESSES": str(processes)}
     env.pop("REDIS_URL", None)
     if signed:
         env["GLOBALPOOL_HEARTBEAT_KEYS"] = key
@@ -378,7 +379,7 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
                               "fleet_view_cpu_share": cpu_share,
                               "agents": "legacy (every heartbeat a message)" if legacy
                               else "load records",
-                              "tap_watched": tap_watched,
+                              "tap_watched": tap_watched, "router_processes": processes,
                               "router_core_share": core_share,
                               "pinning": "router on core 0, Valkey and publishers on core 1"
                               if router_cores else "not pinned"}

@@ -76,6 +76,20 @@ def stop(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
         process.stdout.close()
 
 
+def stop_tree(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """`stop(process)`, then SIGKILL whichever of its descendants (as they were just before
+    the stop) outlived it: a supervisor killed after `timeout_s` leaves its children to
+    init. Only PIDs that are still the same processes (same start time) are signalled."""
+    from lab.benchproxy.cpu import live_descendants, start_ticks
+
+    before = live_descendants(process.pid) if process.poll() is None else []
+    stop(process, timeout_s)
+    for pid, started in before:
+        if start_ticks(pid) == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def log_tail(path: Path, limit: int = 1500) -> str:
     try:
         return path.read_text(errors="replace")[-limit:].strip()

@@ -139,11 +139,7 @@ def _notes(document: dict[str, Any]) -> str:
              "(warm-up included; for `direct`, the load generator's own)",
              f"- python {meta['python']}, {meta['machine']}, {meta['cores']} cores, "
              f"{meta['duration_s']} s"]
-    share = meta.get("router_core_share") or {}
-    if share.get("before") is not None and share.get("after") is not None:
-        notes.append(f"- share of the router core a busy process got (other work on this "
-                     f"shared machine): {share['before'] * 100:.0f}% before the run, "
-                     f"{share['after'] * 100:.0f}% after")
+    notes += core_share_note(meta)
     for name, problem in meta.get("unavailable", {}).items():
         notes.append(f"- {name} unavailable: {problem}")
     return "\n".join(notes)
@@ -202,3 +198,13 @@ def write_outputs(document: dict[str, Any], out: Path, say: Callable[[str], None
         + "\n".join(profile_lines)
         + ("![CPU per request](cpu_per_request.png)\n" if drawn else
            "(no chart: matplotlib is not installed)\n"))
+
+
+def core_share_note(meta: dict[str, Any], core: str = "router core") -> list[str]:
+    """The note on how much of the `core` a busy process got before and after the run
+    (other work on this shared machine), if it was measured."""
+    share = meta.get("router_core_share") or {}
+    if share.get("before") is None or share.get("after") is None:
+        return []
+    return [f"- share of the {core} a busy process got (other work on this shared machine): "
+            f"{share['before'] * 100:.0f}% before the run, {share['after'] * 100:.0f}% after"]

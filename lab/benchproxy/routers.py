@@ -1,7 +1,9 @@
 """The routers under test and how to start each one as a plain proxy over the same backends.
 
 Each contender starts one process (pinned to the router core), waits until a real request
-through it succeeds, and reports the PID whose process tree is charged with the CPU time.
+through it succeeds, and reports the PID whose process tree is charged with the CPU time
+(the process and every descendant: `globalpool-compiled-2p` is a supervisor and its two
+router processes, all on the router core).
 A contender that cannot be started says why (`Unavailable`); the run goes on without it.
 """
 
@@ -31,7 +33,8 @@ READY_TIMEOUT_S = 60.0
 ROUTER_NAMES = ("globalpool", "globalpool-compiled", "aiohttp", "vllm-router",
                 "sglang-router", "envoy")
 # Run only when asked for by name (`--only`).
-OPTIONAL = frozenset({"globalpool-fleet", "globalpool-fleet-elsewhere"})
+OPTIONAL = frozenset({"globalpool-fleet", "globalpool-fleet-elsewhere",
+                      "globalpool-compiled-2p"})
 
 
 @dataclass
@@ -45,6 +48,9 @@ class Context:
     redis_url: Callable[[], str]  # starts the embedded Valkey on first use
     host: str = "127.0.0.1"
     fleet_workers: int = 10_000  # what globalpool-fleet follows besides the backends
+    # the compiled copy, once built in this run: every compiled contender and round runs
+    # the same build, even if the checkout changes meanwhile (compiled_tree)
+    compiled: Path | None = None
 
     @property
     def backend_urls(self) -> list[str]:
@@ -70,7 +76,7 @@ class Running:
         for callback in self.on_stop:
             await callback()
         if self.process is not None:
-            await asyncio.to_thread(procs.stop, self.process)
+            await asyncio.to_thread(procs.stop_tree, self.process)
 
 
 async def wait_ready(running: Running, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -239,21 +245,45 @@ def compiled_copy_dir() -> Path:
     return Path.home() / ".cache" / "globalpool" / "compiled-tree"
 
 
-async def start_globalpool_compiled(ctx: Context) -> Running:
-    """The same router from the compiled build (`globalpool compile`: this checkout with
-    setup.py's modules compiled by mypyc, built on first use, ~1-3 min)."""
+async def compiled_tree(ctx: Context) -> Path:
+    """The compiled copy of this checkout (`globalpool compile`: setup.py's modules
+    compiled by mypyc, built on first use in a run, ~1-3 min, then kept for the run:
+    ctx.compiled), or Unavailable."""
     from router.compiled import CompileError, build_copy, source_checkout
 
+    if ctx.compiled is not None:
+        return ctx.compiled
     source = source_checkout()
     if source is None:
         raise Unavailable("not run from a checkout (an installed globalpool is measured "
                           "as `globalpool`, compiled if it was installed so)")
     try:
-        tree = await asyncio.to_thread(build_copy, source, compiled_copy_dir(),
-                                       ctx.out_dir / "logs" / "compile.log")
+        ctx.compiled = await asyncio.to_thread(build_copy, source, compiled_copy_dir(),
+                                               ctx.out_dir / "logs" / "compile.log")
     except CompileError as exc:
         raise Unavailable(str(exc)) from None
-    return await _start_globalpool(ctx, "globalpool-compiled", tree=tree)
+    return ctx.compiled
+
+
+async def start_globalpool_compiled(ctx: Context) -> Running:
+    """The same router from the compiled build."""
+    return await _start_globalpool(ctx, "globalpool-compiled", tree=await compiled_tree(ctx))
+
+
+async def start_globalpool_compiled_2p(ctx: Context) -> Running:
+    """The compiled build as `GLOBALPOOL_ROUTER_PROCESSES=2`: a supervisor and two router
+    processes on one socket, all on the same router core(s) as globalpool-compiled, so
+    that its CPU per request (the whole tree's) compares like for like. Not in the
+    default run (`--only globalpool-compiled,globalpool-compiled-2p`)."""
+    return await _start_globalpool(ctx, "globalpool-compiled-2p",
+                                   tree=await compiled_tree(ctx), processes=2)
+
+
+async def start_compiled_processes(ctx: Context, name: str, tree: Path,
+                                   processes: int) -> Running:
+    """The compiled build at `tree` as `name`, with `processes` router processes (1: no
+    supervisor), pinned to ctx.router_cores (bench-proxy --throughput)."""
+    return await _start_globalpool(ctx, name, tree=tree, processes=processes)
 
 
 async def start_globalpool_fleet(ctx: Context) -> Running:
@@ -300,7 +330,8 @@ async def setup_globalpool(redis_url: str, port: int, config_path: Path,
     _write_config(config_path, globalpool_config(redis_url, prefix, port))
     signing_keys = f"bench:{secrets.token_hex(16)}"
     env = {**os.environ, "GLOBALPOOL_HEARTBEAT_KEYS": signing_keys,
-           "GLOBALPOOL_ADMIN_TOKEN": secrets.token_hex(16), "GLOBALPOOL_LOG_LEVEL": "WARNING"}
+           "GLOBALPOOL_ADMIN_TOKEN": secrets.token_hex(16), "GLOBALPOOL_LOG_LEVEL": "WARNING",
+           "GLOBALPOOL_ROUTER_PROCESSES": "1"}  # (older trees ignore it)
     env.pop("REDIS_URL", None)
     stop_heartbeats = await publish_heartbeats(redis_url, prefix, backend_urls,
                                                signing_keys, models=(MODEL, PACED_MODEL))
@@ -310,7 +341,8 @@ async def setup_globalpool(redis_url: str, port: int, config_path: Path,
 
 
 async def _start_globalpool(ctx: Context, name: str, fleet: int = 0,
-                            followed: bool = True, tree: Path | None = None) -> Running:
+                            followed: bool = True, tree: Path | None = None,
+                            processes: int = 1) -> Running:
     redis_url = ctx.redis_url()
     port = procs.free_port()
     setup = await setup_globalpool(redis_url, port,
@@ -327,16 +359,21 @@ async def _start_globalpool(ctx: Context, name: str, fleet: int = 0,
             await asyncio.to_thread(procs.stop, publisher)
 
     env = setup.env if tree is None else {**setup.env, "PYTHONPATH": str(tree)}
+    env["GLOBALPOOL_ROUTER_PROCESSES"] = str(processes)
     process, log = _start(ctx, name, setup.args, env=env, cwd=tree)
     build = "compiled (mypyc)" if tree is not None else _this_build()
     running = Running(name, [(ctx.host, port)], process, log,
                       version=f"globalpool (this tree, {build}), policy predicted_ttft"
+                      + (f", {processes} router processes (+ supervisor)" if processes > 1
+                         else "")
                       + (f", following {fleet:,} more workers at 4 Hz" if fleet and followed
                          else f", {fleet:,} workers at 4 Hz published elsewhere" if fleet
                          else ""),
                       on_stop=[stop_heartbeats, stop_publishers])
     try:
         await wait_ready(running)
+        if processes > 1:
+            await _until_processes(running, port, processes)
         if fleet and followed:
             await _until_seen(running, port, fleet)
     except Unavailable:
@@ -405,6 +442,38 @@ async def _until_seen(running: Running, port: int, workers: int,
         raise Unavailable(f"saw {seen:,} of {workers:,} fleet workers within {timeout_s:g} s")
 
 
+def processes_answered(metrics: str) -> int | None:
+    """`globalpool_router_processes{state="answered"}` of a /metrics text, or None."""
+    for line in metrics.splitlines():
+        if line.startswith('globalpool_router_processes{state="answered"}'):
+            try:
+                return int(float(line.rsplit(None, 1)[-1]))
+            except ValueError:
+                return None
+    return None
+
+
+async def _until_processes(running: Running, port: int, processes: int,
+                           timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Until a /metrics scrape says all `processes` answer (each one started and serving:
+    none is still starting when the load begins), or Unavailable."""
+    deadline = time.monotonic() + timeout_s
+    answered: int | None = None
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as answer:
+                    answered = processes_answered(await answer.text())
+            except (aiohttp.ClientError, TimeoutError):
+                pass  # asked again
+            if answered is not None and answered >= processes:
+                return
+            await asyncio.sleep(0.3)
+    await running.stop()
+    raise Unavailable(f"{answered} of {processes} router processes answered within "
+                      f"{timeout_s:g} s (no supervisor in this tree?)")
+
+
 async def start_direct(ctx: Context) -> Running:
     """No router: the load generator spreads its connections over the backends."""
     return Running("direct", [(ctx.host, p) for p in ctx.backend_ports], None, None,
@@ -415,6 +484,7 @@ STARTERS: dict[str, Callable[[Context], Awaitable[Running]]] = {
     "direct": start_direct,
     "globalpool": start_globalpool,
     "globalpool-compiled": start_globalpool_compiled,
+    "globalpool-compiled-2p": start_globalpool_compiled_2p,
     "globalpool-fleet": start_globalpool_fleet,
     "globalpool-fleet-elsewhere": start_globalpool_fleet_elsewhere,
     "aiohttp": start_aiohttp,

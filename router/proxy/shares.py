@@ -5,10 +5,12 @@ takes what waits. A burst of keep-alive connections (a load balancer's pool, wrk
 then stays with one process while another idles: measured here, 307 of 320 requests on
 one of two processes. `ConnectionShares` is a small file that every process maps, one
 number per process: its open connections, or -1 while it does not accept (starting,
-stopping, dead: the supervisor writes -1 when one exits). A process holding more than
-`SLACK` connections above the least-loaded accepting sibling waits `DEFER_S` before it
-accepts, at most `MAX_DEFERS` times in a row, so that the sibling takes the connection;
-a sibling that is busy or stuck costs a new connection at most 2 ms.
+stopping, dead: the supervisor writes -1 when one exits). A process whose open
+connections are clearly more than an accepting sibling's (`over_share`: by `SLACK` and
+by a quarter) waits `DEFER_S` before it accepts, at most `MAX_DEFERS` times in a row, so
+that the sibling takes the connection; a sibling that is busy or stuck costs a new
+connection at most 2 ms. The margins keep the ordinary ups and downs of short-lived
+connections (one per request) from deferring anything.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import mmap
 from pathlib import Path
 
 NOT_ACCEPTING = -1
-SLACK = 1
+SLACK = 2
+# ... and over a sibling's x this
+RATIO = 1.25
 DEFER_S = 0.001
 MAX_DEFERS = 2
 _SLOT_BYTES = 8
@@ -44,11 +48,12 @@ class ConnectionShares:
         self._slots[self._index] = NOT_ACCEPTING
 
     def over_share(self) -> bool:
-        """Whether an accepting sibling holds fewer than this process's connections less
-        SLACK (then it should take the next one)."""
+        """Whether an accepting sibling holds clearly fewer connections than this process
+        (more than SLACK fewer, and fewer than this one's / RATIO): it should take the
+        next one."""
         slots = self._slots
         mine = slots[self._index]
-        return any(NOT_ACCEPTING < other < mine - SLACK
+        return any(other > NOT_ACCEPTING and other + SLACK < mine and other * RATIO < mine
                    for index, other in enumerate(slots) if index != self._index)
 
     def close(self) -> None:

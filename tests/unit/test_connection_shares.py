@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from router.proxy.shares import (
+    RATIO,
     SLACK,
     ConnectionShares,
     create_shares,
@@ -24,6 +25,12 @@ def test_a_process_defers_to_an_accepting_sibling_with_fewer_connections(
         assert first.over_share() and not second.over_share()
         second.set_open(5 - SLACK)
         assert not first.over_share()  # within the slack
+        first.set_open(40)
+        second.set_open(40 - 8)  # 8 more, but within a quarter: one per request traffic
+        assert not first.over_share()
+        second.set_open(int(40 / RATIO) - 1)
+        assert first.over_share()
+        first.set_open(5)
         second.set_open(0)
         mark_not_accepting(path, 1)  # exited: the supervisor says so
         assert not first.over_share()

@@ -133,6 +133,10 @@ def follow_supervisor(slot: ProcessSlot) -> bool:
     # Ctrl-C in a terminal signals the whole process group: the supervisor stops its
     # processes itself (SIGTERM), and one that ended first would be started again.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A reload (SIGHUP) while this process starts would end it (SIGHUP's default action);
+    # from when it serves, router.app._serve handles it. One sent before is missed, but
+    # the config watcher still sees the file change (unless admin.config_check_s is 0).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return os.getppid() == slot.supervisor_pid
 
 

@@ -264,11 +264,20 @@ async def keep_busy(engine: openai.AsyncOpenAI, stop: asyncio.Event, max_tokens:
             await asyncio.sleep(retry_s)
 
 
+LONG_ANSWER_TIMEOUT_S = 900.0
+
+
 def long_answers_to_us_east(pool: RealPool, senders: int) -> tuple[
         openai.AsyncOpenAI, asyncio.Event, list[str], list[asyncio.Task[None]]]:
     """`senders` clients asking us-east's vLLM straight for 2,000-token answers, one after
-    another (`keep_busy`): (its client, the stop event, their outcomes, their tasks)."""
-    engine = pool.async_client(url=pool.agents["us-east"].engine_url)
+    another (`keep_busy`): (its client, the stop event, their outcomes, their tasks).
+
+    Their client waits up to LONG_ANSWER_TIMEOUT_S: an answer takes ~80-100 s here, more
+    when the host stalls, and at the default 120 s all of them timed out together (the
+    load fell from 16 running to 0 at once, and a test waiting for a full queue failed
+    after 101 s of host stalls). They end when the test stops them (`stop_senders`)."""
+    engine = pool.async_client(url=pool.agents["us-east"].engine_url,
+                               timeout_s=LONG_ANSWER_TIMEOUT_S)
     stop = asyncio.Event()
     outcomes: list[str] = []
     pressure = [asyncio.create_task(keep_busy(engine, stop, 2000, outcomes))

@@ -55,6 +55,8 @@ COUNT_ENV = "GLOBALPOOL_PROCESSES"
 DIR_ENV = "GLOBALPOOL_PROCESS_DIR"
 SUPERVISOR_ENV = "GLOBALPOOL_SUPERVISOR_PID"
 STARTS_ENV = "GLOBALPOOL_PROCESS_STARTS"
+# In DIR_ENV: each process's open connections (router.proxy.shares).
+SHARES_FILE = "connections"
 
 # A process that exits sooner than this after its start failed at start: the next start
 # waits (MIN_BACKOFF_S doubling to MAX_BACKOFF_S), and after MAX_QUICK_FAILURES such
@@ -102,7 +104,7 @@ class ProcessSlot:
     @property
     def shares_file(self) -> Path:
         """Each process's open connections (router.proxy.shares)."""
-        return self.directory / "connections"
+        return self.directory / SHARES_FILE
 
     def metrics_socket(self, index: int | None = None) -> Path:
         return self.directory / f"metrics-{self.index if index is None else index}.sock"
@@ -177,7 +179,7 @@ class Supervisor:
         self._stopping = asyncio.Event()
         self._failed: str | None = None
         self._directory = Path(tempfile.mkdtemp(prefix="globalpool-router-"))  # 0700
-        self._shares = self._directory / "connections"  # as ProcessSlot.shares_file
+        self._shares = self._directory / SHARES_FILE
         create_shares(self._shares, count)
 
     async def run(self) -> int:

@@ -37,6 +37,7 @@ from tests.vllm.pool import (
     pss_mib,
 )
 from worker.engine_metrics import parse_metrics
+from worker.publisher import TAP_RECHECK_S
 from worker.schema import Heartbeat, LifecycleState
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -168,7 +169,11 @@ async def test_simulator_metrics_have_the_real_servers_names_and_labels(pool: Re
 @contextlib.asynccontextmanager
 async def watching(pool: RealPool, region: str) -> AsyncIterator[Callable[[], list[Heartbeat]]]:
     """Every heartbeat `region` publishes meanwhile (pub/sub: none is missed however busy
-    the machine is; the stored key would only show the latest)."""
+    the machine is; the stored key would only show the latest).
+
+    Enters once the first heartbeat has come: an agent whose tap message last reached no
+    subscriber sends the next one TAP_RECHECK_S later (worker.publisher), and a drain can
+    begin and end within that time (0.2 s here once), unseen."""
     worker_id = pool.agents[region].worker_id
     seen: list[Heartbeat] = []
 
@@ -182,6 +187,11 @@ async def watching(pool: RealPool, region: str) -> AsyncIterator[Callable[[], li
     async with subscribed(pool.redis_url, pool.keys) as channel:
         task = asyncio.create_task(collect(channel))
         try:
+            async with asyncio.timeout(TAP_RECHECK_S + 10):
+                while not seen:
+                    if task.done():
+                        task.result()
+                    await asyncio.sleep(0.05)
             yield lambda: list(seen)
         finally:
             await asyncio.sleep(2 * HEARTBEAT_INTERVAL_S)  # the messages still on their way
@@ -628,9 +638,14 @@ async def test_a_drained_worker_finishes_in_flight_requests_then_stops_its_vllm(
         open_at_sigterm = sum(not task.done() for task in in_flight)
         # Normally a fraction of a second; the bound leaves room for a machine whose two
         # cores are busy with both engines (the agent's probe waits for the busy one).
-        async with asyncio.timeout(20):
-            while not any(b.state is LifecycleState.DRAINING for b in seen()):  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+        try:
+            async with asyncio.timeout(20):
+                while not any(b.state is LifecycleState.DRAINING for b in seen()):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            raise AssertionError(("no draining heartbeat within 20 s of SIGTERM; beats seen:",
+                                  [(b.state.value, b.seq) for b in seen()[-10:]],
+                                  "the agent's log ends:", agent.log()[-3000:])) from None
         await asyncio.sleep(0.5)  # a router tick: the draining heartbeat has reached it
         during = [await chat(client, 4) for _ in range(3)]
         finished = await asyncio.gather(*in_flight)

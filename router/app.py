@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import random
@@ -22,11 +21,14 @@ from router.admin.setup import Operations
 from router.admission.gate import Admission
 from router.admission.queue import RouterQueue
 from router.admission.setup import build_admission, heartbeat_gate
+from router.batch import service as batch_service
+from router.batch.service import BatchService
 from router.compiled import compiled_modules
 from router.config import GlobalConfig
 from router.core.endpoints import KIND_BY_PATH
 from router.core.errors import openai_errors
 from router.core.stats import SecurityStats
+from router.event_loop import new_event_loop, tune_gc
 from router.health import BreakerPolicy, Health, RetryBudget
 from router.policy import RoutingContext, create_policy
 from router.processes import ProcessSlot
@@ -92,6 +94,8 @@ SECURITY_STATS = web.AppKey("security_stats", SecurityStats)
 HEARTBEAT_KEYS = web.AppKey("heartbeat_keys", bool)
 # Which worker holds each stored response of the Responses API (shared through Redis).
 RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
+# The Files and Batch APIs and this replica's runner of its share of every batch.
+BATCHES = web.AppKey("batches", BatchService)
 # The supervised background tasks, by name (router.supervisor): crashes are restarted.
 BACKGROUND: web.AppKey[dict[str, Supervised]] = web.AppKey("background")
 
@@ -113,6 +117,7 @@ def build_app(settings: RouterSettings) -> web.Application:
     app.cleanup_ctx.append(_fleet_view)
     app.cleanup_ctx.append(_admission)
     app.cleanup_ctx.append(_proxy)
+    app.cleanup_ctx.append(_batches)
     app[OPERATIONS] = operations
     app.cleanup_ctx.append(_operations)
     operations.add_routes(app)
@@ -125,6 +130,7 @@ def build_app(settings: RouterSettings) -> web.Application:
     # A stored response, at the worker that holds it.
     app.router.add_get(RESPONSES_PATH + "/{response_id}", _stored_response)
     app.router.add_post(RESPONSES_PATH + "/{response_id}/cancel", _stored_response)
+    batch_service.add_routes(app, BATCHES)
     return app
 
 
@@ -279,6 +285,19 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
     await upstreams.close()
 
 
+async def _batches(app: web.Application) -> AsyncIterator[None]:
+    """Files, batches and this replica's batch runner (supervised: a crash restarts it; a
+    replica that stops leaves its leases to end, and other replicas take its lines)."""
+    async with batch_service.opened(app[SETTINGS].redis_url, app[PROXY], app[ADMISSION],
+                                    app[OPERATIONS].configs) as service:
+        app[BATCHES] = service
+        running = app[BACKGROUND]["batch-runner"] = Supervised(
+            "batch-runner", service.runner.run).start()
+        yield
+        await running.stop()
+        del app[BACKGROUND]["batch-runner"]
+
+
 async def _operations(app: web.Application) -> AsyncIterator[None]:
     """Drain flags, config hot reload and the admin context, for the app's lifetime."""
     operations = app[OPERATIONS]
@@ -290,7 +309,8 @@ async def _operations(app: web.Application) -> AsyncIterator[None]:
                            background=lambda: {
                                **_task_states(fleet_tasks, operations.supervised),
                                **_queue_pump(app[PROXY].queue)},
-                           heartbeat_keys=app[HEARTBEAT_KEYS])
+                           heartbeat_keys=app[HEARTBEAT_KEYS],
+                           batches=app[BATCHES].runner)
     yield
     await operations.stop()
 
@@ -304,22 +324,6 @@ def _task_states(*groups: Mapping[str, Supervised]) -> dict[str, tuple[bool, int
     """Every supervised task's (running, crashes), for /metrics."""
     return {name: (task.running, task.crashes)
             for group in groups for name, task in group.items()}
-
-
-# Python's cyclic garbage collector, set for this process: a router holds a large
-# long-lived fleet view (~20 objects per worker) and allocates a lot per request and per
-# heartbeat. With the default thresholds (700, 10, 10) it collects the young generation
-# every few heartbeats and rescans the whole fleet view often: at 10,000 workers and 4 Hz
-# that was ~40% of the collector's CPU (`globalpool bench-heartbeats`, BENCHMARKS.md).
-GC_THRESHOLDS = (50_000, 20, 100)
-
-
-def tune_gc() -> None:
-    """Freeze what start-up allocated (modules, config) out of every future collection and
-    collect the young generations less often (see GC_THRESHOLDS)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def router_site(runner: web.AppRunner, host: str, port: int, *,
@@ -387,13 +391,3 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when available: it roughly halves the per-request cost of the proxy."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop

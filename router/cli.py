@@ -9,10 +9,12 @@
     globalpool drill hostile --out DIR [--quick]    # worker faults x client behaviours
     globalpool bench --out DIR [--quick]         # routing policies on one trace (BENCHMARKS.md)
     globalpool bench-proxy --out DIR [--quick]   # proxy cost vs peer routers (BENCHMARKS.md)
+    globalpool bench-batch --out DIR [--quick]   # a batch beside interactive load (BENCHMARKS.md)
     globalpool bench-memory [--tree DIR]         # router RSS over 100,000 requests, https
     globalpool bench-instructions [--tree DIR]   # instructions per request (callgrind)
     globalpool bench-slow-readers --out DIR      # slow readers among 2,000 streams (DRILLS.md)
     globalpool status [--router URL] [--watch]   # regions and workers, from the admin API
+    globalpool batch submit FILE.jsonl           # OpenAI's Batch API, with a progress bar
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ def build_parser(*, with_lab: bool | None = None) -> argparse.ArgumentParser:
     add_lab("bench-memory", "router memory over 100,000 requests with new header lines, "
             "and with 10,000 https workers")
     add_lab("bench", "routing policies side by side on one multi-region trace")
+    add_lab("bench-batch", "interactive TTFT and batch throughput with a batch running")
     add_lab("drill", "a failover drill under load (kill-region, ...)")
 
     check = commands.add_parser("check-config", help="validate a regions.yaml")
@@ -126,6 +129,7 @@ def build_parser(*, with_lab: bool | None = None) -> argparse.ArgumentParser:
                        help="the regions.yaml to check (default %(default)s)")
     check.set_defaults(run=_run_check_config)
 
+    _add_batch_command(commands)
     status = commands.add_parser("status", help="regions and workers from a router's admin API")
     from router.admin.table import add_status_arguments, run_status
 
@@ -263,3 +267,10 @@ def _run_up(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _add_batch_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from router.batch.command import add_arguments
+
+    add_arguments(commands.add_parser("batch", help="submit a JSONL file as a batch, follow "
+                                      "it, fetch its results (OpenAI's Batch API)"))

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from router.auth.config import AuthConfig
 from router.auth.endpoints import entry_problem
+from router.batch_config import BatchConfig
 from worker import redis_client
 
 API_VERSION = "globalpool/v1"
@@ -322,6 +323,7 @@ class GlobalConfig(_Strict):
     heartbeat: HeartbeatConfig = HeartbeatConfig()
     admin: AdminConfig = AdminConfig()
     auth: AuthConfig = AuthConfig()
+    batch: BatchConfig = BatchConfig()
     regions: dict[str, RegionConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -31,6 +31,7 @@ log = logging.getLogger("globalpool.config")
 RESTART_ONLY = (
     "redis.url",
     "redis.key_prefix",
+    "batch.storage",
     "router.host",
     "router.port",
     "router.max_body_bytes",

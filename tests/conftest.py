@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,13 @@ def skip_for_missing_tool(why: str) -> NoReturn:
         pytest.fail(f"{why} ({REQUIRE_ALL_TOOLS_ENV}=1: a missing tool fails the run)",
                     pytrace=False)
     pytest.skip(why)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Routers that tests start with the default `batch.storage: local` keep their files in
+    a directory of this run, not in the home directory (router.batch.blobs)."""
+    if "GLOBALPOOL_FILES_DIR" not in os.environ:
+        os.environ["GLOBALPOOL_FILES_DIR"] = tempfile.mkdtemp(prefix="globalpool-test-files-")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

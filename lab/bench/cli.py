@@ -56,7 +56,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from lab.bench.run import BenchOptions, run_bench
     from lab.bench.scenario import ScenarioError
     from lab.devstack.children import StackError
-    from router.app import new_event_loop
+    from router.event_loop import new_event_loop
     from router.policy.base import Policy
 
     if not 0.0 <= args.hedge <= 1.0:

@@ -17,7 +17,7 @@ import itertools
 import aiohttp
 from aiohttp import web
 
-from lab.benchproxy.procs import new_event_loop
+from router.event_loop import new_event_loop
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from email.utils import formatdate
 from typing import Any, cast
 
-from lab.benchproxy.procs import new_event_loop
+from router.event_loop import new_event_loop
 
 # sglang-router re-serialises the body with `max_completion_tokens` instead.
 _MAX_TOKENS = re.compile(rb'"max_(?:completion_)?tokens"\s*:\s*(\d+)')

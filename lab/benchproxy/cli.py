@@ -61,8 +61,8 @@ def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
 def run_bench_proxy(args: argparse.Namespace) -> int:
     if args.throughput:
         return _run_throughput(args)
-    from lab.benchproxy.procs import new_event_loop
     from lab.benchproxy.run import Options, bench_proxy
+    from router.event_loop import new_event_loop
 
     options = Options(
         out=args.out, quick=args.quick, rounds=max(1, args.rounds), peers_dir=args.peers_dir,
@@ -198,8 +198,8 @@ def run_bench_instructions(args: argparse.Namespace) -> int:
 def _run_unless_unavailable(command: str, bench: Coroutine[Any, Any, dict[str, Any]]
                             ) -> dict[str, Any] | None:
     """`bench` run to its end on a new event loop; None (said why) if it was Unavailable."""
-    from lab.benchproxy.procs import new_event_loop
     from lab.benchproxy.unavailable import Unavailable
+    from router.event_loop import new_event_loop
 
     loop = new_event_loop()
     try:

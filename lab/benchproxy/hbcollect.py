@@ -23,11 +23,10 @@ from typing import Any
 from lab.benchproxy.cpu import tree_cpu_s
 from lab.benchproxy.decision import ten_regions
 from lab.benchproxy.heartbeats import until_settled
-from lab.benchproxy.procs import new_event_loop
 from router.admission.setup import heartbeat_gate
-from router.app import tune_gc
 from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
 from router.core.stats import SecurityStats
+from router.event_loop import new_event_loop, tune_gc
 from router.registry import HeartbeatCollector, SnapshotHolder
 from worker import redis_client
 from worker.heartbeat_keys import HeartbeatKeys

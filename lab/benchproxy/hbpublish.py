@@ -32,8 +32,8 @@ import time
 from urllib.parse import urlparse
 
 from lab.benchproxy.decision import fleet
-from lab.benchproxy.procs import new_event_loop
 from lab.devstack.valkey import resp_command as command
+from router.event_loop import new_event_loop
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.load_records import load_record
 from worker.publisher import TAP_RECHECK_S

@@ -23,9 +23,9 @@ from typing import Any
 
 from lab.benchproxy.cpu import cpu_of, tree_cpu_s
 from lab.benchproxy.httpclient import ConnectionClosed, HttpConnection, connect, encode_post
-from lab.benchproxy.procs import new_event_loop
 from lab.benchproxy.stats import summarize
 from lab.benchproxy.workloads import Workload
+from router.event_loop import new_event_loop
 
 DRAIN_S = 15.0
 REQUEST_TIMEOUT_S = 30.0

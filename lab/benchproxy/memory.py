@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from lab.benchproxy.procs import new_event_loop
+    from router.event_loop import new_event_loop
 
     here = Path(__file__).resolve().parents[2]
     trees = [tree.resolve() for tree in (args.tree or [here])]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -12,16 +11,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lab.devstack.process import die_with_parent
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when available (as the router uses), else asyncio's default loop."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -41,9 +41,9 @@ from lab.benchproxy.httpclient import (
     connect,
     encode_post,
 )
-from lab.benchproxy.procs import new_event_loop
 from lab.benchproxy.slow_tally import SlowTally, Tally, in_ms
 from lab.benchproxy.stats import summarize
+from router.event_loop import new_event_loop
 
 PATH = "/v1/chat/completions"
 # The end of a chunked answer: the last data chunk's CRLF, the zero-size chunk, CRLF.

@@ -70,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """0: the goals were met; 3: the bench ran and missed one; 1: it could not run."""
-    from lab.benchproxy.procs import new_event_loop
     from lab.benchproxy.slow_run import BenchError, bench_slow_readers
+    from router.event_loop import new_event_loop
 
     positive = ("streams", "rounds", "workers", "tokens", "gap_ms", "window_s",
                 "slow_bytes_per_s", "slow_rcvbuf_bytes")

@@ -115,7 +115,7 @@ async def _valkey_kept(stack: LocalStack, state_file: Path | None) -> bool:
 
 
 def run_up(args: argparse.Namespace, config: GlobalConfig) -> int:
-    from router.app import new_event_loop
+    from router.event_loop import new_event_loop
 
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="globalpool-"))
     stack = LocalStack(

@@ -82,8 +82,8 @@ def run_drill_command(args: argparse.Namespace) -> int:
     from lab.devstack.children import StackError
     from lab.drill.run import DrillOptions, command_line, run_drill, with_overrides
     from lab.drill.scenarios import FaultSettings, Scenario
-    from router.app import new_event_loop
     from router.config_loader import ConfigError, load_config
+    from router.event_loop import new_event_loop
 
     try:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,8 @@ from router.admin.auth import AdminAuth
 from router.admin.events import EventLog
 from router.admin.routes import ADMIN, add_admin_routes
 from router.admin.status import AdminContext
+from router.batch.metrics import BatchCollector
+from router.batch.runner import BatchRunner
 from router.config import GlobalConfig
 from router.config_checks import runtime_problems
 from router.config_reload import ConfigHolder, ConfigWatcher, ReloadError, initial_holder
@@ -123,7 +125,8 @@ class Operations:
                     heartbeat_counts: Callable[[], Mapping[str, int]] | None = None,
                     heartbeat_upkeep: Callable[[], Mapping[str, float]] | None = None,
                     background: Callable[[], Mapping[str, tuple[bool, int]]] | None = None,
-                    heartbeat_keys: bool | None = None) -> None:
+                    heartbeat_keys: bool | None = None,
+                    batches: BatchRunner | None = None) -> None:
         """Begin following drain flags and the config file; expose the admin context."""
         config = self.configs.current
         self.drains.set_configured(_configured_drains(config))
@@ -154,6 +157,8 @@ class Operations:
             self.registry.register(SecurityCollector(security))
         if proxy.responses is not None:
             self.registry.register(ResponsesCollector(proxy.responses.store.stats))
+        if batches is not None:
+            self.registry.register(BatchCollector(batches))
         app[ADMIN] = AdminContext(
             region=self.region, configs=self.configs, snapshots=snapshots,
             drain_holder=self.drains, inflight=inflight, window=self.window,
@@ -162,7 +167,8 @@ class Operations:
             reload_siblings=(self.process.tell_siblings_to_reload
                              if self.process is not None else None),
             queue=proxy.queue.backlog if proxy.queue is not None else None,
-            heartbeat_keys=heartbeat_keys)
+            heartbeat_keys=heartbeat_keys,
+            batches=batches.status if batches is not None else None)
         if self.process is not None:
             registry = self.registry
             self._own_metrics = await serve_own(self.process.metrics_socket(),

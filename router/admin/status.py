@@ -78,6 +78,8 @@ class AdminContext:
     queue: Sized | None = None  # requests waiting at this router (router.admission.queue)
     # Whether this router has heartbeat signing keys (None: not known here).
     heartbeat_keys: bool | None = None
+    # The unfinished batches and this replica's share (router.batch.runner); None: none.
+    batches: Callable[[], dict[str, Any]] | None = None
     started_unix_s: float = field(default_factory=time.time)
     clock: Callable[[], float] = time.monotonic
 
@@ -237,6 +239,7 @@ async def fleet_status(context: AdminContext, max_workers: int | None = None
         "drains": _drains(context),
         "events": _events(context, now_s, now_unix_s),
         "security": {"heartbeat_signing": _signing(context)},
+        "batches": context.batches() if context.batches is not None else None,
     }
 
 

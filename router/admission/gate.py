@@ -9,6 +9,7 @@ both let everything through: authentication is off.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping, Sequence
 
@@ -20,6 +21,14 @@ from router.core.errors import ApiError
 from router.core.outcome import RequestRecord
 from router.core.parse import ParsedRequest
 from router.core.stats import SecurityStats
+
+
+class Caller(enum.Enum):
+    """Who sends a request: whom its `Authorization` names (FROM_HEADERS, the default), or
+    the Principal the router passes when it sends one itself (a batch's line, for the key
+    that created the batch)."""
+
+    FROM_HEADERS = "from headers"
 
 
 class Admission:

@@ -83,6 +83,12 @@ class Keyring:
             )
         return cls(MappingProxyType(by_digest))
 
+    def principal_of(self, key_id: str) -> Principal | None:
+        """The principal of the configured key `key_id` (None: no such key now), for work
+        the router does on a key's behalf later (a batch's lines)."""
+        return next((principal for principal in self.by_digest.values()
+                     if principal.key_id == key_id), None)
+
     def authenticate(self, authorization: str | None) -> Principal:
         """The principal of an `Authorization` header value. Raises AuthError."""
         if not authorization:

@@ -15,7 +15,7 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.admission.gate import Admission
+from router.admission.gate import Admission, Caller
 from router.admission.queue import QueueFull, RouterQueue
 from router.auth.keys import Principal
 from router.config import GlobalConfig, RouterConfig
@@ -83,12 +83,13 @@ class Proxy:
         """The regions.yaml in force now (hot reload swaps it between requests)."""
         return self.configs.current
 
-    async def inference(self, exchange: Exchange) -> Reply:
-        """POST to an inference endpoint (router.core.endpoints: /v1/chat/completions,
-        /v1/rerank, ...).
+    async def inference(self, exchange: Exchange,
+                        caller: Principal | Caller | None = Caller.FROM_HEADERS) -> Reply:
+        """POST to an inference endpoint (router.core.endpoints: /v1/chat/completions, ...).
 
         Refusals come back as error replies (never raised), with the caller's rate-limit
-        headers once it was admitted."""
+        headers once it was admitted. `caller`: who sends it when the router itself does
+        (a batch's line, for the key that created the batch); by default `Authorization`."""
         received_s = time.monotonic()
         config = self.configs.current  # (`self.config`, without the property's call)
         router_config = config.router
@@ -97,7 +98,8 @@ class Proxy:
         rate_headers: Mapping[str, str] | None = None
         try:
             # 401 before the body is read: an unknown client costs no body read.
-            principal = (admission.authenticate(exchange.headers, config.auth)
+            principal = (caller if caller is not Caller.FROM_HEADERS
+                         else admission.authenticate(exchange.headers, config.auth)
                          if admission else None)
             if (exchange.content_length or 0) > router_config.max_body_bytes:
                 limit = router_config.max_body_bytes

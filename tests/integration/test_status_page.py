@@ -213,6 +213,8 @@ async def test_status_page_shows_the_regions_and_follows_a_drain(
     assert workers == 6
     await browser.wait_for("document.querySelector('.card[data-region=\"eu-west\"] dd')"
                            " && document.body.innerText.includes('TTFT p50')")
+    await browser.wait_for("document.querySelector('#batches tbody').innerText"
+                           ".includes('no batch running')")
 
     await _admin(up.url, "/admin/drain", {"region": "eu-west", "reason": "browser test"})
     cards = json.loads(await browser.wait_for(

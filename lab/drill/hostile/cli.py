@@ -66,7 +66,7 @@ def main(argv: Sequence[str]) -> int:
     from lab.drill.hostile.clients import ClientSettings
     from lab.drill.hostile.run import HostileOptions, run_hostile
     from lab.drill.run import command_line
-    from router.app import new_event_loop
+    from router.event_loop import new_event_loop
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

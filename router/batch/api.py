@@ -1,0 +1,185 @@
+"""OpenAI's Batch API: `POST /v1/batches`, `GET /v1/batches`, `GET /v1/batches/{id}`,
+`POST /v1/batches/{id}/cancel`, in OpenAI's shapes; the batches run on every replica's
+`router.batch.runner.BatchRunner`.
+
+A tenant (the API key's) sees only its own batches and files; another tenant's batch is
+answered as an unknown one (404). Without API keys configured everything belongs to one
+anonymous owner.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from router.admission.gate import Admission
+from router.auth.keys import Principal
+from router.batch.files import FileStore, FilesUnavailable
+from router.batch.lines import BATCH_ENDPOINTS
+from router.batch.state import Batch, BatchesUnavailable, BatchStore, new_batch_id
+from router.config_reload import ConfigHolder
+from router.core.errors import ApiError
+
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+MAX_CREATE_BODY_BYTES = 64 * 1024
+DEFAULT_PAGE = 20
+MAX_PAGE = 100
+
+
+def _unavailable() -> ApiError:
+    return ApiError(503, "batches cannot be reached right now; retry shortly",
+                    code="store_unavailable", headers={"Retry-After": "1"})
+
+
+def _not_found(batch_id: str) -> ApiError:
+    return ApiError(404, f"No batch found with id '{batch_id[:64]}'.", code="not_found")
+
+
+class BatchesApi:
+    """The HTTP side of batches (see the module doc)."""
+
+    def __init__(self, store: BatchStore, files: FileStore, admission: Admission | None,
+                 configs: ConfigHolder) -> None:
+        self.store = store
+        self.files = files
+        self.admission = admission
+        self.configs = configs
+
+    def _caller(self, request: web.Request) -> Principal | None:
+        """The caller's principal (401 without a valid key when keys are configured);
+        404 when the Batch API is switched off."""
+        config = self.configs.current
+        if not config.batch.enabled:
+            raise ApiError(404, "the Batch API is not enabled on this router")
+        if self.admission is None:
+            return None
+        return self.admission.authenticate(request.headers, config.auth)
+
+    async def create(self, request: web.Request) -> web.Response:
+        principal = self._caller(request)
+        body = await _json_body(request)
+        endpoint = body.get("endpoint")
+        if not isinstance(endpoint, str) or endpoint not in BATCH_ENDPOINTS:
+            raise ApiError(400, f"'endpoint' must be one of {', '.join(BATCH_ENDPOINTS)}",
+                           param="endpoint")
+        window = body.get("completion_window")
+        if not isinstance(window, str) or window not in COMPLETION_WINDOWS:
+            raise ApiError(400, "'completion_window' must be \"24h\"",
+                           param="completion_window")
+        metadata = _metadata(body.get("metadata"))
+        input_file_id = body.get("input_file_id")
+        owner = None if principal is None else principal.tenant
+        if not isinstance(input_file_id, str) or not input_file_id:
+            raise ApiError(400, "'input_file_id' is required", param="input_file_id")
+        try:
+            record = await self.files.get(input_file_id, owner)
+        except FilesUnavailable:
+            raise _unavailable() from None
+        if record is None:
+            raise ApiError(400, f"No such File object: {input_file_id[:64]}",
+                           param="input_file_id")
+        if record.purpose != "batch":
+            raise ApiError(400, f"the file {input_file_id} was uploaded with purpose "
+                           f"'{record.purpose}'; a batch's input needs purpose 'batch'",
+                           param="input_file_id")
+        created = int(time.time())
+        doc = {"id": new_batch_id(), "endpoint": endpoint, "input_file_id": input_file_id,
+               "completion_window": window, "created_at": created,
+               "expires_at": created + COMPLETION_WINDOWS[window], "metadata": metadata,
+               "owner": owner, "key_id": None if principal is None else principal.key_id}
+        try:
+            batch = await self.store.create(doc)
+        except BatchesUnavailable:
+            raise _unavailable() from None
+        return web.json_response(batch.to_openai())
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        return web.json_response((await self._batch(request)).to_openai())
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        batch = await self._batch(request)
+        try:
+            if not await self.store.cancel(batch.id):
+                raise ApiError(409, f"Cannot cancel a batch with status '{batch.status}'.",
+                               code="batch_not_cancellable")
+            cancelled = await self.store.get(batch.id, batch.owner)
+        except BatchesUnavailable:
+            raise _unavailable() from None
+        return web.json_response((cancelled or batch).to_openai())
+
+    async def list(self, request: web.Request) -> web.Response:
+        principal = self._caller(request)
+        query = request.query
+        try:
+            limit = int(query.get("limit", DEFAULT_PAGE))
+        except ValueError:
+            limit = -1
+        if not 1 <= limit <= MAX_PAGE:
+            raise ApiError(400, f"'limit' must be an integer from 1 to {MAX_PAGE}",
+                           param="limit")
+        after = query.get("after") or None
+        try:
+            batches, more = await self.store.page(
+                None if principal is None else principal.tenant, limit, after)
+        except BatchesUnavailable:
+            raise _unavailable() from None
+        data = [batch.to_openai() for batch in batches]
+        return web.json_response({
+            "object": "list", "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+    async def _batch(self, request: web.Request) -> Batch:
+        principal = self._caller(request)
+        batch_id = request.match_info["batch_id"]
+        if not batch_id.startswith("batch_") or len(batch_id) > 64:
+            raise _not_found(batch_id)
+        try:
+            batch = await self.store.get(batch_id, None if principal is None
+                                         else principal.tenant)
+        except BatchesUnavailable:
+            raise _unavailable() from None
+        if batch is None:
+            raise _not_found(batch_id)
+        return batch
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    if (request.content_length or 0) > MAX_CREATE_BODY_BYTES:
+        raise ApiError(413, f"request body is too large (limit {MAX_CREATE_BODY_BYTES} bytes)")
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > MAX_CREATE_BODY_BYTES:
+            raise ApiError(413, f"request body is too large (limit {MAX_CREATE_BODY_BYTES} "
+                           "bytes)")
+        parts.append(chunk)
+    raw = b"".join(parts)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise ApiError(400, "request body must be JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's metadata: up to 16 string pairs (keys up to 64 characters, values 512)."""
+    if value is None:
+        return None
+    if (not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS
+            or not all(isinstance(k, str) and isinstance(v, str)
+                       and len(k) <= MAX_METADATA_KEY_CHARS
+                       and len(v) <= MAX_METADATA_VALUE_CHARS for k, v in value.items())):
+        raise ApiError(400, f"'metadata' must be an object of at most {MAX_METADATA_PAIRS} "
+                       f"string pairs (keys up to {MAX_METADATA_KEY_CHARS} characters, values "
+                       f"up to {MAX_METADATA_VALUE_CHARS})", param="metadata")
+    return dict(value)

@@ -1,0 +1,367 @@
+"""What runs batches: every replica runs one `BatchRunner`, and they share the work.
+
+A runner scans the batches that are not finished (router.batch.state) every SCAN_S:
+- `validating`: one replica (a lock) reads the input file, checks it
+  (router.batch.lines) and queues its chunks, or fails the batch;
+- `in_progress`: it claims chunks of lines (leases) while it has room for more, and
+  starts their lines **only into spare capacity**: the batch slots that the fleet's
+  heartbeats show free on the workers serving the batch's model, less the quarter of
+  every worker's slots kept for interactive traffic (router.policy's
+  BATCH_SLOT_RESERVE), less what is open there now, this replica's lines included. When
+  interactive load rises the spare slots shrink and no new line starts; the router queue
+  also serves interactive requests first. Each line goes through the request path as the
+  `batch` class (the cheapest region with spare slots; the tenant's residency and limits);
+- past its `expires_at` a batch is finalized with what is done; `cancelling` and
+  `finalizing` batches are finalized (one replica, a lock) once no lease is held: the
+  output file has one line per request answered 200, the error file one per other
+  answer, faulty line, and (cancelled or expired) line not run.
+
+A line answered 408, 429, 5xx or not routed (no worker with room) is tried again later,
+up to MAX_TRIES; a replica that dies has its chunks taken over when their leases end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import random
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.admission.gate import Admission
+from router.auth.keys import Principal
+from router.batch.blobs import BlobNotFound
+from router.batch.entries import error_line, output_line
+from router.batch.exchange import LineExchange
+from router.batch.files import FileStore
+from router.batch.jobs import UNAVAILABLE, BatchJobs, BatchStats, Warnings
+from router.batch.lines import Line
+from router.batch.state import CHUNK_LINES, Batch, BatchesUnavailable, BatchStore
+from router.config_reload import ConfigHolder
+from router.policy.predicted_ttft import BATCH_SLOT_RESERVE, effective_load
+from router.proxy.exchange import Reply
+from router.proxy.handlers import Proxy
+from router.proxy.replies import REGION_HEADER, WORKER_HEADER
+
+log = logging.getLogger("globalpool.batch")
+
+
+SCAN_S = 0.5  # how often a runner looks at the batches
+DISPATCH_S = 0.05  # how often it starts lines into the spare slots it sees
+MAX_TRIES = 6  # a line answered 408/429/5xx or not routed: tries before its error is final
+RETRY_AFTER_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+RETRYABLE = frozenset({408, 409, 429, 500, 502, 503, 504})
+MAX_CHUNKS_PER_SCAN = 8
+
+
+@dataclass(eq=False)
+class _Held:
+    """A chunk this replica holds a lease on."""
+
+    batch: Batch
+    chunk: int
+    principal: Principal | None
+    pending: collections.deque[tuple[Line, int, float]]  # line, tries so far, not before
+    running: int = 0
+    stopped: bool = False  # lease lost, or the batch is ending: start no more lines
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class BatchRunner:
+    """Runs this replica's share of every batch (see the module doc)."""
+
+    def __init__(self, store: BatchStore, files: FileStore, proxy: Proxy,
+                 admission: Admission | None, configs: ConfigHolder) -> None:
+        self.store = store
+        self.files = files
+        self.proxy = proxy
+        self.admission = admission
+        self.configs = configs
+        self.holder_id = f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.stats = BatchStats()
+        self._warn = Warnings()
+        self.jobs = BatchJobs(store, files, configs, self.stats, self._warn)
+        self._held: list[_Held] = []
+        self.seen: dict[str, Batch] = {}  # the unfinished batches, as the last scan saw them
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._rng = random.Random()
+
+    # --- loops --------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Scan, dispatch and renew until cancelled (a supervised background task)."""
+        dispatching = asyncio.create_task(self._dispatch_forever(), name="batch-dispatch")
+        renewing = asyncio.create_task(self._renew_forever(), name="batch-renew")
+        try:
+            while True:
+                if self.configs.current.batch.enabled:
+                    try:
+                        await self.scan()
+                    except UNAVAILABLE as exc:
+                        self._warn(f"batches cannot be run now: {exc}")
+                await asyncio.sleep(SCAN_S * (0.8 + 0.4 * self._rng.random()))
+                for loop in (dispatching, renewing):
+                    if loop.done():
+                        loop.result()  # a crash: the supervisor restarts the runner
+        finally:
+            dispatching.cancel()
+            renewing.cancel()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(dispatching, renewing, *self._tasks, return_exceptions=True)
+            await self.jobs.stop()
+
+    async def scan(self) -> None:
+        """One look at every unfinished batch."""
+        seen: dict[str, Batch] = {}
+        for batch_id in await self.store.active():
+            batch = await self.store.get(batch_id, any_owner=True)
+            if batch is None:
+                await self.store.drop_active(batch_id)
+                continue
+            seen[batch_id] = batch
+            now = time.time()
+            if batch.status != "in_progress":  # cancelled or ending: no more lines start
+                for held in [held for held in self._held if held.batch.id == batch.id]:
+                    self._stop(held)
+            if batch.status in ("validating", "in_progress") and now >= batch.expires_at:
+                log.info("batch %s expired with %d of %d lines done", batch.id,
+                         batch.count("completed") + batch.count("failed"), batch.total)
+                await self.store.begin_finalizing(batch.id, int(now), end="expired")
+            elif batch.status == "validating":
+                await self.jobs.start(batch, "validate", self.holder_id)
+            elif batch.status == "in_progress":
+                await self._claim(batch)
+            elif (batch.status in ("finalizing", "cancelling")
+                  and not any(held.batch.id == batch.id for held in self._held)
+                  and await self.store.leases_held(batch.id) == 0):
+                await self.jobs.start(batch, "finalize", self.holder_id)
+        self.seen = seen
+
+    async def _dispatch_forever(self) -> None:
+        while True:
+            self._dispatch()
+            await asyncio.sleep(DISPATCH_S)
+
+    async def _renew_forever(self) -> None:
+        while True:
+            lease_s = self.configs.current.batch.lease_s
+            await asyncio.sleep(lease_s / 3)
+            for held in list(self._held):
+                try:
+                    status, still = await self.store.renew(
+                        held.batch.id, held.chunk, self.holder_id, round(lease_s * 1000))
+                except BatchesUnavailable as exc:
+                    self._warn(f"cannot renew batch leases: {exc}")
+                    break
+                if not still or status != "in_progress":
+                    if not still:
+                        log.warning("batch %s: the lease on chunk %d ended (this replica "
+                                    "stalled?); another replica runs its lines",
+                                    held.batch.id, held.chunk)
+                    self._stop(held)
+
+    # --- claiming and running lines -----------------------------------------------------
+    async def _claim(self, batch: Batch) -> None:
+        if batch.model is None:
+            return
+        principal, refusal = self._principal(batch)
+        pending = sum(len(held.pending) for held in self._held
+                      if held.batch.model == batch.model)
+        room = self.spare_slots(batch.model, principal)
+        lease_ms = round(self.configs.current.batch.lease_s * 1000)
+        for _ in range(MAX_CHUNKS_PER_SCAN):
+            if pending >= max(room, 1) and refusal is None:
+                return
+            status, chunk, held_now = await self.store.claim(batch.id, self.holder_id, lease_ms)
+            if chunk is None:
+                if status == "in_progress" and held_now == 0:
+                    await self.store.begin_finalizing(batch.id, int(time.time()))
+                return
+            try:
+                checked = await self.jobs.input(batch)
+            except BlobNotFound:
+                # Its input file was deleted while it ran: what ran is kept, the rest is
+                # reported as not run (without custom_ids: they were in that file).
+                log.warning("batch %s: its input file %s was deleted; ending it", batch.id,
+                            batch.input_file_id)
+                await self.store.release(batch.id, chunk, self.holder_id)
+                await self.store.begin_finalizing(batch.id, int(time.time()), end="failed")
+                return
+            indexes = list(range(chunk * CHUNK_LINES,
+                                 min(batch.total, (chunk + 1) * CHUNK_LINES)))
+            missing = await self.store.missing(batch.id, indexes)
+            lines = [line for index in missing
+                     if isinstance(line := checked.lines[index], Line)]
+            held = _Held(batch, chunk, principal,
+                         collections.deque((line, 0, 0.0) for line in lines))
+            self._held.append(held)
+            if refusal is not None:  # no key to send them as: each line's error, now
+                for line in lines:
+                    await self._record_error(held, line, "invalid_api_key", refusal)
+                held.pending.clear()
+            self._check_done(held)
+            pending += len(lines)
+
+    def _dispatch(self) -> None:
+        """Start lines into the spare slots seen now, oldest chunk first."""
+        room: dict[str, int] = {}
+        now = time.monotonic()
+        for held in list(self._held):
+            if held.stopped or not held.pending:
+                continue
+            model = held.batch.model or ""
+            regions = None if held.principal is None else held.principal.allowed_regions
+            key = f"{model}\0{sorted(regions) if regions else ''}"
+            if key not in room:
+                room[key] = self.spare_slots(model, held.principal)
+            while room[key] > 0 and held.pending and held.pending[0][2] <= now:
+                line, tries, _ = held.pending.popleft()
+                room[key] -= 1
+                held.running += 1
+                task = asyncio.create_task(self._run_line(held, line, tries))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            if held.pending and held.pending[0][2] > now:
+                held.pending.rotate(-1)  # one waiting out a retry delay does not block the rest
+
+    def spare_slots(self, model: str, principal: Principal | None) -> int:
+        """Batch slots free now on the fresh, ready workers serving `model` (in the
+        regions `principal` may use): each worker's slots less the interactive reserve,
+        less what runs or waits there."""
+        proxy = self.proxy
+        snapshot = proxy.holder.current
+        fresh_now = snapshot.freshness_now(time.monotonic())
+        allowed = None if principal is None else principal.allowed_regions
+        spare = 0
+        for view in snapshot.serving(model):
+            if not view.ready or not view.fresh(fresh_now):
+                continue
+            if allowed is not None and view.region not in allowed:
+                continue
+            slots = int(view.heartbeat.capacity.max_num_seqs * (1.0 - BATCH_SLOT_RESERVE))
+            spare += max(0, slots - effective_load(view, proxy.inflight.of(view.worker_id)))
+        return spare
+
+    async def _run_line(self, held: _Held, line: Line, tries: int) -> None:
+        batch = held.batch
+        request_id = f"{batch.id}-{line.index}-{tries}"
+        try:
+            started_s = time.monotonic()
+            reply = await self.proxy.inference(
+                LineExchange(batch.endpoint, line.body, request_id), caller=held.principal)
+            region = reply.headers.get(REGION_HEADER, "")
+            if reply.status == 429 and not held.stopped:
+                # Over the tenant's rate limit: a pace to keep, not a failure.
+                self.stats.lines["retried", region] += 1
+                held.pending.append((line, tries, time.monotonic() + _retry_after(reply)))
+                return
+            if reply.status in RETRYABLE and tries + 1 < MAX_TRIES and not held.stopped:
+                self.stats.lines["retried", region] += 1
+                delay = RETRY_AFTER_S[min(tries, len(RETRY_AFTER_S) - 1)]
+                held.pending.append((line, tries + 1, time.monotonic() + delay))
+                return
+            try:
+                body = json.loads(reply.body)
+            except ValueError:
+                body = {"error": {"message": "the answer was not JSON",
+                                  "type": "server_error"}}
+            ok = reply.status == 200
+            if ok:
+                self._count_cost(reply.headers.get(WORKER_HEADER, ""), region,
+                                 time.monotonic() - started_s)
+            entry = output_line(batch.id, line.index, line.custom_id, reply.status,
+                                reply.headers.get("x-request-id", request_id), body)
+            await self._record(held, line, entry, ok, region)
+        except (BatchesUnavailable, ConnectionError) as exc:
+            # Not recorded: the line runs again (here, or after the lease, elsewhere).
+            self._warn(f"batch {batch.id}: line {line.index} not recorded: {exc}")
+            held.pending.append((line, tries, time.monotonic() + 1.0))
+        finally:
+            held.running -= 1
+            self._check_done(held)
+
+    async def _record_error(self, held: _Held, line: Line, code: str, message: str) -> None:
+        await self._record(held, line, error_line(held.batch.id, line.index, line.custom_id,
+                                                  code, message), ok=False)
+
+    async def _record(self, held: _Held, line: Line, entry: str, ok: bool,
+                      region: str = "") -> None:
+        first = await self.store.record(held.batch.id, line.index, entry, ok)
+        self.stats.lines["ok" if ok else "error", region] += 1
+        if not first:
+            self.stats.lines["rerun", region] += 1
+
+    def _count_cost(self, worker_id: str, region: str, seconds: float) -> None:
+        view = self.proxy.holder.current.workers.get(worker_id)
+        slots = view.heartbeat.capacity.max_num_seqs if view is not None else 1
+        price = self.configs.current.cost_per_gpu_hour(region)
+        cost = self.stats.cost
+        cost[region] = cost.get(region, 0.0) + seconds / 3600.0 * price / max(1, slots)
+
+    def status(self) -> dict[str, Any]:
+        """For /admin/status: the unfinished batches as the last scan saw them, and what
+        this replica runs of them now."""
+        return {
+            "active": [{
+                "id": batch.id, "owner": batch.owner, "status": batch.status,
+                "model": batch.model, "endpoint": batch.endpoint,
+                "total": batch.total, "completed": batch.count("completed"),
+                "failed": batch.count("failed"), "reruns": batch.count("reruns"),
+                "takeovers": batch.count("takeovers"),
+                "created_at": batch.doc.get("created_at"), "expires_at": batch.expires_at,
+            } for batch in self.seen.values()],
+            "here": {"chunks_held": len(self._held),
+                     "lines_running": sum(held.running for held in self._held),
+                     "lines_waiting": sum(len(held.pending) for held in self._held)},
+        }
+
+    def _check_done(self, held: _Held) -> None:
+        """A chunk with nothing pending or running is given back."""
+        if held.running or (held.pending and not held.stopped) or held.done.is_set():
+            return
+        held.done.set()
+        if held in self._held:
+            self._held.remove(held)
+        task = asyncio.create_task(self._release(held))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, held: _Held) -> None:
+        try:
+            await self.store.release(held.batch.id, held.chunk, self.holder_id)
+        except BatchesUnavailable as exc:
+            self._warn(f"batch {held.batch.id}: chunk {held.chunk} not released (its lease "
+                       f"ends by itself): {exc}")
+
+    def _stop(self, held: _Held) -> None:
+        held.stopped = True
+        held.pending.clear()
+        self._check_done(held)
+
+    def _principal(self, batch: Batch) -> tuple[Principal | None, str | None]:
+        """Whom the batch's lines are sent as, or why they cannot be."""
+        admission = self.admission
+        if admission is None:
+            return None, None
+        keyring = admission.keyring(self.configs.current.auth)
+        if not keyring.enabled:
+            return None, None
+        principal = keyring.principal_of(batch.key_id or "")
+        if principal is None or principal.tenant != batch.owner:
+            return None, "the API key that created this batch is no longer configured"
+        return principal, None
+
+    # --- validation and finalization ----------------------------------------------------
+
+
+def _retry_after(reply: Reply) -> float:
+    """The seconds a 429 asks to wait (Retry-After), within 0.1 to 60 (1 when unsaid)."""
+    try:
+        return min(60.0, max(0.1, float(reply.headers.get("Retry-After", "1"))))
+    except ValueError:
+        return 1.0

@@ -1,0 +1,384 @@
+"""Batches and their lines' state in Redis, shared by every replica.
+
+One batch's keys share a hash tag (`{batch_...}`: one slot in a Redis Cluster), so each
+step below is one atomic script or transaction:
+
+    <p>:batch:{B}            hash: `doc` (what never changes, JSON), status, model, total,
+                             counts (completed, failed, reruns, takeovers), timestamps,
+                             output/error file ids, errors (JSON), `end` (what finalizing
+                             makes it: completed, cancelled or expired)
+    <p>:batch:{B}:todo       list: chunks (of CHUNK_LINES lines) no replica holds yet
+    <p>:batch:{B}:leases     sorted set: chunk -> when its lease ends (Redis's clock, ms)
+    <p>:batch:{B}:holders    hash: chunk -> the replica holding it
+    <p>:batch:{B}:results    hash: line index -> its output or error line (JSON)
+    <p>:batch:{B}:lock:<job> validation and finalization locks (SET NX PX)
+    <p>:batches:active       set: batches that are not finished yet (runners scan it)
+    <p>:batches:owner:<o>    sorted set: a tenant's batches by creation time (listing)
+
+**Exactly once in the output**: a line's result is written with HSETNX, so however many
+times a line runs (a replica that stalled past its lease, one that died after running a
+line and before releasing its chunk) the first result stays; every later one is counted
+in `reruns`. A chunk whose lease ends (its replica died) goes back to the front of `todo`
+at the next claim, counted in `takeovers`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError, WatchError
+
+from router.batch import scripts
+from router.batch.entries import error_line
+from router.batch.lines import CheckedInput, LineFault
+from worker.redis_client import raise_if_cancelling
+
+CHUNK_LINES = 16  # lines per lease: small enough that replicas share a batch evenly
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+              "cancelling_at", "cancelled_at")
+
+class BatchesUnavailable(Exception):
+    """Redis could not be asked."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch as Redis has it."""
+
+    id: str
+    doc: Mapping[str, Any]  # endpoint, input_file_id, completion_window, created_at,
+    #                         expires_at, metadata, owner, key_id
+    status: str
+    fields: Mapping[str, str]
+
+    @property
+    def owner(self) -> str | None:
+        owner = self.doc.get("owner")
+        return owner if isinstance(owner, str) else None
+
+    @property
+    def key_id(self) -> str | None:
+        key_id = self.doc.get("key_id")
+        return key_id if isinstance(key_id, str) else None
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.doc["endpoint"])
+
+    @property
+    def input_file_id(self) -> str:
+        return str(self.doc["input_file_id"])
+
+    @property
+    def expires_at(self) -> int:
+        return int(self.doc["expires_at"])
+
+    @property
+    def model(self) -> str | None:
+        return self.fields.get("model") or None
+
+    @property
+    def end(self) -> str:
+        return self.fields.get("end", "completed")
+
+    def count(self, name: str) -> int:
+        return int(self.fields.get(name, 0))
+
+    @property
+    def total(self) -> int:
+        return self.count("total")
+
+    def to_openai(self) -> dict[str, Any]:
+        """The batch as OpenAI's API shows it."""
+        doc = self.doc
+        errors = self.fields.get("errors")
+        answer: dict[str, Any] = {
+            "id": self.id, "object": "batch", "endpoint": doc["endpoint"],
+            "model": self.model,
+            "errors": None if not errors else {"object": "list", "data": json.loads(errors)},
+            "input_file_id": doc["input_file_id"],
+            "completion_window": doc["completion_window"],
+            "status": self.status,
+            "output_file_id": self.fields.get("output_file_id") or None,
+            "error_file_id": self.fields.get("error_file_id") or None,
+            "created_at": doc["created_at"],
+            "expires_at": doc["expires_at"],
+        }
+        for name in TIMESTAMPS:
+            value = self.fields.get(name)
+            answer[name] = int(value) if value else None
+        answer["request_counts"] = {"total": self.total, "completed": self.count("completed"),
+                                    "failed": self.count("failed")}
+        answer["metadata"] = doc.get("metadata")
+        return answer
+
+
+def new_batch_id() -> str:
+    return "batch_" + secrets.token_hex(16)
+
+
+class BatchStore:
+    """Reads and changes batches in Redis (see the module doc). Every method raises
+    BatchesUnavailable when Redis cannot be reached."""
+
+    def __init__(self, redis: Redis, prefix: str) -> None:
+        self._redis = redis
+        self._prefix = prefix
+        self._claim = redis.register_script(scripts.CLAIM)
+        self._renew = redis.register_script(scripts.RENEW)
+        self._release = redis.register_script(scripts.RELEASE)
+        self._record = redis.register_script(scripts.RECORD)
+        self._move = redis.register_script(scripts.MOVE)
+
+    # --- keys ---------------------------------------------------------------------------
+    def key(self, batch_id: str, part: str = "") -> str:
+        return f"{self._prefix}:batch:{{{batch_id}}}{':' + part if part else ''}"
+
+    @property
+    def _active(self) -> str:
+        return f"{self._prefix}:batches:active"
+
+    def _owned(self, owner: str | None) -> str:
+        return f"{self._prefix}:batches:owner:{owner or '-'}"
+
+    # --- the API's side -----------------------------------------------------------------
+    async def create(self, doc: Mapping[str, Any]) -> Batch:
+        """A new batch, `validating`; `doc` as Batch.doc has it, with its `id`."""
+        batch_id = str(doc["id"])
+        fields: dict[Any, str] = {
+            "doc": json.dumps(dict(doc), separators=(",", ":")), "status": "validating",
+            "total": "0", "completed": "0", "failed": "0"}
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hset(self.key(batch_id), mapping=fields)
+                pipe.sadd(self._active, batch_id)
+                pipe.zadd(self._owned(doc.get("owner")), {batch_id: doc["created_at"]})
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+        return Batch(batch_id, dict(doc), "validating", fields)
+
+    async def get(self, batch_id: str, owner: str | None = None, *,
+                  any_owner: bool = False) -> Batch | None:
+        """The batch, or None when there is none (or it is another tenant's)."""
+        try:
+            raw = await self._redis.hgetall(self.key(batch_id))
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+        if not raw or b"doc" not in raw:
+            return None
+        fields = {_text(key): _text(value) for key, value in raw.items()}
+        doc = json.loads(fields.pop("doc"))
+        batch = Batch(batch_id, doc, fields.get("status", ""), fields)
+        if not any_owner and batch.owner != owner:
+            return None
+        return batch
+
+    async def page(self, owner: str | None, limit: int, after: str | None
+                   ) -> tuple[list[Batch], bool]:
+        """A tenant's batches, newest first, after the batch `after`; and whether more
+        follow."""
+        key = self._owned(owner)
+        try:
+            top = "+inf"
+            if after is not None:
+                score = await self._redis.zscore(key, after)
+                if score is None:
+                    return [], False
+                top = f"({score}"
+            ids = await self._redis.zrevrangebyscore(key, top, "-inf", start=0, num=limit + 1)
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+        batches = [batch for batch_id in ids[:limit]
+                   if (batch := await self.get(_text(batch_id), owner)) is not None]
+        return batches, len(ids) > limit
+
+    async def cancel(self, batch_id: str) -> bool:
+        """validating or in_progress -> cancelling (no more lines start); False when the
+        batch had already ended or was ending."""
+        return await self._moved(batch_id, "cancelling", "cancelled",
+                                 ("validating", "in_progress"))
+
+    # --- the runners' side --------------------------------------------------------------
+    async def active(self) -> list[str]:
+        try:
+            members = await self._redis.smembers(self._active)
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+        return sorted(_text(member) for member in members)
+
+    async def lock(self, batch_id: str, job: str, holder: str, ms: int) -> bool:
+        """Whether `holder` now holds the batch's `job` lock (for `ms`, unless released)."""
+        try:
+            return bool(await self._redis.set(self.key(batch_id, f"lock:{job}"), holder,
+                                              nx=True, px=ms))
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+
+    async def validated(self, batch: Batch, checked: CheckedInput, now_s: int) -> bool:
+        """Write the outcome of validation: `failed` with the file's faults, or
+        `in_progress` with its chunks queued and its faulty lines' error entries written.
+        False (nothing written) when the batch is no longer `validating`."""
+        key = self.key(batch.id)
+
+        def write(pipe: Pipeline) -> None:
+            if checked.faults:
+                pipe.hset(key, mapping={
+                    "status": "failed", "failed_at": now_s,
+                    "errors": json.dumps([fault.to_openai() for fault in checked.faults])})
+                pipe.srem(self._active, batch.id)
+                return
+            faults = [line for line in checked.lines if isinstance(line, LineFault)]
+            if faults:
+                pipe.hset(self.key(batch.id, "results"), mapping={
+                    fault.index: error_line(batch.id, fault.index, fault.custom_id,
+                                            fault.code, fault.message)
+                    for fault in faults})
+            chunks = range((checked.total + CHUNK_LINES - 1) // CHUNK_LINES)
+            if chunks:
+                pipe.rpush(self.key(batch.id, "todo"), *chunks)
+            pipe.hset(key, mapping={
+                "status": "in_progress", "in_progress_at": now_s,
+                "model": checked.model or "", "total": checked.total, "failed": len(faults)})
+
+        return await self._if_status(key, (b"validating",), write)
+
+    async def claim(self, batch_id: str, holder: str, lease_ms: int) -> tuple[str, int | None, int]:
+        """(status, a chunk now leased to `holder` or None, leases held in all)."""
+        status, chunk, held = await self._script(
+            self._claim, [self.key(batch_id), self.key(batch_id, "todo"),
+                          self.key(batch_id, "leases"), self.key(batch_id, "holders")],
+            [lease_ms, holder])
+        return (status.decode() if isinstance(status, bytes) else str(status),
+                None if int(chunk) < 0 else int(chunk), int(held))
+
+    async def renew(self, batch_id: str, chunk: int, holder: str, lease_ms: int
+                    ) -> tuple[str, bool]:
+        """(status, whether `holder` still holds `chunk`, its lease now renewed)."""
+        status, held = await self._script(
+            self._renew, [self.key(batch_id), self.key(batch_id, "leases"),
+                          self.key(batch_id, "holders")], [chunk, lease_ms, holder])
+        return (status.decode() if isinstance(status, bytes) else str(status)), bool(held)
+
+    async def release(self, batch_id: str, chunk: int, holder: str) -> None:
+        await self._script(self._release, [self.key(batch_id, "leases"),
+                                           self.key(batch_id, "holders")], [chunk, holder])
+
+    async def missing(self, batch_id: str, indexes: list[int]) -> list[int]:
+        """Those of `indexes` with no result yet."""
+        if not indexes:
+            return []
+        try:
+            present = await self._redis.hmget(
+                self.key(batch_id, "results"), indexes)
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+        return [index for index, value in zip(indexes, present, strict=True) if value is None]
+
+    async def record(self, batch_id: str, index: int, line: str, ok: bool) -> bool:
+        """Record line `index`'s result; False when it already had one (a rerun)."""
+        return bool(await self._script(
+            self._record, [self.key(batch_id), self.key(batch_id, "results")],
+            [index, line, "completed" if ok else "failed"]))
+
+    async def begin_finalizing(self, batch_id: str, now_s: int, end: str = "") -> bool:
+        """in_progress -> finalizing (`end`: "expired" also from validating, dropping what
+        is not done; "" for a batch all of whose lines are done)."""
+        sources = ("in_progress",) if not end else ("in_progress", "validating")
+        return await self._moved(batch_id, "finalizing", end, sources, now_s)
+
+    async def results(self, batch_id: str) -> dict[int, str]:
+        """Every line's result, the batch sealed first: a line that ends later (on a
+        replica that stalled past its lease) is not recorded, but counted as a rerun."""
+        try:
+            await self._redis.hset(self.key(batch_id), "sealed", 1)
+            raw = await self._redis.hgetall(self.key(batch_id, "results"))
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+        return {int(index): _text(value) for index, value in raw.items()}
+
+    async def leases_held(self, batch_id: str) -> int:
+        """Leases that have not ended (one that has ended holds nothing: its replica died)."""
+        now_ms = int(time.time() * 1000)
+        try:
+            return int(await self._redis.zcount(self.key(batch_id, "leases"), now_ms, "+inf"))
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+
+    async def finished(self, batch: Batch, status: str, now_s: int,
+                       output_file_id: str | None, error_file_id: str | None) -> bool:
+        """finalizing/cancelling -> `status` with its files; the lines' state dropped."""
+        key = self.key(batch.id)
+
+        def write(pipe: Pipeline) -> None:
+            pipe.hset(key, mapping={"status": status, f"{status}_at": now_s,
+                                    "output_file_id": output_file_id or "",
+                                    "error_file_id": error_file_id or ""})
+            for part in ("todo", "leases", "holders", "results"):
+                pipe.delete(self.key(batch.id, part))
+            pipe.srem(self._active, batch.id)
+
+        return await self._if_status(key, (b"finalizing", b"cancelling"), write)
+
+    async def drop_active(self, batch_id: str) -> None:
+        """A batch id in the active set whose batch is gone (Redis lost it)."""
+        try:
+            await self._redis.srem(self._active, batch_id)
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+
+    # --- helpers ------------------------------------------------------------------------
+    async def _if_status(self, key: str, statuses: tuple[bytes, ...],
+                         write: Callable[[Pipeline], None]) -> bool:
+        """Run `write`'s commands in one transaction if the batch's status is one of
+        `statuses` until it commits; False (nothing written) otherwise."""
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(key)
+                if (await pipe.hget(key, "status")) not in statuses:
+                    return False
+                pipe.multi()  # type: ignore[no-untyped-call]  # untyped in redis-py
+                write(pipe)
+                await pipe.execute()
+        except WatchError:
+            return False
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+        return True
+
+    async def _moved(self, batch_id: str, to: str, end: str, sources: tuple[str, ...],
+                     now_s: int | None = None) -> bool:
+        now = int(time.time()) if now_s is None else now_s
+        return bool(await self._script(
+            self._move, [self.key(batch_id), self.key(batch_id, "todo")],
+            [to, now, end, *sources]))
+
+    async def _script(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await script(keys=keys, args=args)
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+
+
+def _text(value: Any) -> str:
+    """A Redis reply's bytes as text (str when the client decodes replies itself)."""
+    return value.decode() if isinstance(value, bytes) else str(value)

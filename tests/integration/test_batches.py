@@ -1,0 +1,258 @@
+"""OpenAI's Batch API through real router apps sharing a real Valkey and a files directory,
+in front of real simulators, driven by the unchanged `openai` client.
+
+Every input line ends up exactly once in the output or the error file; lines start only
+into the batch slots that interactive traffic leaves free; a tenant sees only its own
+batches."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import AsyncOpenAI, NotFoundError
+
+from router.auth.keys import hash_key
+from router.batch.state import BatchStore
+from tests.conftest import ROOT
+from tests.integration.operators_fleet import OpsFleet, admin, fleet_config, scrape, value
+from worker.redis_client import connect
+
+pytestmark = pytest.mark.integration
+
+WORKERS = {"a": "us-east", "b": "us-east", "c": "eu-west"}
+KEYS = {"acme": "gp-test-acme-key-1", "other": "gp-test-other-key-2"}
+
+
+def config(fleet: OpsFleet, *, keys: bool = False) -> dict[str, Any]:
+    document = fleet_config(fleet.redis_url, fleet.key_prefix)
+    document["batch"] = {"storage": f"file://{fleet.tmp_path}/files", "lease_s": 2}
+    if keys:
+        document["auth"] = {
+            "tenants": {tenant: {} for tenant in KEYS},
+            "keys": [{"id": f"{tenant}-key", "tenant": tenant, "sha256": hash_key(key)}
+                     for tenant, key in KEYS.items()]}
+    return document
+
+
+def client(url: str, key: str = "unused") -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+def jsonl(count: int, *, max_tokens: int = 4, extra: list[bytes] | None = None) -> bytes:
+    rows = [json.dumps({"custom_id": f"req-{i}", "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {"model": "m", "max_tokens": max_tokens,
+                                 "messages": [{"role": "user", "content": f"line {i}"}]}}
+                       ).encode() for i in range(count)]
+    return b"\n".join(rows + (extra or [])) + b"\n"
+
+
+async def until_status(openai: AsyncOpenAI, batch_id: str, statuses: tuple[str, ...],
+                       timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = await openai.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, (batch.status, batch.request_counts)
+        await asyncio.sleep(0.1)
+
+
+async def lines_of(openai: AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    content = await openai.files.content(file_id)
+    return [json.loads(line) for line in content.text.splitlines() if line]
+
+
+async def submit(openai: AsyncOpenAI, data: bytes, **metadata: str) -> Any:
+    uploaded = await openai.files.create(file=("input.jsonl", io.BytesIO(data)),
+                                         purpose="batch")
+    return await openai.batches.create(input_file_id=uploaded.id,
+                                       endpoint="/v1/chat/completions",
+                                       completion_window="24h", metadata=metadata or None)
+
+
+async def test_a_batch_runs_and_every_line_is_answered_once(fleet: OpsFleet) -> None:
+    await fleet.start(WORKERS, replicas=2, config=config(fleet))
+    east, west = fleet.urls
+    async with client(east) as openai, client(west) as elsewhere:
+        created = await submit(openai, jsonl(60, extra=[b"{broken", b'{"custom_id": 5}']),
+                               purpose="nightly")
+        assert created.status == "validating" and created.metadata == {"purpose": "nightly"}
+        await until_status(openai, created.id, ("in_progress", "completed"))
+        status, document = await admin(east, "GET", "/admin/status")
+        assert status == 200 and "batches" in document
+        done = await until_status(elsewhere, created.id, ("completed", "failed"))
+        assert done.status == "completed", done.errors
+        assert done.request_counts.total == 62
+        assert (done.request_counts.completed, done.request_counts.failed) == (60, 2)
+        assert done.in_progress_at and done.finalizing_at and done.completed_at
+        output = await lines_of(openai, done.output_file_id)
+        errors = await lines_of(openai, done.error_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(f"req-{i}" for i in range(60))
+    assert all(line["response"]["status_code"] == 200
+               and line["response"]["body"]["object"] == "chat.completion" for line in output)
+    assert [(line["custom_id"], line["error"]["code"]) for line in errors] == [
+        (None, "invalid_json_line"), (None, "missing_required_parameter")]
+    assert len({line["id"] for line in output + errors}) == 62
+    # Both replicas ran lines; /metrics counts each line once, where it was served.
+    counted = [await scrape(url) for url in fleet.urls]
+    assert sum(value(samples, "globalpool_batch_lines_total", outcome="ok")
+               for samples in counted) == 60
+    assert sum(value(samples, "globalpool_batch_lines_total", outcome="rerun")
+               for samples in counted) == 0
+    assert sum(value(samples, "globalpool_batch_cost_estimate_dollars_total")
+               for samples in counted) > 0
+
+
+async def test_a_file_that_cannot_run_fails_validation_with_the_reasons(
+        fleet: OpsFleet) -> None:
+    await fleet.start(WORKERS, config=config(fleet))
+    twice = jsonl(3) + jsonl(1)  # req-0 twice
+    async with client(fleet.url) as openai:
+        created = await submit(openai, twice)
+        failed = await until_status(openai, created.id, ("failed", "completed"))
+    assert failed.status == "failed" and failed.failed_at
+    assert failed.errors is not None
+    assert [(e.code, e.line) for e in failed.errors.data] == [("duplicate_custom_id", 4)]
+    assert failed.output_file_id is None and failed.request_counts.completed == 0
+
+
+async def test_lines_wait_while_interactive_traffic_holds_the_slots(fleet: OpsFleet) -> None:
+    await fleet.start(WORKERS, config=config(fleet))
+    for worker in WORKERS:  # 6 of 8 slots busy: the interactive quarter is all that is left
+        await fleet.publish(worker, running=6)
+    async with client(fleet.url) as openai:
+        created = await submit(openai, jsonl(20))
+        await until_status(openai, created.id, ("in_progress",))
+        await asyncio.sleep(2.0)
+        waiting = await openai.batches.retrieve(created.id)
+        assert waiting.status == "in_progress"
+        assert waiting.request_counts is not None
+        assert waiting.request_counts.completed == 0, "a line took an interactive slot"
+        for worker in WORKERS:
+            await fleet.publish(worker, running=0)
+        done = await until_status(openai, created.id, ("completed",))
+    assert done.request_counts.completed == 20
+
+
+async def test_a_cancelled_batch_keeps_what_ran_and_reports_the_rest(fleet: OpsFleet) -> None:
+    # Slow answers (200 tokens, ~2 s each) so that cancelling finds most lines not yet run.
+    await fleet.start(WORKERS, config=config(fleet), decode_step_ms=10.0)
+    async with client(fleet.url) as openai:
+        created = await submit(openai, jsonl(80, max_tokens=200))
+        await until_status(openai, created.id, ("in_progress",))
+        cancelling = await openai.batches.cancel(created.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at
+        done = await until_status(openai, created.id, ("cancelled",))
+        output = await lines_of(openai, done.output_file_id)
+        errors = await lines_of(openai, done.error_file_id)
+        with pytest.raises(Exception, match=r"409|Cannot cancel"):
+            await openai.batches.cancel(created.id)
+    ids = [line["custom_id"] for line in output + errors]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(80)), "each line exactly once"
+    assert {line["error"]["code"] for line in errors} == {"batch_cancelled"}
+    assert len(errors) > 40, "most lines had not run"
+
+
+async def test_an_expired_batch_is_finalized_with_its_partial_results(fleet: OpsFleet) -> None:
+    await fleet.start(WORKERS, config=config(fleet))
+    for worker in WORKERS:  # no spare slot: nothing runs
+        await fleet.publish(worker, running=8)
+    async with client(fleet.url) as openai:
+        created = await submit(openai, jsonl(5))
+        await until_status(openai, created.id, ("in_progress",))
+        # The 24 hours pass: the batch's deadline, moved to now in Redis.
+        redis = connect(fleet.redis_url)
+        key = BatchStore(redis, fleet.key_prefix).key(created.id)
+        doc = json.loads(await redis.hget(key, "doc") or b"{}")
+        await redis.hset(key, "doc", json.dumps({**doc, "expires_at": int(time.time())}))
+        await redis.aclose()
+        done = await until_status(openai, created.id, ("expired",))
+        errors = await lines_of(openai, done.error_file_id)
+    assert done.expired_at and done.output_file_id is None
+    assert sorted(line["custom_id"] for line in errors) == [f"req-{i}" for i in range(5)]
+    assert {line["error"]["code"] for line in errors} == {"batch_expired"}
+
+
+async def test_a_tenant_sees_only_its_own_batches(fleet: OpsFleet, tmp_path: Path) -> None:
+    await fleet.start(WORKERS, config=config(fleet, keys=True))
+    async with client(fleet.url, KEYS["acme"]) as acme, \
+            client(fleet.url, KEYS["other"]) as other:
+        created = await submit(acme, jsonl(3))
+        with pytest.raises(NotFoundError):
+            await other.batches.retrieve(created.id)
+        with pytest.raises(NotFoundError):
+            await other.batches.cancel(created.id)
+        assert [batch.id async for batch in other.batches.list()] == []
+        assert [batch.id async for batch in acme.batches.list()] == [created.id]
+        done = await until_status(acme, created.id, ("completed",))
+        with pytest.raises(NotFoundError):
+            await other.files.content(done.output_file_id)
+        assert len(await lines_of(acme, done.output_file_id)) == 3
+        # Another tenant's input file cannot be named either.
+        theirs = await other.files.create(file=("x.jsonl", io.BytesIO(jsonl(1))),
+                                          purpose="batch")
+        with pytest.raises(Exception, match="No such File"):
+            await acme.batches.create(input_file_id=theirs.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+
+
+async def test_bad_create_requests_are_told_why(fleet: OpsFleet) -> None:
+    await fleet.start(WORKERS, config=config(fleet))
+    async with client(fleet.url) as openai:
+        uploaded = await openai.files.create(file=("i.jsonl", io.BytesIO(jsonl(1))),
+                                             purpose="batch")
+        for changes, param in (({"endpoint": "/v1/nothing"}, "endpoint"),
+                               ({"completion_window": "1h"}, "completion_window"),
+                               ({"input_file_id": "file-nope"}, "input_file_id"),
+                               ({"metadata": {"k": 1}}, "metadata")):
+            body = {"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions",
+                    "completion_window": "24h", **changes}
+            with pytest.raises(Exception) as refused:
+                await openai.post("/batches", body=body, cast_to=object)
+            assert getattr(refused.value, "status_code", None) == 400, refused.value
+            assert getattr(refused.value, "body", {}).get("param") == param, refused.value
+        with pytest.raises(NotFoundError):
+            await openai.batches.retrieve("batch_" + "0" * 32)
+
+
+async def globalpool(*args: str) -> tuple[int, str, str]:
+    """`globalpool ARGS` as a user runs it: exit code, stdout, stderr."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.cli", *args, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_the_batch_command_submits_follows_and_fetches(fleet: OpsFleet,
+                                                             tmp_path: Path) -> None:
+    await fleet.start(WORKERS, config=config(fleet))
+    source = tmp_path / "requests.jsonl"
+    source.write_bytes(jsonl(30, extra=[b"not json"]))
+    results = tmp_path / "results"
+    code, out, err = await globalpool("batch", "--router", fleet.url, "submit", str(source),
+                                      "--metadata", "job=nightly", "--out", str(results))
+    assert code == 0, err
+    batch_id = out.strip()
+    assert batch_id.startswith("batch_")
+    assert "30/31 lines" in err or "31/31 lines" in err, err  # the progress bar
+    output = (results / f"{batch_id}_output.jsonl").read_text().splitlines()
+    errors = (results / f"{batch_id}_error.jsonl").read_text().splitlines()
+    assert (len(output), len(errors)) == (30, 1)
+    code, out, _ = await globalpool("batch", "--router", fleet.url, "list")
+    assert code == 0 and f"{batch_id} completed: 30 completed, 1 failed of 31" in out
+    code, _, err = await globalpool("batch", "--router", fleet.url, "cancel", batch_id)
+    assert code == 1 and "Cannot cancel a batch with status 'completed'" in err
+    code, _, err = await globalpool("batch", "--router", "http://127.0.0.1:9", "list")
+    assert code == 1 and "cannot reach the router" in err

@@ -1,7 +1,7 @@
 # globalpool on Google Cloud, driven by ../regions.yaml: every region there gets a subnet,
 # router replicas, a Redis node (redis-server and a sentinel: together a Redis Sentinel
 # group with automatic failover) and one GPU pool per model it serves; one anycast load
-# balancer is the global entry point.
+# balancer is the global entry point; one bucket holds the Files and Batch APIs' files.
 
 locals {
   regions_yaml_path = coalesce(var.regions_yaml_path, "${path.module}/../regions.yaml")
@@ -15,6 +15,7 @@ locals {
     "logging.googleapis.com",
     "monitoring.googleapis.com",
     "iap.googleapis.com",
+    "storage.googleapis.com",
   ]
   # Each Redis node's name in the private zone. The nodes find each other by these names
   # at boot (a node cannot be given the others' addresses: they are outputs of the same
@@ -39,6 +40,8 @@ module "topology" {
   region_settings      = var.region_settings
   defaults             = var.defaults
   redis_primary_region = var.redis_primary_region
+  # The routers' regions.yaml names the deployment's bucket (router_regions_yaml).
+  batch_storage = module.files.storage
 }
 
 resource "google_project_service" "api" {
@@ -64,6 +67,21 @@ module "secrets" {
   name_prefix = var.name_prefix
   readers     = module.iam.emails
   labels      = var.labels
+}
+
+# The Files and Batch APIs' store: one bucket that every region's routers share (a batch
+# uploaded through one region is run by replicas everywhere); only the routers may use it.
+module "files" {
+  source     = "./modules/files"
+  depends_on = [google_project_service.api]
+
+  project_id             = var.project_id
+  name_prefix            = var.name_prefix
+  location               = coalesce(var.files_location, module.topology.files_location)
+  retention_days         = var.files_retention_days
+  kms_key_name           = var.files_kms_key_name
+  router_service_account = module.iam.emails.router
+  labels                 = var.labels
 }
 
 module "network" {
@@ -161,7 +179,7 @@ module "router" {
   subnetwork      = module.network.subnetworks[each.key]
   service_account = module.iam.emails.router
   image           = var.base_image
-  regions_yaml    = local.regions_yaml
+  regions_yaml    = module.topology.router_regions_yaml
   labels          = var.labels
   settings = {
     globalpool_pip_spec      = var.globalpool_pip_spec

@@ -43,3 +43,11 @@ output "secrets_to_fill" {
   description = "Secret Manager secrets created empty: give each its value with these commands."
   value       = module.secrets.add_version_commands
 }
+
+output "files_bucket" {
+  description = "The bucket of the Files and Batch APIs (regions.yaml batch.storage on every router: storage); objects are deleted after files_retention_days."
+  value = {
+    name    = module.files.name
+    storage = module.files.storage
+  }
+}

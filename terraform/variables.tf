@@ -89,8 +89,26 @@ variable "ops_agent" {
   default     = true
 }
 
+variable "files_location" {
+  description = "Location of the bucket that holds the Files and Batch APIs' files (a multi-region such as US or EU, a dual-region such as NAM4, or a region); null: the multi-region of the home region's continent (US, EU or ASIA; elsewhere the home region), the home region being redis_primary_region's. Read when the bucket is created only: a bucket cannot move, so a later change leaves it where it is."
+  type        = string
+  default     = null
+}
+
+variable "files_retention_days" {
+  description = "Days after which uploaded files and batch results are deleted from the bucket (a lifecycle rule), so that they do not pile up; at least 2."
+  type        = number
+  default     = 30
+}
+
+variable "files_kms_key_name" {
+  description = "A Cloud KMS key (projects/P/locations/L/keyRings/R/cryptoKeys/K, in the bucket's location) to encrypt the bucket's objects with; Cloud Storage's service agent is granted its use. null: Google-managed keys."
+  type        = string
+  default     = null
+}
+
 variable "labels" {
-  description = "Labels on every machine and secret."
+  description = "Labels on every machine and secret, and on the files bucket."
   type        = map(string)
   default     = {}
 }

@@ -1,5 +1,7 @@
 # A router replica: `globalpool router --region R` behind the global load balancer,
-# reading the same regions.yaml that Terraform read (metadata key globalpool-regions-yaml).
+# reading the regions.yaml that Terraform read, with batch.storage set to the deployment's
+# bucket (metadata key globalpool-regions-yaml). The bucket is reached with the machine's
+# service account, through the metadata server: no key file, no GOOGLE_* variable.
 
 main() {
   ensure_user

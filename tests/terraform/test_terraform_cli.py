@@ -5,7 +5,9 @@
   module (its .tftest.hcl files and regions.yaml fixtures);
 - the repository's own regions.yaml evaluated through the topology module, the way the
   root module calls it: every region gets routers and a Redis node, every (region, model)
-  a GPU pool, and the Redis sentinels' quorum is a majority of the nodes.
+  a GPU pool, and the Redis sentinels' quorum is a majority of the nodes;
+- the regions.yaml the routers are given (router_regions_yaml) read by the router's own
+  loader: batch.storage is the deployment's bucket, everything else as the operator wrote.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from router.config_loader import load_config, parse_config_text
 from tests.terraform.tfcli import (
     REPO,
     TERRAFORM_DIR,
@@ -32,6 +35,8 @@ _REASON = available()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"embedded Terraform: {_REASON}")
 
 HARNESS_DIR = Path(__file__).resolve().parent / "harness"
+# What the root module passes the topology module as batch_storage (module.files.storage).
+BUCKET_STORAGE = "gs://gp-files-my-project/files"
 
 
 def _ok(result: Result) -> Result:
@@ -101,8 +106,8 @@ def repo_topology(tmp_path_factory: pytest.TempPathFactory,
     models = {model for region in regions_yaml["regions"].values() for model in region["models"]}
     # Deployment settings are not in regions.yaml; any source will do for the shape.
     tfvars = work / "settings.tfvars.json"
-    tfvars.write_text(json.dumps({"model_settings": {m: {"source": f"org/{m}"} for m in models}}),
-                      encoding="utf-8")
+    tfvars.write_text(json.dumps({"model_settings": {m: {"source": f"org/{m}"} for m in models},
+                                  "batch_storage": BUCKET_STORAGE}), encoding="utf-8")
     return evaluate_topology(work, REPO / "regions.yaml", tfvars)
 
 
@@ -155,3 +160,90 @@ def test_sentinel_quorum_is_a_majority_of_the_redis_nodes(repo_topology: dict[st
     assert redis["quorum"] == nodes // 2 + 1
     assert nodes < 2 * redis["quorum"] and redis["quorum"] <= nodes
     assert redis["initial_primary_region"] == repo_topology["redis_primary_region"]
+
+
+def _with_bucket(document: dict[str, Any]) -> dict[str, Any]:
+    """`document` with batch.storage set to the bucket, as the routers must read it."""
+    return {**document, "batch": {**(document.get("batch") or {}), "storage": BUCKET_STORAGE}}
+
+
+def test_routers_read_regions_yaml_with_the_bucket_as_batch_storage(
+        repo_topology: dict[str, Any], regions_yaml: dict[str, Any]) -> None:
+    """The router's own loader accepts the file the routers are given, and it says what
+    regions.yaml says, but for batch.storage: the bucket every replica shares."""
+    rendered = repo_topology["router_regions_yaml"]
+    assert yaml.safe_load(rendered) == _with_bucket(regions_yaml)
+    deployed = parse_config_text(rendered, "router_regions_yaml")
+    assert deployed.batch.storage == BUCKET_STORAGE
+    written = load_config(REPO / "regions.yaml").model_dump()
+    assert deployed.model_dump() == {**written,
+                                     "batch": {**written["batch"], "storage": BUCKET_STORAGE}}
+
+
+def test_router_regions_yaml_keeps_every_value_as_pyyaml_reads_it(tmp_path: Path) -> None:
+    """Strings that YAML 1.1 would read as booleans or numbers ("yes", "0.5"), nulls,
+    fractions and big integers reach the routers as they were, and a batch section keeps
+    its limits."""
+    fixture = TOPOLOGY_DIR / "tests" / "fixtures" / "batch_limits.yaml"
+    written = yaml.safe_load(fixture.read_text(encoding="utf-8"))
+    models = {m for region in written["regions"].values() for m in region["models"]}
+    tfvars = tmp_path / "settings.tfvars.json"
+    tfvars.write_text(json.dumps({"model_settings": {m: {"source": f"org/{m}"} for m in models},
+                                  "batch_storage": BUCKET_STORAGE}), encoding="utf-8")
+    outputs = evaluate_topology(tmp_path, fixture, tfvars)
+    deployed = yaml.safe_load(outputs["router_regions_yaml"])
+    assert deployed == _with_bucket(written)
+    assert deployed["batch"]["max_lines"] == 1000 and deployed["batch"]["storage"] == BUCKET_STORAGE
+    assert deployed["regions"]["eu-west"]["upstream_api_key_env"] == "yes"
+    assert outputs["files_location"] == "ASIA"
+
+
+def test_the_bucket_defaults_to_the_home_regions_multi_region(
+        repo_topology: dict[str, Any]) -> None:
+    home = repo_topology["regions"][repo_topology["redis_primary_region"]]["cloud_region"]
+    expected = {"us": "US", "europe": "EU", "asia": "ASIA"}.get(home.split("-")[0], home.upper())
+    assert repo_topology["files_location"] == expected
+
+
+# Bucket names are global to Cloud Storage: 3-63 of a-z 0-9 - _ . , starting and ending
+# with a letter or digit; dots would need a verified domain.
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{1,61}[a-z0-9]$")
+
+
+def test_files_bucket_name_is_valid_and_unique_per_project(tmp_path: Path) -> None:
+    """modules/files' bucket_name expression, evaluated by Terraform for the shortest and
+    longest prefixes and project ids, and a domain-scoped project (example.com:name)."""
+    source = (TERRAFORM_DIR / "modules" / "files" / "main.tf").read_text(encoding="utf-8")
+    found = re.search(r"^\s*bucket_name\s*=\s*(.+)$", source, re.M)
+    assert found is not None, "modules/files has no local bucket_name"
+    naming = tmp_path / "naming"
+    naming.mkdir()
+    (naming / "main.tf").write_text(
+        'variable "name_prefix" {\n  type = string\n}\n'
+        'variable "project_id" {\n  type = string\n}\n'
+        f"output \"bucket_name\" {{\n  value = {found[1]}\n}}\n", encoding="utf-8")
+    cases = {
+        "short": ("g", "abcdef"),
+        "usual": ("gp", "my-gpu-project"),
+        "longest": ("abcdefgh", "a" * 29 + "z"),
+        "domain": ("gp", "example.com:my-project"),
+        "long-domain": ("prod-eu1", "a-very-long-example-domain.co.uk:" + "p" * 30),
+    }
+    (tmp_path / "main.tf").write_text(
+        f"locals {{\n  cases = {json.dumps({k: list(v) for k, v in cases.items()})}\n}}\n"
+        'module "naming" {\n  source      = "./naming"\n  for_each    = local.cases\n'
+        "  name_prefix = each.value[0]\n  project_id  = each.value[1]\n}\n"
+        'output "names" {\n  value = { for k, m in module.naming : k => m.bucket_name }\n}\n',
+        encoding="utf-8")
+    env = terraform_env(tmp_path / "data")
+    chdir = f"-chdir={tmp_path}"
+    _ok(run([chdir, "init", "-backend=false", "-input=false", "-no-color"], env=env))
+    _ok(run([chdir, "apply", "-auto-approve", "-input=false", "-no-color"], env=env))
+    result = _ok(run([chdir, "output", "-json", "names"], env=env))
+    names: dict[str, str] = json.loads(result.stdout)
+    assert names["usual"] == "gp-files-my-gpu-project"
+    assert names["domain"] == "gp-files-example-com-my-project"
+    for case, name in names.items():
+        assert _BUCKET_NAME.match(name), (case, name)
+        assert name.startswith(f"{cases[case][0]}-files-"), (case, name)
+    assert len(set(names.values())) == len(names)

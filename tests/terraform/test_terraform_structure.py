@@ -13,6 +13,11 @@ the Google provider cannot be downloaded.
   timings reach the sentinels from the topology, the CA key reaches Redis nodes only,
   failover needs no Terraform, and the router groups autoscale on CPU. What the scripts
   write is checked by running them: test_terraform_redis_scripts.py.
+- the Files and Batch APIs' bucket (issue 24): private (uniform access, public access
+  prevention), never force-destroyed, objects expired after files_retention_days, object
+  access for the routers' service account on that bucket only, and the routers'
+  regions.yaml naming it (what that file says is checked by running Terraform:
+  modules/topology/tests/files.tftest.hcl and test_terraform_cli.py).
 """
 
 from __future__ import annotations
@@ -151,8 +156,10 @@ def test_root_reads_regions_yaml_once_into_the_topology_module(root: Module) -> 
     topology = root.calls["topology"]
     assert topology.source == "./modules/topology"
     assert "yamldecode(local.regions_yaml)" in topology.arguments["config"]
-    # The router replicas get the same file as their --config.
-    assert "local.regions_yaml" in root.calls["router"].arguments["regions_yaml"]
+    # The router replicas get that file as the topology module re-renders it (batch.storage
+    # set to the deployment's bucket) as their --config.
+    assert root.calls["router"].arguments["regions_yaml"] == (
+        "${module.topology.router_regions_yaml}")
 
 
 @pytest.mark.parametrize(("call", "iterates"), [
@@ -448,3 +455,114 @@ def test_router_groups_autoscale_on_cpu(modules: dict[Path, Module], root: Modul
     arguments = root.calls["router"].arguments
     assert arguments["max_replicas"] == "${each.value.router.max_replicas}"
     assert arguments["cpu_target"] == "${each.value.router.cpu_target}"
+
+
+# The Files and Batch APIs' bucket (issue 24).
+
+FILES_DIR = TERRAFORM_DIR / "modules" / "files"
+BUCKET = "google_storage_bucket.files"
+# Roles that let a principal read and write objects, and nothing about the bucket itself.
+OBJECT_ROLES = {"roles/storage.objectUser", "roles/storage.objectAdmin"}
+
+
+def _only_block(value: Any) -> dict[str, Any]:
+    assert isinstance(value, list) and len(value) == 1, value
+    block = value[0]
+    assert isinstance(block, dict)
+    return block
+
+
+def test_files_bucket_is_private_kept_and_expires_its_objects(
+        modules: dict[Path, Module], root: Module) -> None:
+    buckets = {f"{module.path.name}/{name}": body for module in modules.values()
+               for name, body in module.resources.items()
+               if name.startswith("google_storage_bucket.")}
+    assert list(buckets) == [f"files/{BUCKET}"], "one bucket: the files bucket"
+    bucket = modules[FILES_DIR].resources[BUCKET]
+    assert bucket["uniform_bucket_level_access"] is True, "no per-object ACLs"
+    assert bucket["public_access_prevention"] == "enforced"
+    assert bucket["force_destroy"] is False, "destroy must not delete tenants' files"
+    assert _only_block(bucket["versioning"])["enabled"] is False
+    assert bucket["location"] == "${upper(var.location)}"
+    # A later change of the location (or of the home region it defaults from) must not
+    # plan to replace the bucket: a bucket cannot move.
+    assert "location" in str(_only_block(bucket["lifecycle"])["ignore_changes"])
+    assert "var.name_prefix" in modules[FILES_DIR].locals["bucket_name"]
+    assert bucket["name"] == "${local.bucket_name}"
+    rules = {_only_block(rule["action"])["type"]: _only_block(rule["condition"])
+             for rule in bucket["lifecycle_rule"]}
+    assert rules["Delete"] == {"__is_block__": True, "age": "${var.retention_days}"}, rules
+    assert "AbortIncompleteMultipartUpload" in rules, "unfinished uploads are not kept"
+    # Google-managed keys unless a KMS key is given.
+    encryption = _only_block(bucket["dynamic"])["encryption"]
+    assert "var.kms_key_name == null ? []" in encryption["for_each"]
+    assert modules[FILES_DIR].variables["kms_key_name"]["default"] is None
+    # No ACL can open it up, anywhere.
+    acls = [name for module in modules.values() for name in module.resources
+            if re.match(r"google_storage_(bucket|default_object|object)_acl\.", name)]
+    assert not acls, acls
+    # The root's knobs reach it.
+    assert root.variables["files_retention_days"]["default"] == 30
+    arguments = root.calls["files"].arguments
+    assert arguments["retention_days"] == "${var.files_retention_days}"
+    assert arguments["kms_key_name"] == "${var.files_kms_key_name}"
+    assert arguments["location"] == (
+        "${coalesce(var.files_location, module.topology.files_location)}")
+    assert root.variables["files_location"]["default"] is None
+    assert "storage.googleapis.com" in root.locals["services"]
+    assert re.search(r"^\s*depends_on\s*=\s*\[google_project_service\.api\]",
+                     _module_block("files"), re.M), "the bucket waits for the Storage API"
+
+
+def _module_block(name: str) -> str:
+    source = (TERRAFORM_DIR / "main.tf").read_text(encoding="utf-8")
+    block = re.search(rf'module "{name}" {{(.*?)\n}}', source, re.S)
+    assert block is not None, name
+    return block[1]
+
+
+def test_only_the_routers_may_use_the_files_bucket_and_only_that_bucket(
+        modules: dict[Path, Module], root: Module) -> None:
+    """Every grant of a Cloud Storage role is the one on the files bucket, to the routers'
+    service account, of object access: no project-wide storage role, no public member."""
+    grants = {f"{module.path.name}/{name}": body for module in modules.values()
+              for name, body in module.resources.items()
+              if re.match(r"google_\w+_iam_(member|binding|policy)\.", name)
+              and "roles/storage." in str(body.get("role", body.get("policy_data", "")))}
+    assert list(grants) == ["files/google_storage_bucket_iam_member.router"], grants
+    grant = grants["files/google_storage_bucket_iam_member.router"]
+    assert grant["bucket"] == f"${{{BUCKET}.name}}"
+    assert grant["role"] in OBJECT_ROLES
+    assert grant["member"] == "serviceAccount:${var.router_service_account}"
+    assert root.calls["files"].arguments["router_service_account"] == (
+        "${module.iam.emails.router}")
+    everything = "".join(path.read_text(encoding="utf-8") for path in TERRAFORM_DIR.rglob("*.tf"))
+    assert "allUsers" not in everything and "allAuthenticatedUsers" not in everything
+
+
+def test_routers_config_names_the_bucket(modules: dict[Path, Module], root: Module) -> None:
+    """The topology module renders the routers' regions.yaml with batch.storage =
+    gs://<bucket>/files (known only once the routers may write there), the router module
+    puts it in the instance metadata, and router.sh runs the router on it."""
+    files = modules[FILES_DIR]
+    storage = files.outputs["storage"]
+    assert storage["value"] == f"gs://${{{BUCKET}.name}}/files"
+    assert "google_storage_bucket_iam_member.router" in str(storage["depends_on"])
+    assert root.calls["topology"].arguments["batch_storage"] == "${module.files.storage}"
+    topology = modules[TERRAFORM_DIR / "modules" / "topology"]
+    assert "var.batch_storage" in topology.locals["router_regions_yaml"]
+    assert "router_regions_yaml" in topology.outputs
+    router = modules[TERRAFORM_DIR / "modules" / "router"]
+    template = router.resources["google_compute_instance_template.router"]
+    assert template["metadata"]["globalpool-regions-yaml"] == "${var.regions_yaml}"
+    # The machine's token must cover Cloud Storage (the bucket's IAM does the limiting).
+    assert _only_block(template["service_account"])["scopes"] == ["cloud-platform"]
+    script = _script("router.sh")
+    assert re.search(r'meta instance/attributes/globalpool-regions-yaml \| write_private '
+                     r'"\$ETC/regions\.yaml"', script)
+    assert "--config $ETC/regions.yaml" in script
+    # obstore finds the service account through the metadata server; a key file or a
+    # GOOGLE_* variable would take its place.
+    for name in ("router.sh", "lib.sh"):
+        assert not re.search(r"GOOGLE_[A-Z_]+=", _script(name)), name
+    assert {"name", "storage"} <= set(_keys(root.outputs["files_bucket"]["value"]))

@@ -92,7 +92,7 @@ variable "image" {
 }
 
 variable "regions_yaml" {
-  description = "The text of regions.yaml, written to /etc/globalpool/regions.yaml."
+  description = "The text of the regions.yaml the routers run with (the topology module's router_regions_yaml), written to /etc/globalpool/regions.yaml."
   type        = string
 }
 

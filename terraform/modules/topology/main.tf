@@ -228,6 +228,29 @@ locals {
     )
   }
 
+  # The regions.yaml router replicas run with: the operator's, with batch.storage set to
+  # the store that every replica shares (a `local` directory would hold each machine's
+  # uploads apart). Re-encoded from the decoded document: comments go, every key and
+  # value stays (router/config.py reads the result; tests/terraform checks it).
+  router_regions_yaml = join("", [
+    "# regions.yaml as Terraform deployed it (terraform/modules/topology: router_regions_yaml).\n",
+    yamlencode(merge(var.config, var.batch_storage == null ? {} : {
+      batch = merge(try(var.config.batch, null), { storage = var.batch_storage })
+    })),
+  ])
+
+  # Where the deployment's bucket lives unless files_location says: the multi-region of
+  # the home region's continent (the initial Redis primary's, i.e. router.region), so that
+  # files survive the loss of any one region; elsewhere the home region itself, so that
+  # data stays in its country.
+  home_cloud_region = try(lower(local.cloud_region[local.redis_primary_region]), "")
+  files_location = upper(
+    startswith(local.home_cloud_region, "us-") ? "US"
+    : startswith(local.home_cloud_region, "europe-") ? "EU"
+    : startswith(local.home_cloud_region, "asia-") ? "ASIA"
+    : local.home_cloud_region
+  )
+
   # Problems that need more than one input to see; reported by output preconditions.
   unmapped_regions  = [for name in local.region_names : name if local.cloud_region[name] == null]
   uncarved_regions  = [for name in local.region_names : name if local.cloud_region[name] != null && local.subnet_cidr[name] == null]

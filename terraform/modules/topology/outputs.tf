@@ -79,3 +79,13 @@ output "models" {
   description = "Every model name served in some region."
   value       = local.all_model_names
 }
+
+output "router_regions_yaml" {
+  description = "The text of the regions.yaml router replicas run with: regions.yaml with batch.storage = batch_storage (when set), every other key as the operator wrote it."
+  value       = local.router_regions_yaml
+}
+
+output "files_location" {
+  description = "The default location of the files bucket: US, EU or ASIA for a home region (the initial Redis primary's) on that continent, else that cloud region."
+  value       = local.files_location
+}

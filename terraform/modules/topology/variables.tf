@@ -7,7 +7,8 @@ variable "config" {
     regions.yaml, decoded with yamldecode(). Read keys: apiVersion, redis.key_prefix,
     router.region, router.port, router.timeouts.total_s, heartbeat.interval_s,
     heartbeat.ttl_s, regions.<name>.models. Every other key is ignored, so new optional
-    keys in regions.yaml do not need a change here.
+    keys in regions.yaml do not need a change here (router_regions_yaml passes every key
+    through to the routers, setting only batch.storage).
   EOT
   type        = any
 
@@ -150,5 +151,16 @@ variable "redis_primary_region" {
   validation {
     condition     = contains(concat(keys(try(var.config.regions, {})), ["\n"]), coalesce(var.redis_primary_region, "\n"))
     error_message = "redis_primary_region: must be a region of regions.yaml."
+  }
+}
+
+variable "batch_storage" {
+  description = "regions.yaml batch.storage for the deployed routers (gs://<bucket>/files: the store every replica shares); null: as regions.yaml says."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.batch_storage == null || can(regex("^gs://[a-z0-9][-a-z0-9_.]*[a-z0-9](/.*)?$", coalesce(var.batch_storage, "-")))
+    error_message = "batch_storage: gs://bucket[/prefix] (replicas on many machines need a store they all reach)."
   }
 }

@@ -25,6 +25,12 @@ variable "defaults" {
   default     = {}
 }
 
+variable "batch_storage" {
+  description = "As the root module passes it (module.files.storage)."
+  type        = string
+  default     = null
+}
+
 module "topology" {
   source = "../../../terraform/modules/topology"
 
@@ -32,6 +38,7 @@ module "topology" {
   model_settings  = var.model_settings
   region_settings = var.region_settings
   defaults        = var.defaults
+  batch_storage   = var.batch_storage
 }
 
 output "regions" {
@@ -52,4 +59,12 @@ output "router" {
 
 output "redis" {
   value = module.topology.redis
+}
+
+output "router_regions_yaml" {
+  value = module.topology.router_regions_yaml
+}
+
+output "files_location" {
+  value = module.topology.files_location
 }

@@ -265,12 +265,12 @@ def _run_up(args: argparse.Namespace) -> int:
     return lab_commands.run_up(args, config)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _add_batch_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from router.batch.command import add_arguments
 
     add_arguments(commands.add_parser("batch", help="submit a JSONL file as a batch, follow "
                                       "it, fetch its results (OpenAI's Batch API)"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

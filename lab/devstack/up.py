@@ -52,6 +52,8 @@ def summary(stack: LocalStack) -> str:
         "  print(reply.parse().choices[0].message.content)",
         "  EOF",
         "",
+        f"  globalpool batch --router {url} submit requests.jsonl   # Batch API, spare slots",
+        "",
         "(the workers are simulated: `globalpool sim` stands in for vLLM on machines without GPUs)",
         "Press Ctrl-C to stop everything.",
     ]

@@ -88,6 +88,11 @@ class BatchesApi:
             raise ApiError(400, f"the file {input_file_id} was uploaded with purpose "
                            f"'{record.purpose}'; a batch's input needs purpose 'batch'",
                            param="input_file_id")
+        max_lines = self.configs.current.batch.max_lines
+        if record.lines > max_lines:
+            raise ApiError(400, f"the input file has {record.lines} lines; a batch takes at "
+                           f"most {max_lines} requests", code="too_many_lines",
+                           param="input_file_id")
         created = int(time.time())
         doc = {"id": new_batch_id(), "endpoint": endpoint, "input_file_id": input_file_id,
                "completion_window": window, "created_at": created,

@@ -78,6 +78,7 @@ class FileRecord:
     purpose: str
     size_bytes: int
     created_at: int
+    lines: int = 0  # lines of text (a batch's requests are one a line), counted as it came
 
     def to_openai(self) -> dict[str, Any]:
         """The File object as OpenAI's API shows it (the owner is not shown)."""
@@ -125,6 +126,12 @@ class StagedFile:
 
     id: str
     size_bytes: int
+    lines: int = 0
+
+
+def line_count(data: bytes) -> int:
+    """Lines in `data`: its newlines, and one more for a last line without one."""
+    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
 
 
 def new_file_id() -> str:
@@ -154,14 +161,30 @@ def blob_key(file_id: str) -> str:
     return f"files/{file_id}"
 
 
-async def _limited(chunks: AsyncIterable[bytes], max_bytes: int) -> AsyncIterator[bytes]:
-    """`chunks`, until they pass `max_bytes`: then FileTooLarge (nothing more is read)."""
-    total = 0
-    async for chunk in chunks:
-        total += len(chunk)
-        if total > max_bytes:
-            raise FileTooLarge(max_bytes)
-        yield chunk
+class _Limited:
+    """`chunks`, until they pass `max_bytes`: then FileTooLarge (nothing more is read);
+    counting their lines as they pass."""
+
+    def __init__(self, chunks: AsyncIterable[bytes], max_bytes: int) -> None:
+        self._chunks = chunks
+        self._max_bytes = max_bytes
+        self.newlines = 0
+        self.ends_with_newline = True
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        total = 0
+        async for chunk in self._chunks:
+            total += len(chunk)
+            if total > self._max_bytes:
+                raise FileTooLarge(self._max_bytes)
+            if chunk:
+                self.newlines += chunk.count(b"\n")
+                self.ends_with_newline = chunk.endswith(b"\n")
+            yield chunk
+
+    @property
+    def lines(self) -> int:
+        return self.newlines + (0 if self.ends_with_newline else 1)
 
 
 class FileStore:
@@ -193,15 +216,17 @@ class FileStore:
         files). Raises BlobStoreError, FilesUnavailable; on failure nothing is kept."""
         file_id = new_file_id()
         await self.blobs.put(blob_key(file_id), data)
-        return await self.commit(StagedFile(file_id, len(data)), owner, filename, purpose)
+        return await self.commit(StagedFile(file_id, len(data), line_count(data)), owner,
+                                 filename, purpose)
 
     async def upload(self, chunks: AsyncIterable[bytes], max_bytes: int) -> StagedFile:
         """Write `chunks` to a new blob, as they come (for an upload whose purpose is not
         known yet). Raises FileTooLarge past `max_bytes` and BlobStoreError, leaving no
         blob; whatever `chunks` raises (a client gone) propagates, leaving none either."""
         file_id = new_file_id()
-        size = await self.blobs.put_stream(blob_key(file_id), _limited(chunks, max_bytes))
-        return StagedFile(file_id, size)
+        limited = _Limited(chunks, max_bytes)
+        size = await self.blobs.put_stream(blob_key(file_id), aiter(limited))
+        return StagedFile(file_id, size, limited.lines)
 
     async def commit(self, staged: StagedFile, owner: str | None, filename: str | None,
                      purpose: str) -> FileRecord:
@@ -209,7 +234,7 @@ class FileStore:
         FilesUnavailable (the content is then discarded)."""
         now_s = self._clock()
         record = FileRecord(staged.id, owner, clean_filename(filename), purpose,
-                            staged.size_bytes, int(now_s))
+                            staged.size_bytes, int(now_s), staged.lines)
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.set(self.record_key(record.id), record.encode())

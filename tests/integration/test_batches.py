@@ -256,3 +256,23 @@ async def test_the_batch_command_submits_follows_and_fetches(fleet: OpsFleet,
     assert code == 1 and "Cannot cancel a batch with status 'completed'" in err
     code, _, err = await globalpool("batch", "--router", "http://127.0.0.1:9", "list")
     assert code == 1 and "cannot reach the router" in err
+
+
+async def test_a_file_with_more_lines_than_a_batch_takes_is_refused_at_create(
+        fleet: OpsFleet) -> None:
+    document = config(fleet)
+    document["batch"]["max_lines"] = 5
+    await fleet.start(WORKERS, config=document)
+    async with client(fleet.url) as openai:
+        fits = await submit(openai, jsonl(5))
+        assert fits.status == "validating"
+        uploaded = await openai.files.create(file=("big.jsonl", io.BytesIO(jsonl(6))),
+                                             purpose="batch")
+        with pytest.raises(Exception) as refused:
+            await openai.batches.create(input_file_id=uploaded.id,
+                                        endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    assert getattr(refused.value, "status_code", None) == 400
+    error = getattr(refused.value, "body", {})
+    assert error.get("code") == "too_many_lines" and error.get("param") == "input_file_id"
+    assert "6 lines" in error.get("message", "")

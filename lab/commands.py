@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from lab.batchbench import cli as batchbench
 from lab.bench.cli import add_bench_arguments, run_bench_command
 from lab.benchproxy import cli as benchproxy
 from lab.benchproxy import memory, slow_readers
@@ -26,5 +27,6 @@ SUBCOMMANDS: dict[str, tuple[AddArguments, Run]] = {
     "bench-slow-readers": (slow_readers.add_arguments, slow_readers.run_command),
     "bench-memory": (memory.add_arguments, memory.run_command),
     "bench": (add_bench_arguments, run_bench_command),
+    "bench-batch": (batchbench.add_arguments, batchbench.run_command),
     "drill": (add_drill_arguments, run_drill_command),
 }

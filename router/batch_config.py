@@ -26,6 +26,10 @@ class BatchConfig(BaseModel):
     max_lines: int = Field(
         default=50_000, ge=1, le=1_000_000,
         description="most requests in one batch's input file (400 beyond it)")
+    max_unfinished_per_tenant: int = Field(
+        default=100, ge=1, le=100_000,
+        description="most batches one tenant (one owner, without API keys) may have "
+        "unfinished at once (429 beyond it)")
     lease_s: float = Field(
         default=30.0, ge=1.0, le=3600.0,
         description="a replica holds the lines it runs for this long, renewing it while it "

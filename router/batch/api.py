@@ -93,6 +93,15 @@ class BatchesApi:
             raise ApiError(400, f"the input file has {record.lines} lines; a batch takes at "
                            f"most {max_lines} requests", code="too_many_lines",
                            param="input_file_id")
+        limit = self.configs.current.batch.max_unfinished_per_tenant
+        try:
+            unfinished = await self.store.unfinished(owner)
+        except BatchesUnavailable:
+            raise _unavailable() from None
+        if unfinished >= limit:
+            raise ApiError(429, f"{unfinished} batches of yours have not finished; at most "
+                           f"{limit} may run at once: wait for one to end, or cancel one",
+                           code="batch_limit_reached")
         created = int(time.time())
         doc = {"id": new_batch_id(), "endpoint": endpoint, "input_file_id": input_file_id,
                "completion_window": window, "created_at": created,

@@ -149,7 +149,25 @@ class BatchStore:
     def _owned(self, owner: str | None) -> str:
         return f"{self._prefix}:batches:owner:{owner or '-'}"
 
+    def _unfinished(self, owner: str | None) -> str:
+        return f"{self._prefix}:batches:unfinished:{owner or '-'}"
+
     # --- the API's side -----------------------------------------------------------------
+    async def unfinished(self, owner: str | None) -> int:
+        """How many of `owner`'s batches have not finished (ids whose batch Redis lost are
+        dropped from the count as they are found)."""
+        key = self._unfinished(owner)
+        try:
+            ids = await self._redis.smembers(key)
+            gone = [batch_id for batch_id in ids
+                    if not await self._redis.exists(self.key(_text(batch_id)))]
+            if gone:
+                await self._redis.srem(key, *gone)
+        except (RedisError, OSError) as exc:
+            raise_if_cancelling()
+            raise BatchesUnavailable(str(exc)) from exc
+        return len(ids) - len(gone)
+
     async def create(self, doc: Mapping[str, Any]) -> Batch:
         """A new batch, `validating`; `doc` as Batch.doc has it, with its `id`."""
         batch_id = str(doc["id"])
@@ -161,6 +179,7 @@ class BatchStore:
                 pipe.hset(self.key(batch_id), mapping=fields)
                 pipe.sadd(self._active, batch_id)
                 pipe.zadd(self._owned(doc.get("owner")), {batch_id: doc["created_at"]})
+                pipe.sadd(self._unfinished(doc.get("owner")), batch_id)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             raise_if_cancelling()
@@ -240,6 +259,7 @@ class BatchStore:
                     "status": "failed", "failed_at": now_s,
                     "errors": json.dumps([fault.to_openai() for fault in checked.faults])})
                 pipe.srem(self._active, batch.id)
+                pipe.srem(self._unfinished(batch.owner), batch.id)
                 return
             faults = [line for line in checked.lines if isinstance(line, LineFault)]
             if faults:
@@ -333,6 +353,7 @@ class BatchStore:
             for part in ("todo", "leases", "holders", "results"):
                 pipe.delete(self.key(batch.id, part))
             pipe.srem(self._active, batch.id)
+            pipe.srem(self._unfinished(batch.owner), batch.id)
 
         return await self._if_status(key, (b"finalizing", b"cancelling"), write)
 

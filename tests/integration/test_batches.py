@@ -276,3 +276,22 @@ async def test_a_file_with_more_lines_than_a_batch_takes_is_refused_at_create(
     error = getattr(refused.value, "body", {})
     assert error.get("code") == "too_many_lines" and error.get("param") == "input_file_id"
     assert "6 lines" in error.get("message", "")
+
+
+async def test_a_tenant_has_at_most_so_many_unfinished_batches(fleet: OpsFleet) -> None:
+    document = config(fleet)
+    document["batch"]["max_unfinished_per_tenant"] = 2
+    await fleet.start(WORKERS, config=document)
+    for worker in WORKERS:  # no spare slot: the batches stay unfinished
+        await fleet.publish(worker, running=8)
+    async with client(fleet.url) as openai:
+        first = await submit(openai, jsonl(2))
+        await submit(openai, jsonl(2))
+        with pytest.raises(Exception) as refused:
+            await submit(openai, jsonl(2))
+        assert getattr(refused.value, "status_code", None) == 429
+        assert getattr(refused.value, "body", {}).get("code") == "batch_limit_reached"
+        await openai.batches.cancel(first.id)
+        await until_status(openai, first.id, ("cancelled",))
+        third = await submit(openai, jsonl(2))  # one ended: room for another
+    assert third.status == "validating"

@@ -19,7 +19,8 @@ from router.admission.gate import Admission
 from router.auth.keys import Principal
 from router.batch.files import FileStore, FilesUnavailable
 from router.batch.lines import BATCH_ENDPOINTS
-from router.batch.state import Batch, BatchesUnavailable, BatchStore, new_batch_id
+from router.batch.record import Batch, new_batch_id
+from router.batch.state import BatchesUnavailable, BatchStore
 from router.config_reload import ConfigHolder
 from router.core.errors import ApiError
 

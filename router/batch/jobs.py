@@ -17,7 +17,8 @@ from router.batch.blobs import BlobNotFound, BlobStoreError
 from router.batch.entries import error_line
 from router.batch.files import FileStore, FilesUnavailable
 from router.batch.lines import CheckedInput, FileFault, check_input
-from router.batch.state import Batch, BatchesUnavailable, BatchStore
+from router.batch.record import Batch
+from router.batch.state import BatchesUnavailable, BatchStore
 from router.config_reload import ConfigHolder
 
 log = logging.getLogger("globalpool.batch")

@@ -41,7 +41,8 @@ from router.batch.exchange import LineExchange
 from router.batch.files import FileStore
 from router.batch.jobs import UNAVAILABLE, BatchJobs, BatchStats, Warnings
 from router.batch.lines import Line
-from router.batch.state import CHUNK_LINES, Batch, BatchesUnavailable, BatchStore
+from router.batch.record import Batch
+from router.batch.state import CHUNK_LINES, BatchesUnavailable, BatchStore
 from router.config_reload import ConfigHolder
 from router.policy.predicted_ttft import BATCH_SLOT_RESERVE, effective_load
 from router.proxy.exchange import Reply

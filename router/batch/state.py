@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -40,6 +40,7 @@ from router.batch.record import Batch
 from worker.redis_client import raise_if_cancelling
 
 CHUNK_LINES = 16  # lines per lease: small enough that replicas share a batch evenly
+T = TypeVar("T")
 class BatchesUnavailable(Exception):
     """Redis could not be asked."""
 
@@ -108,11 +109,7 @@ class BatchStore:
     async def get(self, batch_id: str, owner: str | None = None, *,
                   any_owner: bool = False) -> Batch | None:
         """The batch, or None when there is none (or it is another tenant's)."""
-        try:
-            raw = await self._redis.hgetall(self.key(batch_id))
-        except (RedisError, OSError) as exc:
-            raise_if_cancelling()
-            raise BatchesUnavailable(str(exc)) from exc
+        raw = await self._call(self._redis.hgetall(self.key(batch_id)))
         if not raw or b"doc" not in raw:
             return None
         fields = {_text(key): _text(value) for key, value in raw.items()}
@@ -150,21 +147,13 @@ class BatchStore:
 
     # --- the runners' side --------------------------------------------------------------
     async def active(self) -> list[str]:
-        try:
-            members = await self._redis.smembers(self._active)
-        except (RedisError, OSError) as exc:
-            raise_if_cancelling()
-            raise BatchesUnavailable(str(exc)) from exc
+        members = await self._call(self._redis.smembers(self._active))
         return sorted(_text(member) for member in members)
 
     async def lock(self, batch_id: str, job: str, holder: str, ms: int) -> bool:
         """Whether `holder` now holds the batch's `job` lock (for `ms`, unless released)."""
-        try:
-            return bool(await self._redis.set(self.key(batch_id, f"lock:{job}"), holder,
-                                              nx=True, px=ms))
-        except (RedisError, OSError) as exc:
-            raise_if_cancelling()
-            raise BatchesUnavailable(str(exc)) from exc
+        return bool(await self._call(self._redis.set(self.key(batch_id, f"lock:{job}"),
+                                                     holder, nx=True, px=ms)))
 
     async def validated(self, batch: Batch, checked: CheckedInput, now_s: int) -> bool:
         """Write the outcome of validation: `failed` with the file's faults, or
@@ -220,12 +209,7 @@ class BatchStore:
         """Those of `indexes` with no result yet."""
         if not indexes:
             return []
-        try:
-            present = await self._redis.hmget(
-                self.key(batch_id, "results"), indexes)
-        except (RedisError, OSError) as exc:
-            raise_if_cancelling()
-            raise BatchesUnavailable(str(exc)) from exc
+        present = await self._call(self._redis.hmget(self.key(batch_id, "results"), indexes))
         return [index for index, value in zip(indexes, present, strict=True) if value is None]
 
     async def record(self, batch_id: str, index: int, line: str, ok: bool) -> bool:
@@ -243,22 +227,15 @@ class BatchStore:
     async def results(self, batch_id: str) -> dict[int, str]:
         """Every line's result, the batch sealed first: a line that ends later (on a
         replica that stalled past its lease) is not recorded, but counted as a rerun."""
-        try:
-            await self._redis.hset(self.key(batch_id), "sealed", 1)
-            raw = await self._redis.hgetall(self.key(batch_id, "results"))
-        except (RedisError, OSError) as exc:
-            raise_if_cancelling()
-            raise BatchesUnavailable(str(exc)) from exc
+        await self._call(self._redis.hset(self.key(batch_id), "sealed", 1))
+        raw = await self._call(self._redis.hgetall(self.key(batch_id, "results")))
         return {int(index): _text(value) for index, value in raw.items()}
 
     async def leases_held(self, batch_id: str) -> int:
         """Leases that have not ended (one that has ended holds nothing: its replica died)."""
         now_ms = int(time.time() * 1000)
-        try:
-            return int(await self._redis.zcount(self.key(batch_id, "leases"), now_ms, "+inf"))
-        except (RedisError, OSError) as exc:
-            raise_if_cancelling()
-            raise BatchesUnavailable(str(exc)) from exc
+        return int(await self._call(
+            self._redis.zcount(self.key(batch_id, "leases"), now_ms, "+inf")))
 
     async def finished(self, batch: Batch, status: str, now_s: int,
                        output_file_id: str | None, error_file_id: str | None) -> bool:
@@ -278,11 +255,7 @@ class BatchStore:
 
     async def drop_active(self, batch_id: str) -> None:
         """A batch id in the active set whose batch is gone (Redis lost it)."""
-        try:
-            await self._redis.srem(self._active, batch_id)
-        except (RedisError, OSError) as exc:
-            raise_if_cancelling()
-            raise BatchesUnavailable(str(exc)) from exc
+        await self._call(self._redis.srem(self._active, batch_id))
 
     # --- helpers ------------------------------------------------------------------------
     async def _if_status(self, key: str, statuses: tuple[bytes, ...],
@@ -312,8 +285,12 @@ class BatchStore:
             [to, now, end, *sources]))
 
     async def _script(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        return await self._call(script(keys=keys, args=args))
+
+    async def _call(self, call: Awaitable[T]) -> T:
+        """Await a Redis call; BatchesUnavailable if Redis cannot be asked."""
         try:
-            return await script(keys=keys, args=args)
+            return await call
         except (RedisError, OSError) as exc:
             raise_if_cancelling()
             raise BatchesUnavailable(str(exc)) from exc

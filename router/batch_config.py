@@ -30,6 +30,11 @@ class BatchConfig(BaseModel):
         default=100, ge=1, le=100_000,
         description="most batches one tenant (one owner, without API keys) may have "
         "unfinished at once (429 beyond it)")
+    max_in_flight: int = Field(
+        default=512, ge=1, le=100_000,
+        description="most batch lines one replica runs at once, whatever the heartbeats "
+        "say is spare: bounds what a wrong or forged heartbeat (an absurd max_num_seqs) "
+        "can make it send; raise it for a fleet with more spare slots than replicas x this")
     lease_s: float = Field(
         default=30.0, ge=1.0, le=3600.0,
         description="a replica holds the lines it runs for this long, renewing it while it "

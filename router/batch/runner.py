@@ -7,7 +7,9 @@ A runner scans the batches that are not finished (router.batch.state) every SCAN
   starts their lines **only into spare capacity**: the batch slots that the fleet's
   heartbeats show free on the workers serving the batch's model, less the quarter of
   every worker's slots kept for interactive traffic (router.policy's
-  BATCH_SLOT_RESERVE), less what is open there now, this replica's lines included. When
+  BATCH_SLOT_RESERVE), less what is open there now, this replica's lines included, and
+  never more than `batch.max_in_flight` lines of this replica at once (the heartbeats'
+  `max_num_seqs` is the worker's word, which a forged heartbeat can inflate). When
   interactive load rises the spare slots shrink and no new line starts; the router queue
   also serves interactive requests first. Each line goes through the request path as the
   `batch` class (the cheapest region with spare slots; the tenant's residency and limits);
@@ -91,6 +93,8 @@ class BatchRunner:
         self.seen: dict[str, Batch] = {}  # the unfinished batches, as the last scan saw them
         self._tasks: set[asyncio.Task[None]] = set()
         self._rng = random.Random()
+        self.lines_running = 0  # of every batch, here (at most batch.max_in_flight)
+        self.capped = False  # the last dispatch left spare slots unused for max_in_flight
 
     # --- loops --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -173,7 +177,8 @@ class BatchRunner:
         principal, refusal = self._principal(batch)
         pending = sum(len(held.pending) for held in self._held
                       if held.batch.model == batch.model)
-        room = self.spare_slots(batch.model, principal)
+        room = min(self.spare_slots(batch.model, principal),
+                   self.configs.current.batch.max_in_flight)
         lease_ms = round(self.configs.current.batch.lease_s * 1000)
         for _ in range(MAX_CHUNKS_PER_SCAN):
             if pending >= max(room, 1) and refusal is None:
@@ -212,6 +217,8 @@ class BatchRunner:
         """Start lines into the spare slots seen now, oldest chunk first."""
         room: dict[str, int] = {}
         now = time.monotonic()
+        budget = self.configs.current.batch.max_in_flight - self.lines_running
+        self.capped = False
         for held in list(self._held):
             if held.stopped or not held.pending:
                 continue
@@ -221,9 +228,14 @@ class BatchRunner:
             if key not in room:
                 room[key] = self.spare_slots(model, held.principal)
             while room[key] > 0 and held.pending and held.pending[0][2] <= now:
+                if budget <= 0:
+                    self.capped = True
+                    return
                 line, tries, _ = held.pending.popleft()
                 room[key] -= 1
+                budget -= 1
                 held.running += 1
+                self.lines_running += 1
                 task = asyncio.create_task(self._run_line(held, line, tries))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -284,6 +296,7 @@ class BatchRunner:
             held.pending.append((line, tries, time.monotonic() + 1.0))
         finally:
             held.running -= 1
+            self.lines_running -= 1
             self._check_done(held)
 
     async def _record_error(self, held: _Held, line: Line, code: str, message: str) -> None:
@@ -317,8 +330,10 @@ class BatchRunner:
                 "created_at": batch.doc.get("created_at"), "expires_at": batch.expires_at,
             } for batch in self.seen.values()],
             "here": {"chunks_held": len(self._held),
-                     "lines_running": sum(held.running for held in self._held),
-                     "lines_waiting": sum(len(held.pending) for held in self._held)},
+                     "lines_running": self.lines_running,
+                     "lines_waiting": sum(len(held.pending) for held in self._held),
+                     "max_in_flight": self.configs.current.batch.max_in_flight,
+                     "held_back_by_max_in_flight": self.capped},
         }
 
     def _check_done(self, held: _Held) -> None:

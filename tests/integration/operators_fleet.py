@@ -110,14 +110,15 @@ class OpsFleet:
                 await asyncio.sleep(0.02)
 
     async def publish(self, worker_id: str, *, running: int = 0,
-                      state: LifecycleState = LifecycleState.READY) -> None:
+                      state: LifecycleState = LifecycleState.READY,
+                      max_num_seqs: int = 8) -> None:
         assert self._publisher is not None
         self._seq += 1
         await self._publisher.publish(Heartbeat(
             worker_id=worker_id, region=self.regions[worker_id],
             endpoint=self.endpoints.get(worker_id, self.sims[worker_id].url), models=("m",),
             state=state,
-            capacity=Capacity(max_num_seqs=8),
+            capacity=Capacity(max_num_seqs=max_num_seqs),
             load=Load(running=running, waiting=0, kv_cache_usage=0.1),
             seq=self._seq, sent_at_s=time.time(), ttl_s=60.0,
         ))

@@ -15,13 +15,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from openai import AsyncOpenAI, NotFoundError
 
+from router.app import HOLDER
 from router.auth.keys import hash_key
 from router.batch.state import BatchStore
 from tests.conftest import ROOT
-from tests.integration.operators_fleet import OpsFleet, admin, fleet_config, scrape, value
+from tests.integration.operators_fleet import (
+    OpsFleet,
+    admin,
+    fleet_config,
+    scrape,
+    value,
+    wait_for,
+)
+from worker.engine_metrics import parse_metrics
 from worker.redis_client import connect
 
 pytestmark = pytest.mark.integration
@@ -142,6 +152,40 @@ async def test_lines_wait_while_interactive_traffic_holds_the_slots(fleet: OpsFl
             await fleet.publish(worker, running=0)
         done = await until_status(openai, created.id, ("completed",))
     assert done.request_counts.completed == 20
+
+
+async def test_a_forged_heartbeat_cannot_make_a_replica_run_more_than_its_cap(
+        fleet: OpsFleet) -> None:
+    # Every worker's heartbeat claims 100,000 slots (a forger with Redis write access, or
+    # a misconfigured agent): without batch.max_in_flight the runner would start all 40
+    # lines at once. The simulators, not the router, count what reaches them.
+    document = config(fleet)
+    document["batch"]["max_in_flight"] = 4
+    await fleet.start(WORKERS, config=document, decode_step_ms=10.0)
+    for worker in WORKERS:
+        await fleet.publish(worker, max_num_seqs=100_000)
+    views = fleet.apps[0][HOLDER]
+    await wait_for(lambda: all(view.heartbeat.capacity.max_num_seqs == 100_000
+                               for view in views.current.workers.values()))
+    peak = 0
+    async with client(fleet.url) as openai, aiohttp.ClientSession() as http:
+        created = await submit(openai, jsonl(40, max_tokens=20))
+        deadline = time.monotonic() + 60
+        while (batch := await openai.batches.retrieve(created.id)).status not in (
+                "completed", "failed"):
+            assert time.monotonic() < deadline, batch.request_counts
+            seen = 0
+            for sim in fleet.sims.values():
+                async with http.get(f"{sim.url}/metrics") as response:
+                    seen += parse_metrics(await response.text()).in_flight
+            peak = max(peak, seen)
+            await asyncio.sleep(0.02)
+        status, document = await admin(fleet.url, "GET", "/admin/status")
+    assert status == 200
+    assert batch.status == "completed" and batch.request_counts is not None
+    assert batch.request_counts.completed == 40
+    assert 0 < peak <= 4, peak
+    assert document["batches"]["here"]["max_in_flight"] == 4
 
 
 async def test_a_cancelled_batch_keeps_what_ran_and_reports_the_rest(fleet: OpsFleet) -> None:

@@ -129,13 +129,21 @@ def die_with_parent() -> None:
 
 
 def _start_engine_process(niceness: int) -> None:
-    """preexec_fn of the engine: die with the agent, and run at `niceness`.
+    """preexec_fn of the engine: its own session, die with the agent, run at `niceness`.
 
     The engine gets its own session (for the process-group kill), and with the kernel's
     autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`) every session is
     its own scheduling group: a plain `nice` would only order the engine's processes
     among themselves. The session's group is niced too, so the agent keeps its share.
+
+    The session is made here, before the group is niced, not with `start_new_session`:
+    uvloop (the agent's loop) runs preexec_fn *before* it calls setsid, so the write
+    reniced the agent's own group (the agent, and everything started from the same
+    shell or unit) and the engine then ran in a fresh group at nice 0: the opposite of
+    what was asked (found on the real-vLLM tier: the test's processes and routers starved
+    for up to 69 s, the engines at full weight).
     """
+    os.setsid()
     die_with_parent()
     if niceness:
         os.nice(niceness)
@@ -240,7 +248,6 @@ class EngineSupervisor:
             process = await asyncio.create_subprocess_exec(
                 *self._command.argv,
                 stdin=asyncio.subprocess.DEVNULL, stdout=output, stderr=output, env=env,
-                start_new_session=True,
                 preexec_fn=functools.partial(_start_engine_process, self._command.niceness),
             )
         except OSError as exc:

@@ -9,6 +9,7 @@ then SIGKILL, to the whole group) are tested without vLLM.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -340,6 +341,72 @@ def test_an_engine_dies_with_its_supervisor_even_on_sigkill(engine: Engine) -> N
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+# A supervisor in a session (scheduling group) of its own, so that a regression renices
+# only that group: it launches an engine at niceness 10 on the event loop named in
+# argv[1] and prints what the kernel says of both.
+NICED = r"""
+import asyncio, json, os, sys
+from pathlib import Path
+from worker.supervisor import EngineCommand, EngineSupervisor, ProcessState, RestartPolicy
+os.setsid()
+record = Path(sys.argv[2])
+ENGINE = f"import os, time; open({str(record)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+
+def group(pid):
+    try:
+        name, _, nice = Path(f"/proc/{pid}/autogroup").read_text().split()
+    except OSError:  # a kernel without autogroup scheduling
+        return None, None
+    return name, int(nice)
+
+async def main():
+    async def healthy():
+        return record.exists() and record.read_text() != ""
+    policy = RestartPolicy(start_timeout_s=20.0, initial_backoff_s=0.1, max_backoff_s=0.4,
+                           stable_after_s=60.0, max_failed_starts=1, stop_timeout_s=5.0,
+                           health_poll_s=0.02)
+    supervisor = EngineSupervisor(EngineCommand((sys.executable, "-c", ENGINE), niceness=10),
+                                  policy, healthy)
+    task = asyncio.create_task(supervisor.run())
+    while supervisor.state is not ProcessState.HEALTHY:
+        await asyncio.sleep(0.02)
+    pid = int(record.read_text())
+    print(json.dumps({"own": group("self"), "engine": group(pid), "engine_sid": os.getsid(pid),
+                      "engine_pid": pid, "engine_nice": os.getpriority(os.PRIO_PROCESS, pid),
+                      "own_nice": os.getpriority(os.PRIO_PROCESS, 0)}))
+    await supervisor.stop()
+    await task
+
+if sys.argv[1] == "uvloop":
+    import uvloop
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
+else:
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_niced_engine_is_niced_in_its_own_group_not_the_agents(
+        loop: str, tmp_path: Path) -> None:
+    # uvloop (the agent's loop) runs preexec_fn before setsid: with start_new_session,
+    # the engine's autogroup nice landed on the agent's own group, and every process
+    # started beside the agent starved behind an engine at full weight.
+    done = subprocess.run(
+        [sys.executable, "-c", NICED, loop, str(tmp_path / "engine.pid")], cwd=ROOT,
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["engine_sid"] == seen["engine_pid"], "the engine leads a session of its own"
+    assert (seen["engine_nice"], seen["own_nice"]) == (10, 0)
+    own_group, own_group_nice = seen["own"]
+    engine_group, engine_group_nice = seen["engine"]
+    if own_group is not None:  # the kernel schedules by autogroup
+        assert engine_group != own_group
+        assert (engine_group_nice, own_group_nice) == (10, 0), seen
 
 
 def test_backoff_doubles_and_is_bounded() -> None:

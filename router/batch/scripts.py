@@ -36,6 +36,14 @@ redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[2]), ARGV[1])
 return {status, 1}
 """
 
+# The leases that have not ended, by Redis's clock (as CLAIM and RENEW set them), not by
+# the asking replica's, which may differ. KEYS: leases. -> count
+LEASES_HELD = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return redis.call('ZCOUNT', KEYS[1], now, '+inf')
+"""
+
 # Give a lease back. KEYS: leases, holders. ARGV: chunk, holder.
 RELEASE = """
 if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then

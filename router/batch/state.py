@@ -55,6 +55,7 @@ class BatchStore:
         self._claim = redis.register_script(scripts.CLAIM)
         self._renew = redis.register_script(scripts.RENEW)
         self._release = redis.register_script(scripts.RELEASE)
+        self._leases_held = redis.register_script(scripts.LEASES_HELD)
         self._record = redis.register_script(scripts.RECORD)
         self._move = redis.register_script(scripts.MOVE)
 
@@ -232,10 +233,10 @@ class BatchStore:
         return {int(index): _text(value) for index, value in raw.items()}
 
     async def leases_held(self, batch_id: str) -> int:
-        """Leases that have not ended (one that has ended holds nothing: its replica died)."""
-        now_ms = int(time.time() * 1000)
-        return int(await self._call(
-            self._redis.zcount(self.key(batch_id, "leases"), now_ms, "+inf")))
+        """Leases that have not ended (one that has ended holds nothing: its replica died),
+        by Redis's clock, which set them: a replica whose clock runs ahead would otherwise
+        see leases end early and finalize a batch whose lines another replica still runs."""
+        return int(await self._script(self._leases_held, [self.key(batch_id, "leases")], []))
 
     async def finished(self, batch: Batch, status: str, now_s: int,
                        output_file_id: str | None, error_file_id: str | None) -> bool:

@@ -21,6 +21,7 @@ from openai import AsyncOpenAI, NotFoundError
 
 from router.app import HOLDER
 from router.auth.keys import hash_key
+from router.batch.lines import check_input
 from router.batch.state import BatchStore
 from tests.conftest import ROOT
 from tests.integration.operators_fleet import (
@@ -339,3 +340,24 @@ async def test_a_tenant_has_at_most_so_many_unfinished_batches(fleet: OpsFleet) 
         await until_status(openai, first.id, ("cancelled",))
         third = await submit(openai, jsonl(2))  # one ended: room for another
     assert third.status == "validating"
+
+
+async def test_a_lease_ends_by_redis_clock_not_the_replicas(
+        redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A replica whose clock runs an hour ahead (a host without NTP) asks whether any lease
+    # on a batch is still held: by its own clock the lease taken a moment ago has ended,
+    # and it would finalize the batch while another replica still runs its lines.
+    redis = connect(redis_url)
+    store = BatchStore(redis, key_prefix)
+    try:
+        batch = await store.create({"id": "batch_clock", "owner": None,
+                                    "created_at": int(time.time())})
+        checked = check_input(jsonl(3), "/v1/chat/completions", 100)
+        assert await store.validated(batch, checked, int(time.time()))
+        _status, chunk, held = await store.claim(batch.id, "replica-a", 60_000)
+        assert (chunk, held) == (0, 1)
+        ahead = time.time() + 3600
+        monkeypatch.setattr(time, "time", lambda: ahead)
+        assert await store.leases_held(batch.id) == 1
+    finally:
+        await redis.aclose()

@@ -104,6 +104,13 @@ FAST_LONG = {"decode_step_ms": 0.02, "decode_step_ms_per_seq": 0.0, "max_model_l
              "kv_blocks": 4096}
 # idle_s 0.4 s: the pauses below are five times as long.
 TIMEOUTS = {"connect_s": 1, "first_byte_s": 5, "idle_s": 0.4, "total_s": 60}
+# A client that stops reading is cut stall_s (1 s) after the router is held back, and the
+# router is held back only once the kernel's buffers hold ~4 MB of events: ~24,000 tokens,
+# which the simulator makes one engine step each, at this host's speed (cut 2.3-4.5 s
+# after the stream began in 8 runs on this host idle, and not within 6 s once in CI's
+# compiled tier). The bound leaves that room and stays half of total_s: a cut that only
+# total_s made would not pass.
+CUT_WITHIN_S = 30.0
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["front", "aiohttp"])
@@ -142,13 +149,13 @@ async def test_a_client_that_stops_reading_is_cut_off_as_its_own_problem(
         started = time.monotonic()
         samples = await scrape(fleet.router_url)
         while value(samples, "globalpool_client_disconnects_total", reason="stalled") < 1:
-            assert time.monotonic() - started < 6, "the stalled client was never cut off"
+            assert time.monotonic() - started < CUT_WITHIN_S, "the stalled client was never cut off"
             await asyncio.sleep(0.2)
             samples = await scrape(fleet.router_url)
     finally:
         client.close()
     cut_after_s = time.monotonic() - started
-    assert 1.0 <= cut_after_s < 6, cut_after_s
+    assert 1.0 <= cut_after_s < CUT_WITHIN_S, cut_after_s
     assert value(samples, "globalpool_requests_total", status="499") == 1
     assert value(samples, "globalpool_attempt_failures_total") == 0
     assert value(samples, "globalpool_ejections_total") == 0

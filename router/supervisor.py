@@ -7,7 +7,8 @@ not leave the router serving a frozen view while it says it is fine: `Supervised
 the loop, and when it raises, logs the traceback, counts the crash (`crashes`, exported
 as `globalpool_background_task_crashes_total{task}`), calls `on_down` (what the task feeds
 is marked stale, readiness fails), waits (0.1 s, doubling up to 5 s; back to 0.1 s after a
-minute without a crash) and starts it again. Cancellation (shutdown) ends it.
+minute without a crash) and starts it again. Cancellation (shutdown) ends it, whatever
+error the loop ends with once cancelled.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ class Supervised:
                 raise
             except Exception as exc:
                 self.running = False
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # Cancelled, and the loop ended with another error (redis-py turns a
+                    # cancel mid-command into ConnectionError): a shutdown, not a crash.
+                    # Restarting would swallow the cancel, and stop() would wait forever.
+                    raise asyncio.CancelledError from exc
                 self.crashes += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 if self._clock() - started_s >= STABLE_AFTER_S:

@@ -311,6 +311,11 @@ class FrontProtocol(asyncio.Protocol):
             self._reading_paused = False
             self.transport.resume_reading()
 
+    def serving(self) -> str | None:
+        """The path of the request this connection serves now (None: idle)."""
+        exchange = self._exchange
+        return None if exchange is None else exchange.path
+
     def close_when_idle(self) -> None:
         """Shutting down: close now if no request is being served, else after it."""
         self.closing = True

@@ -125,8 +125,13 @@ class FrontSite(web.TCPSite):
         for connection in list(self.connections):
             connection.close_when_idle()
         if self.connections:
-            with contextlib.suppress(TimeoutError):
+            try:
                 await asyncio.wait_for(self._drained.wait(), self.shutdown_timeout_s)
+            except TimeoutError:
+                left = list(self.connections)
+                log.warning("stopping: %d connection(s) still open after %g s, cut now "
+                            "(serving: %s)", len(left), self.shutdown_timeout_s,
+                            ", ".join(str(c.serving() or "nothing") for c in left[:10]))
         for connection in list(self.connections):
             connection.transport.abort()
 

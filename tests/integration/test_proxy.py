@@ -41,6 +41,7 @@ class Fleet:
     router_url: str
     sims: dict[str, SimServer]
     publish: Callable[..., Awaitable[None]]
+    runner: web.AppRunner  # the router's (the fixture cleans it up; cleaning it twice is fine)
 
     async def faults(self, worker_id: str, **knobs: object) -> None:
         async with aiohttp.ClientSession() as session, session.post(
@@ -93,7 +94,7 @@ async def fleet_factory(
                    *, redis: str = redis_url, ttl_s: float = 60.0,
                    client_timeouts: dict[str, float] | None = None,
                    policy: str = "predicted_ttft", router: dict[str, object] | None = None,
-                   **sim_changes: object) -> Fleet:
+                   shutdown_timeout_s: float = 60.0, **sim_changes: object) -> Fleet:
         sims: dict[str, SimServer] = {}
         for index, (worker_id, _region) in enumerate(workers.items()):
             sims[worker_id] = await start_sim(served_model_names=("m",), seed=index,
@@ -120,13 +121,14 @@ async def fleet_factory(
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         port = free_port()
-        await router_site(runner, "127.0.0.1", port).start()
+        await router_site(runner, "127.0.0.1", port,
+                          shutdown_timeout_s=shutdown_timeout_s).start()
         runners.append(runner)
         deadline = time.monotonic() + 5
         while len(app[HOLDER].current.workers) < len(workers):
             assert time.monotonic() < deadline, "router never saw the heartbeats"
             await asyncio.sleep(0.02)
-        return Fleet(f"http://127.0.0.1:{port}", sims, publish)
+        return Fleet(f"http://127.0.0.1:{port}", sims, publish, runner)
 
     yield make
     for runner in runners:
@@ -346,6 +348,27 @@ async def test_redis_outage_fails_static_and_recovers(fleet_factory: FleetFactor
             await asyncio.sleep(0.1)
     finally:
         server.stop()
+
+
+async def test_stopping_cuts_a_request_still_running_after_the_grace_and_says_which(
+        fleet_factory: FleetFactory, caplog: pytest.LogCaptureFixture) -> None:
+    # A stream of 40 tokens at 0.2 s each outlives the 0.5 s shutdown grace: the router
+    # waits that long, cuts it, and says what it cut (a silent wait of a whole grace was
+    # all a CI teardown that hung left to read).
+    fleet = await fleet_factory({"a": "us-east"}, shutdown_timeout_s=0.5, decode_step_ms=200.0)
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{fleet.router_url}/v1/chat/completions",
+            json={**CHAT, "stream": True, "max_tokens": 40}) as streaming:
+        assert streaming.status == 200
+        await streaming.content.readline()
+        started = time.monotonic()
+        await fleet.runner.cleanup()
+        stopped_s = time.monotonic() - started
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await streaming.read()
+    assert 0.5 <= stopped_s < 5, stopped_s
+    assert "1 connection(s) still open after 0.5 s, cut now (serving: /v1/chat/completions)" \
+        in caplog.text
 
 
 async def test_affinity_holds_while_the_first_request_is_still_streaming(

@@ -18,6 +18,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from worker.redis_client import raise_if_cancelling
+
 log = logging.getLogger("globalpool.supervisor")
 
 MIN_BACKOFF_S = 0.1
@@ -68,12 +70,10 @@ class Supervised:
                 raise
             except Exception as exc:
                 self.running = False
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    # Cancelled, and the loop ended with another error (redis-py turns a
-                    # cancel mid-command into ConnectionError): a shutdown, not a crash.
-                    # Restarting would swallow the cancel, and stop() would wait forever.
-                    raise asyncio.CancelledError from exc
+                # Cancelled, and the loop ended with another error (redis-py turns a cancel
+                # mid-command into ConnectionError): a shutdown, not a crash. Restarting
+                # would swallow the cancel, and stop() would wait forever.
+                raise_if_cancelling()
                 self.crashes += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 if self._clock() - started_s >= STABLE_AFTER_S:

@@ -93,8 +93,13 @@ class BatchRunner:
         self.seen: dict[str, Batch] = {}  # the unfinished batches, as the last scan saw them
         self._tasks: set[asyncio.Task[None]] = set()
         self._rng = random.Random()
-        self.lines_running = 0  # of every batch, here (at most batch.max_in_flight)
         self.capped = False  # the last dispatch left spare slots unused for max_in_flight
+
+    @property
+    def lines_running(self) -> int:
+        """This replica's lines running now, of every batch (a chunk stays held while any
+        of its lines runs): at most batch.max_in_flight."""
+        return sum(held.running for held in self._held)
 
     # --- loops --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -235,7 +240,6 @@ class BatchRunner:
                 room[key] -= 1
                 budget -= 1
                 held.running += 1
-                self.lines_running += 1
                 task = asyncio.create_task(self._run_line(held, line, tries))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -296,7 +300,6 @@ class BatchRunner:
             held.pending.append((line, tries, time.monotonic() + 1.0))
         finally:
             held.running -= 1
-            self.lines_running -= 1
             self._check_done(held)
 
     async def _record_error(self, held: _Held, line: Line, code: str, message: str) -> None:

@@ -127,7 +127,7 @@ class EmbeddedValkey:
         if workdir is not None:
             args += ["--dir", str(workdir)]
         args += extra_args
-        log = tempfile.TemporaryFile() if log_path is None else open(log_path, "wb")  # noqa: SIM115
+        log = tempfile.TemporaryFile() if log_path is None else open(log_path, "w+b")  # noqa: SIM115
         process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             preexec_fn=process_module.die_with_parent if die_with_parent else None,

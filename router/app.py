@@ -196,7 +196,9 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
     collector = HeartbeatCollector(
         redis=redis,
         pubsub_redis=pubsub_redis,
-        keys=HeartbeatKeys(settings.config.redis.key_prefix),
+        keys=HeartbeatKeys(settings.config.redis.key_prefix,
+                           sharded=redis_client.is_cluster_url(settings.redis_url)),
+        regions=lambda: app[OPERATIONS].configs.current.regions.keys(),
         holder=app[HOLDER],
         local_inflight=inflight.of,
         gate=heartbeat_gate(lambda: app[OPERATIONS].configs.current,  # follows reloads
@@ -214,7 +216,9 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
     ).start()
     peers = app[PEERS] = PeerExchange(
         redis=redis, pubsub_redis=pubsub_redis,
-        channel=f"{settings.config.redis.key_prefix}:routers:inflight", inflight=inflight,
+        channel=redis_client.one_slot_prefix(settings.config.redis.key_prefix,
+                                             settings.redis_url) + ":routers:inflight",
+        inflight=inflight,
         interval_s=lambda: app[OPERATIONS].configs.current.router.peer_interval_ms / 1000.0,
         keys=keys, stats=app[SECURITY_STATS], region=settings.region)
     background["peer-exchange"] = Supervised("peer-exchange", peers.run).start()

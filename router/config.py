@@ -28,9 +28,9 @@ class _Strict(BaseModel):
 class RedisConfig(_Strict):
     url: str = Field(
         default="embedded",
-        description="redis://, rediss:// (TLS), unix:// or redis+sentinel://HOST:PORT[,...]/"
-        "SERVICE URL; 'embedded' = the Valkey that `globalpool up` starts. The REDIS_URL "
-        "environment variable overrides it.",
+        description="redis://, rediss:// (TLS), unix://, redis+sentinel://HOST:PORT[,...]/"
+        "SERVICE or redis+cluster://HOST:PORT[,...] URL; 'embedded' = the Valkey that "
+        "`globalpool up` starts. The REDIS_URL environment variable overrides it.",
     )
     key_prefix: str = Field(default="globalpool", pattern=r"^[A-Za-z0-9:_.-]+$")
 

@@ -23,7 +23,7 @@ from worker.heartbeat import HeartbeatLoop, HeartbeatTiming, WorkerIdentity, unl
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.probe import EngineProber, open_engine_session
 from worker.publisher import HeartbeatPublisher, RedisUnavailableError
-from worker.redis_client import connect
+from worker.redis_client import connect, is_cluster_url
 from worker.schema import LifecycleState
 from worker.supervisor import (
     EngineCommand,
@@ -185,7 +185,8 @@ async def serve(
     launched engine starts).
     """
     loop = asyncio.get_running_loop()
-    publisher = HeartbeatPublisher(connect(settings.redis_url), HeartbeatKeys(settings.key_prefix))
+    publisher = HeartbeatPublisher(connect(settings.redis_url), HeartbeatKeys(
+        settings.key_prefix, sharded=is_cluster_url(settings.redis_url)))
     try:
         async with open_engine_session(settings.probe_timeout_s) as session:
             engine = None

@@ -62,8 +62,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id",
                         help="unique id (default: <region>-<host>-<port> of --advertise-url)")
     parser.add_argument("--redis-url",
-                        help="redis://, rediss:// (TLS) or redis+sentinel://HOST:PORT[,...]/"
-                        "SERVICE URL (default: $REDIS_URL, then --config)")
+                        help="redis://, rediss:// (TLS), redis+sentinel://HOST:PORT[,...]/"
+                        "SERVICE or redis+cluster://HOST:PORT[,...] URL (default: "
+                        "$REDIS_URL, then --config)")
     parser.add_argument("--key-prefix",
                         help=f"Redis namespace (default: --config, then {DEFAULT_KEY_PREFIX})")
     parser.add_argument("--interval-s", type=float,

@@ -24,14 +24,14 @@ import os
 import time
 from collections.abc import Callable
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.load_records import load_record, static_digest
-from worker.redis_client import raise_if_cancelling
+from worker.redis_client import close, raise_if_cancelling
 from worker.schema import Heartbeat
 from worker.signing import HeartbeatSigner
 
@@ -69,7 +69,7 @@ class HeartbeatPublisher:
         self._signer = (HeartbeatSigner.from_environ(os.environ)
                         if signer is FROM_ENVIRONMENT else signer)
         # What the routers' channel last carried of each worker (its static digest), and
-        # the region it publishes its load records in.
+        # the region it last heartbeat in (where its key and load record are).
         self._announced: dict[str, int] = {}
         self._regions: dict[str, str] = {}
 
@@ -95,18 +95,19 @@ class HeartbeatPublisher:
         announce = (record is None or self._announced.get(worker_id) != digest
                     or region != heartbeat.region)
         ttl_ms = max(1, round(heartbeat.ttl_s * 1000))
+        keys = self._keys
         try:
+            if region is not None and region != heartbeat.region:
+                await self._forget(worker_id, region)  # it moved
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.set(self._keys.worker(worker_id), payload, px=ttl_ms)
-                if region is not None and region != heartbeat.region:
-                    pipe.hdel(self._keys.loads(region), worker_id)  # it moved
+                pipe.set(keys.worker(worker_id, heartbeat.region), payload, px=ttl_ms)
                 if record is not None:
-                    pipe.hset(self._keys.loads(heartbeat.region), worker_id, record)
+                    pipe.hset(keys.loads(heartbeat.region), worker_id, record)
                 if announce:
-                    pipe.publish(self._keys.channel, payload)
+                    self._publish(pipe, keys.region_channel(heartbeat.region), payload)
                 tap = self._clock() >= self._tap_quiet_until_s
                 if tap:
-                    pipe.publish(self._keys.tap, payload)
+                    self._publish(pipe, keys.region_tap(heartbeat.region), payload)
                 results = await pipe.execute()
             raise_if_cancelling()  # redis-py can return normally from a cancelled call
         except (RedisError, OSError) as exc:
@@ -115,8 +116,22 @@ class HeartbeatPublisher:
         if tap and results and results[-1] == 0:  # nobody listens on the tap
             self._tap_quiet_until_s = self._clock() + TAP_RECHECK_S
         self._announced[worker_id] = digest
-        if record is not None:
-            self._regions[worker_id] = heartbeat.region
+        self._regions[worker_id] = heartbeat.region
+
+    def _publish(self, pipe: Any, channel: str, payload: bytes | str) -> None:
+        """PUBLISH, or SPUBLISH on a cluster (the channel is then in the keys' slot)."""
+        if self._keys.sharded:
+            pipe.execute_command("SPUBLISH", channel, payload)
+        else:
+            pipe.publish(channel, payload)
+
+    async def _forget(self, worker_id: str, region: str) -> None:
+        """Remove what `worker_id` wrote as a worker of `region` (it now says another)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(self._keys.loads(region), worker_id)
+            if self._keys.sharded:  # its heartbeat key has the region in its name
+                pipe.delete(self._keys.worker(worker_id, region))
+            await pipe.execute()
 
     async def remove(self, worker_id: str) -> None:
         """DEL the key and the load record and PUBLISH `gone:<worker_id>` so routers drop
@@ -126,13 +141,19 @@ class HeartbeatPublisher:
         """
         gone = self._keys.gone_message(worker_id)
         region = self._regions.get(worker_id)
+        if region is None and self._keys.sharded:
+            return  # never published here: nothing of it to remove
+        keys = self._keys
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self._keys.worker(worker_id))
+                pipe.delete(keys.worker(worker_id, region))
                 if region is not None:
-                    pipe.hdel(self._keys.loads(region), worker_id)
-                pipe.publish(self._keys.channel, gone)
-                pipe.publish(self._keys.tap, gone)
+                    pipe.hdel(keys.loads(region), worker_id)
+                    self._publish(pipe, keys.region_channel(region), gone)
+                    self._publish(pipe, keys.region_tap(region), gone)
+                else:
+                    self._publish(pipe, keys.channel, gone)
+                    self._publish(pipe, keys.tap, gone)
                 await pipe.execute()
             raise_if_cancelling()
         except (RedisError, OSError) as exc:
@@ -141,7 +162,7 @@ class HeartbeatPublisher:
         self._announced.pop(worker_id, None)  # announced again if it comes back
 
     async def aclose(self) -> None:
-        await self._redis.aclose(close_connection_pool=True)
+        await close(self._redis)
 
 
 def _describe(exc: BaseException) -> str:

@@ -13,24 +13,42 @@ failover new connections go to the promoted replica; the user and password are t
 primary's, and `?sentinel_password=...` (and `sentinel_username`) authenticate to the
 sentinels when they require it; with TLS, `?ssl_ca_certs=/path/ca.pem` checks both the
 sentinels' and the servers' certificates against that CA.
+
+And with Redis/Valkey Cluster:
+
+    redis+cluster://[[user]:password@]host:6379[,host:6379...][/]
+    rediss+cluster://...    (TLS to every node; `?ssl_ca_certs=/path/ca.pem` as above)
+
+The listed nodes are where the client first asks for the slot map; it follows MOVED and
+ASK and refreshes the map after a failover. `is_cluster(client)` says which kind a client
+is: keys that must share a slot are hash-tagged by their users (see
+worker.heartbeat_keys), and pub/sub is sharded (SSUBSCRIBE/SPUBLISH) on a cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
+from redis.typing import KeyT
 
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_DEFAULT_PORT = 26379
 SENTINEL_URL_PARAMETERS = ("sentinel_username", "sentinel_password", "ssl_ca_certs")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+CLUSTER_DEFAULT_PORT = 6379
+# A cluster client does not wait for a free connection (it raises at the cap), so each
+# node gets this many times the pool size a single server's client waits on.
+CLUSTER_CONNECTIONS_FACTOR = 4
 
 
 def connect(
@@ -88,25 +106,59 @@ def url_problem(url: str) -> str | None:
     """Why `url` cannot be connected to (None: it can), said before anything connects."""
     scheme, separator, rest = url.partition("://")
     if not separator:
-        return (f"{url[:80]!r} is not a URL: use redis://host:port, rediss:// (TLS), unix:// "
-                "or redis+sentinel://host:port/service")
-    if scheme in SENTINEL_SCHEMES:
+        return (f"{url[:80]!r} is not a URL: use redis://host:port, rediss:// (TLS), unix://, "
+                "redis+sentinel://host:port/service or redis+cluster://host:port,host:port")
+    if scheme in SENTINEL_SCHEMES or scheme in CLUSTER_SCHEMES:
         try:
-            SentinelURL.parse(url)
+            (SentinelURL if scheme in SENTINEL_SCHEMES else ClusterURL).parse(url)
         except ValueError as exc:
             return f"{scheme}://: {exc}"
         return None
     if scheme not in PLAIN_SCHEMES:
         return (f"the scheme {scheme[:30]!r} is not supported: use redis://, rediss:// (TLS), "
-                "unix:// or redis+sentinel:// (rediss+sentinel:// with TLS)")
+                "unix://, redis+sentinel:// or redis+cluster:// (rediss+... with TLS)")
     if scheme != "unix" and not rest.rpartition("@")[2].split("/", 1)[0]:
         return f"{scheme}:// needs a host (redis://host:6379/0)"
     return None
 
 
+def is_cluster(client: Redis) -> bool:
+    """Whether `client` talks to a Redis/Valkey Cluster (a `redis+cluster://` URL)."""
+    return isinstance(client, RedisCluster)
+
+
+async def mget(client: Redis, keys: Sequence[KeyT]) -> list[Any]:
+    """MGET, on a cluster split by slot (one MGET per slot, not atomic across them)."""
+    if isinstance(client, RedisCluster):
+        return await client.mget_nonatomic(keys)
+    return await client.mget(keys)
+
+
+async def close(client: Redis) -> None:
+    """Close `client` and every connection it holds (a cluster's, on every node)."""
+    if isinstance(client, RedisCluster):
+        await client.aclose()
+    else:
+        await client.aclose(close_connection_pool=True)
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.partition("://")[0] in CLUSTER_SCHEMES
+
+
+def one_slot_prefix(prefix: str, url: str) -> str:
+    """The key prefix for state whose keys are used together (in one transaction or
+    script: drain flags, files, batches) and whose volume is small: on a cluster
+    (`url`), `{prefix}`, a hash tag that puts all of it in one slot; else `prefix`."""
+    return f"{{{prefix}}}" if is_cluster_url(url) else prefix
+
+
 def _client(url: str, **pool_kwargs: Any) -> Redis:
-    if url.partition("://")[0] in SENTINEL_SCHEMES:
+    scheme = url.partition("://")[0]
+    if scheme in SENTINEL_SCHEMES:
         return _sentinel_client(SentinelURL.parse(url), **pool_kwargs)
+    if scheme in CLUSTER_SCHEMES:
+        return _cluster_client(ClusterURL.parse(url), **pool_kwargs)
     pool = BlockingConnectionPool.from_url(url, decode_responses=False, **pool_kwargs)
     return Redis(connection_pool=pool)
 
@@ -160,13 +212,48 @@ class SentinelURL:
         )
 
 
-def _host_port(item: str) -> tuple[str, int]:
+@dataclass(frozen=True)
+class ClusterURL:
+    """A `redis+cluster://` URL, parsed (see the module's docstring)."""
+
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+    ssl_ca_certs: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> ClusterURL:
+        """Raises ValueError, saying what is wrong, on a malformed URL."""
+        parts = urlsplit(url)
+        if parts.scheme not in CLUSTER_SCHEMES:
+            raise ValueError(f"not a cluster URL (scheme {parts.scheme!r})")
+        credentials, _, hosts = parts.netloc.rpartition("@")
+        nodes = tuple(_host_port(item, CLUSTER_DEFAULT_PORT) for item in hosts.split(",") if item)
+        if not nodes:
+            raise ValueError("redis+cluster:// needs at least one node host[:port]")
+        if parts.path.strip("/") not in ("", "0"):
+            raise ValueError("a cluster has only database 0: redis+cluster://HOSTS/")
+        query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+        unknown = set(query) - {"ssl_ca_certs"}
+        if unknown:
+            raise ValueError(f"unknown URL parameters {sorted(unknown)} (known: ssl_ca_certs)")
+        if "ssl_ca_certs" in query and parts.scheme != "rediss+cluster":
+            raise ValueError("ssl_ca_certs needs TLS: rediss+cluster://")
+        user, has_password, password = credentials.partition(":")
+        return cls(nodes=nodes, tls=parts.scheme == "rediss+cluster",
+                   username=unquote(user) or None,
+                   password=unquote(password) if has_password else None,
+                   ssl_ca_certs=query.get("ssl_ca_certs"))
+
+
+def _host_port(item: str, default_port: int = SENTINEL_DEFAULT_PORT) -> tuple[str, int]:
     if item.startswith("["):  # [IPv6]:port
         host, _, rest = item[1:].partition("]")
         port = rest.removeprefix(":")
     else:
         host, _, port = item.partition(":")
-    port = port or str(SENTINEL_DEFAULT_PORT)
+    port = port or str(default_port)
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{item[:60]!r} is not host:port")
     return host, int(port)
@@ -177,11 +264,16 @@ class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
     a free connection that every other client here has."""
 
 
+def _tls(on: bool, ca_certs: str | None) -> dict[str, Any]:
+    """redis-py's TLS arguments for a URL's `rediss+...` scheme and `ssl_ca_certs`."""
+    if not on:
+        return {}
+    return {"ssl": True} | ({"ssl_ca_certs": ca_certs} if ca_certs else {})
+
+
 def _sentinel_client(url: SentinelURL, *, max_connections: int, timeout: float | None,
                      **connection_kwargs: Any) -> Redis:
-    tls: dict[str, Any] = {}
-    if url.tls:
-        tls = {"ssl": True} | ({"ssl_ca_certs": url.ssl_ca_certs} if url.ssl_ca_certs else {})
+    tls = _tls(url.tls, url.ssl_ca_certs)
     bounded = {key: connection_kwargs[key] for key in ("socket_connect_timeout", "retry")}
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         list(url.sentinels),
@@ -197,6 +289,23 @@ def _sentinel_client(url: SentinelURL, *, max_connections: int, timeout: float |
         **tls, **connection_kwargs,
     )
     return client
+
+
+def _cluster_client(url: ClusterURL, *, max_connections: int, timeout: float | None,
+                    **connection_kwargs: Any) -> Redis:
+    del timeout  # a cluster client has no wait for a free connection
+    tls = _tls(url.tls, url.ssl_ca_certs)
+    client = RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
+        # A slot without a node (mid-failover) fails only the calls that need it.
+        require_full_coverage=False,
+        max_connections=max_connections * CLUSTER_CONNECTIONS_FACTOR,
+        username=url.username, password=url.password, decode_responses=False,
+        **tls, **connection_kwargs,
+    )
+    # RedisCluster serves the commands globalpool uses with Redis's signatures; the few
+    # places that differ (pub/sub, multi-key reads) ask `is_cluster` first.
+    return cast(Redis, client)
 
 
 def raise_if_cancelling() -> None:

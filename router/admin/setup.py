@@ -131,7 +131,8 @@ class Operations:
         config = self.configs.current
         self.drains.set_configured(_configured_drains(config))
         redis = self._redis = redis_client.connect(redis_url, max_connections=4)
-        store = DrainStore(redis, DrainKeys(config.redis.key_prefix), self.drains,
+        store = DrainStore(redis, DrainKeys(redis_client.one_slot_prefix(
+                               config.redis.key_prefix, redis_url)), self.drains,
                            on_restored=self._drains_restored)
         self._store = store
         await store.refresh()

@@ -295,7 +295,8 @@ async def opened(redis_url: str, admission: Admission | None, configs: ConfigHol
     config = configs.current
     redis = redis_client.connect(redis_url)
     try:
-        store = FileStore(redis, config.redis.key_prefix, open_blob_store(config.batch.storage))
+        store = FileStore(redis, redis_client.one_slot_prefix(config.redis.key_prefix, redis_url),
+                          open_blob_store(config.batch.storage))
         yield FilesApi(store, admission, configs)
     finally:
         await redis.aclose()

@@ -35,7 +35,8 @@ async def opened(redis_url: str, proxy: Proxy, admission: Admission | None,
     async with files_api.opened(redis_url, admission, configs) as files:
         redis = redis_client.connect(redis_url)
         try:
-            store = BatchStore(redis, configs.current.redis.key_prefix)
+            store = BatchStore(redis, redis_client.one_slot_prefix(
+                configs.current.redis.key_prefix, redis_url))
             yield BatchService(
                 files, BatchesApi(store, files.store, admission, configs),
                 BatchRunner(store, files.store, proxy, admission, configs))

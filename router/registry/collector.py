@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -68,6 +68,9 @@ UNREACHABLE_LOG_EVERY_S = 10.0
 # is longer (a scan is ~2-5 ms at 10,000 workers; routing skips a stale view before the
 # scan takes it out: router.policy.filters).
 EXPIRY_CHECK_S = 0.25
+# With sharded keys and no list of regions, the channels of at most this many regions
+# that the full read finds are followed (what Redis holds need not be bounded).
+MAX_FOUND_REGIONS = 256
 # Waiting for pub/sub this much longer than asked means this process was not scheduled.
 STALL_TOLERANCE_S = 1.0
 
@@ -105,9 +108,14 @@ class HeartbeatCollector:
         on_down: Callable[[WorkerView], None] = lambda _view: None,
         cpu_share: Callable[[], float] = lambda: DEFAULT_FLEET_VIEW_CPU_SHARE,
         agent_interval_s: Callable[[], float] = lambda: 0.0,
+        regions: Callable[[], Collection[str]] | None = None,
     ) -> None:
-        """`cpu_share`, `agent_interval_s` and `full_read_interval_s`: see Pace."""
+        """`cpu_share`, `agent_interval_s` and `full_read_interval_s`: see Pace.
+        `regions`: the regions whose workers it follows (regions.yaml's, following
+        reloads), for sharded keys (`keys.sharded`), where each region has its channel;
+        None: those the full read finds, at most MAX_FOUND_REGIONS."""
         self._pubsub_redis = pubsub_redis
+        self._regions = regions
         self._keys = keys
         self._clock = clock
         self._max_backoff_s = max_backoff_s
@@ -210,7 +218,7 @@ class HeartbeatCollector:
                 self._publisher.publish()
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(self._max_backoff_s, backoff_s * 2)
-            else:  # _follow only returns on cancellation paths; loop defensively
+            else:  # _follow returns when the channels to follow change
                 backoff_s = 0.05
             if table.connected:
                 unreachable_logged_s = None
@@ -237,15 +245,30 @@ class HeartbeatCollector:
             raise fault
 
     async def _follow(self) -> None:
+        """Subscribe, read in full, then follow; returns to subscribe again when the
+        channels to follow change (a region added, with sharded keys)."""
         self._raise_injected_fault()
-        async with Subscription(self._pubsub_redis, self._keys.channel) as subscription:
+        channels = self._channels()
+        async with Subscription(self._pubsub_redis, channels) as subscription:
             await self._connect()
             due = _Due(self._clock(), self._pace.full_read_every_s(len(self._table.views)))
-            while True:
+            while channels == self._channels():
                 raise_if_cancelling()  # redis-py may have swallowed a cancellation
                 self._raise_injected_fault()
                 due.dirty |= await self._receive(subscription, due)
                 await self._run_due(due)
+        log.info("the regions to follow changed: subscribing to %d heartbeat channel(s)",
+                 len(self._channels()))
+
+    def _channels(self) -> list[str]:
+        """The channels to follow now (see __init__'s `regions`)."""
+        keys = self._keys
+        if not keys.sharded:
+            return keys.channels(())
+        if self._regions is not None:
+            return keys.channels(self._regions())
+        found = self._loads.regions.union(view.region for view in self._table.views.values())
+        return keys.channels(sorted(found)[:MAX_FOUND_REGIONS])
 
     async def _connect(self) -> None:
         """Read the fleet in full (subscribed already: nothing published meanwhile is

@@ -16,6 +16,7 @@ from router.registry.load_records import LoadRecords
 from router.registry.pace import Pace
 from router.registry.worker_table import WorkerTable
 from worker.heartbeat_keys import HeartbeatKeys
+from worker.redis_client import mget
 
 # Heartbeat keys read in one MGET.
 KEYS_PER_READ = 500
@@ -38,9 +39,8 @@ class FullRead:
         async for key in self._redis.scan_iter(match=self._keys.pattern, count=1000):
             keys.append(key)
         regions: set[str] = set()
-        loads_at = len(self._keys.loads("").encode())
         async for key in self._redis.scan_iter(match=self._keys.loads_pattern, count=1000):
-            regions.add(key[loads_at:].decode(errors="replace"))
+            regions.add(self._keys.region_of_loads(key))
         self._loads.regions = regions
         table = self._table
         now = table.clock()
@@ -67,9 +67,9 @@ class FullRead:
         repair is a worker it does not know or has not heard from."""
         views = self._table.views
         since_s = now - self._pace.full_read_every_s(len(views))
-        worker_at = len(self._keys.worker("").encode())
+        worker_id = self._keys.worker_id
         return [key for key in keys
-                if (view := views.get(key[worker_at:].decode(errors="replace"))) is None
+                if (view := views.get(worker_id(key))) is None
                 or view.received_at_s < since_s]
 
     async def _take(self, keys: list[bytes], now: float) -> set[str]:
@@ -77,7 +77,7 @@ class FullRead:
         table = self._table
         seen: set[str] = set()
         for start in range(0, len(keys), KEYS_PER_READ):
-            payloads = await self._redis.mget(keys[start : start + KEYS_PER_READ])
+            payloads = await mget(self._redis, keys[start : start + KEYS_PER_READ])
             started = time.thread_time()
             for payload in payloads:
                 if payload is None:

@@ -21,6 +21,7 @@ from router.registry.worker_table import HeartbeatCheck, WorkerTable
 from router.registry.worker_view import WorkerView
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.load_records import LoadRecord, record_items
+from worker.redis_client import mget
 from worker.schema import Refused
 
 log = logging.getLogger("globalpool.registry")
@@ -149,14 +150,14 @@ class LoadRecords:
         view = self._views.get(worker_id)
         if view is None:
             self.orphans[worker] = (region, sent_at_s)  # deleted if it stays so
-            to_read.append(worker_id)
+            to_read.append(self._keys.worker(worker_id, region))
             return False
         if view.region != region:
             self._refusals.refuse(WRONG_REGION, f"load record of {worker_id!r} in region "
                                   f"{region[:60]!r}, but it heartbeats in {view.region!r}")
             return False
         if record[4] != view.static_digest:
-            to_read.append(worker_id)  # more than its load changed, and no message came
+            to_read.append(self._keys.worker(worker_id, region))  # more than its load changed
             return False
         if sent_at_s < view.sent_at_s or (sent_at_s == view.sent_at_s and seq <= view.seq):
             return False  # not newer than what the router has (a replay, or no news)
@@ -174,10 +175,10 @@ class LoadRecords:
         self._refusals.refuse(reason, f"load record {worker[:60]!r} in region "
                                       f"{region[:60]!r}: {why}")
 
-    async def _read_workers(self, worker_ids: list[str]) -> bool:
+    async def _read_workers(self, keys: list[str]) -> bool:
         """Read these workers' heartbeat keys (see `_apply_record`)."""
-        self.worker_reads += len(worker_ids)
-        payloads = await self._redis.mget([self._keys.worker(w) for w in worker_ids])
+        self.worker_reads += len(keys)
+        payloads = await mget(self._redis, keys)
         started = time.thread_time()
         table = self._table
         now = table.clock()

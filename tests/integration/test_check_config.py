@@ -60,11 +60,16 @@ def test_a_redis_url_from_the_environment_is_checked_before_listening(tmp_path: 
     config = _config(tmp_path)
     assert _globalpool("check-config", str(config)).returncode == 0
     started = _globalpool("router", "--config", str(config),
-                          env={"REDIS_URL": "redis+cluster://127.0.0.1:7000"})
+                          env={"REDIS_URL": "redis+shard://127.0.0.1:7000"})
     assert started.returncode == 2, started
     assert started.stderr.strip() == (
-        "REDIS_URL: the scheme 'redis+cluster' is not supported: use redis://, rediss:// "
-        "(TLS), unix:// or redis+sentinel:// (rediss+sentinel:// with TLS)")
+        "REDIS_URL: the scheme 'redis+shard' is not supported: use redis://, rediss:// "
+        "(TLS), unix://, redis+sentinel:// or redis+cluster:// (rediss+... with TLS)")
+    started = _globalpool("router", "--config", str(config),
+                          env={"REDIS_URL": "redis+cluster://127.0.0.1:7000/2"})
+    assert started.returncode == 2, started
+    assert started.stderr.strip() == ("REDIS_URL: redis+cluster://: a cluster has only "
+                                      "database 0: redis+cluster://HOSTS/")
     started = _globalpool("router", "--config", str(config),
                           env={"REDIS_URL": "redis+sentinel://127.0.0.1:26379"})
     assert started.returncode == 2, started

@@ -20,7 +20,6 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -30,12 +29,16 @@ from lab.devstack.stack import LocalStack
 from lab.devstack.valkey import TLSFiles, free_port
 from router.config_loader import load_config
 from tests.conftest import skip_for_missing_tool
+from tests.integration.redis_failover import (
+    FRESH_S,
+    Streams,
+    ages,
+    drain_reaches_the_router,
+    status_of,
+)
 from tests.integration.stack import small_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-
-FRESH_S = 1.0  # a heartbeat this old or younger is fresh (the interval is 0.2 s)
-
 
 @pytest.fixture(params=["valkey", "redis-tls"])
 def sentinel_group(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SentinelGroup]:
@@ -67,35 +70,6 @@ def _certificate(tmp_path: Path) -> TLSFiles:
     return files
 
 
-async def _status(session: aiohttp.ClientSession, stack: LocalStack) -> dict[str, Any]:
-    async with session.get(f"{stack.router_url}/admin/status?workers=100",
-                           headers={"Authorization": f"Bearer {stack.admin_token}"},
-                           timeout=aiohttp.ClientTimeout(total=2)) as response:
-        assert response.status == 200
-        return dict(await response.json())
-
-
-def _ages(status: dict[str, Any]) -> list[float]:
-    return [w["heartbeat_age_s"] for w in status["workers"]]
-
-
-async def _ask(session: aiohttp.ClientSession, url: str, number: int) -> str | None:
-    """One streamed chat completion; None when it was whole, else what went wrong."""
-    body = {"model": "tiny-llama", "stream": True, "max_tokens": 24,
-            "messages": [{"role": "user", "content": f"question {number}"}]}
-    try:
-        async with session.post(f"{url}/v1/chat/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=30)) as response:
-            text = await response.text()
-            if response.status != 200:
-                return f"HTTP {response.status}: {text[:200]}"
-            if not text.rstrip().endswith("data: [DONE]"):
-                return f"no [DONE]: {text[-200:]}"
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 async def test_the_primary_killed_under_load_costs_no_request_and_heartbeats_recover(
         tmp_path: Path, sentinel_group: SentinelGroup) -> None:
     config_path = small_config(
@@ -113,29 +87,17 @@ async def test_the_primary_killed_under_load_costs_no_request_and_heartbeats_rec
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError, AssertionError):
-                    status = await _status(session, stack)
-                    if len(status["workers"]) == 2 and max(_ages(status)) < FRESH_S:
+                    status = await status_of(session, stack)
+                    if len(status["workers"]) == 2 and max(ages(status)) < FRESH_S:
                         break
                 await asyncio.sleep(0.2)
             else:
                 pytest.fail("the router never saw both workers through the sentinels")
             assert status["redis"]["connected"] is True
 
-            failures: list[str] = []
-            sent = 0
-            stop = asyncio.Event()
-
-            async def client(number: int) -> None:  # bounded: 400 requests, 60 s in all
-                nonlocal sent
-                while not stop.is_set() and sent < 400:
-                    sent += 1
-                    problem = await _ask(session, stack.router_url, 10 * sent + number)
-                    if problem is not None:
-                        failures.append(problem)
-
-            clients = [asyncio.create_task(client(n)) for n in range(4)]
+            streams = Streams(session, stack.router_url)
             await asyncio.sleep(1.0)
-            before = sent
+            before = streams.sent
             old = sentinel_group.kill_primary()
             killed_at = time.monotonic()
             promoted = await asyncio.to_thread(sentinel_group.wait_for_new_primary, old, 30.0)
@@ -143,32 +105,17 @@ async def test_the_primary_killed_under_load_costs_no_request_and_heartbeats_rec
             fresh_s: float | None = None
             while time.monotonic() - killed_at < 40:
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError, AssertionError):
-                    status = await _status(session, stack)
+                    status = await status_of(session, stack)
                     if (status["redis"]["connected"] and len(status["workers"]) == 2
-                            and max(_ages(status)) < FRESH_S):
+                            and max(ages(status)) < FRESH_S):
                         fresh_s = time.monotonic() - killed_at
                         break
                 await asyncio.sleep(0.1)
             await asyncio.sleep(1.0)  # requests keep flowing after the failover
-            stop.set()
-            await asyncio.wait_for(asyncio.gather(*clients), 60)
+            await streams.stop()
+            sent, failures = streams.sent, streams.failures
             # An operator's drain, written to the promoted primary, reaches the router.
-            drained = status["workers"][0]["id"]
-            async with session.post(f"{stack.router_url}/admin/drain",
-                                    json={"worker": drained, "reason": "after failover"},
-                                    headers={"Authorization": f"Bearer {stack.admin_token}"}
-                                    ) as response:
-                assert response.status == 200, await response.text()
-            served_by = set()
-            for number in range(8):
-                async with session.post(
-                        f"{stack.router_url}/v1/chat/completions",
-                        json={"model": "tiny-llama", "max_tokens": 4,
-                              "messages": [{"role": "user", "content": f"after {number}"}]}
-                        ) as response:
-                    assert response.status == 200
-                    served_by.add(response.headers["x-globalpool-worker"])
-            assert drained not in served_by and served_by
+            await drain_reaches_the_router(session, stack, status["workers"][0]["id"])
     finally:
         await stack.stop(timeout_s=5.0)
     report = {"requests": sent, "during_and_after": sent - before, "failed": len(failures),

@@ -38,5 +38,7 @@ drill partition-region-5s  partition-region --set router.timeouts.first_byte_s=5
 drill slow-region          slow-region
 drill redis-outage         redis-outage
 drill redis-outage-freeze  redis-outage --redis-mode freeze
+drill redis-failover       redis-failover
+drill redis-cluster-failover redis-cluster-failover
 drill worker-flap          worker-flap
 ${PYTHON:-python} -m lab.drill.summary docs/drills

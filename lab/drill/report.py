@@ -13,7 +13,8 @@ from typing import Any
 from lab.devstack.loadgen import RequestResult
 from lab.drill import analysis
 from lab.drill.analysis import Target, Timeline
-from lab.drill.scenarios import FRESH_AFTER_FAILOVER_S, RedisFailover, Scenario, WorkerFlap
+from lab.drill.redis_scenarios import FRESH_AFTER_FAILOVER_S, RedisFailover
+from lab.drill.scenarios import Scenario, WorkerFlap
 
 STALL_S = 0.25
 # After Redis returns: how long the router's view of the workers is watched.
@@ -220,7 +221,7 @@ def _goals(name: str, report: dict[str, Any]) -> list[dict[str, Any]]:
                               "fewer than half of its comebacks",
                       "measured": f"{flap['readmissions']} of {flap['comebacks']}",
                       "met": flap["readmissions"] * 2 < flap["comebacks"]})
-    if name == "redis-failover":
+    if name in ("redis-failover", "redis-cluster-failover"):
         failover = report.get("failover") or {}
         promoted, fresh = failover.get("promoted_after_s"), failover.get(
             "heartbeats_fresh_after_s")
@@ -232,6 +233,15 @@ def _goals(name: str, report: dict[str, Any]) -> list[dict[str, Any]]:
                       else round(fresh - promoted, 3),
                       "met": promoted is not None and fresh is not None
                       and fresh - promoted <= FRESH_AFTER_FAILOVER_S})
+    if name == "redis-cluster-failover":
+        published = (report.get("failover") or {}).get("agents_published_after_s")
+        promoted = (report.get("failover") or {}).get("promoted_after_s")
+        goals.append({"goal": f"every agent's heartbeat in Redis again within "
+                              f"{FRESH_AFTER_FAILOVER_S:g} s of the failover",
+                      "measured": None if promoted is None or published is None
+                      else round(published - promoted, 3),
+                      "met": promoted is not None and published is not None
+                      and published - promoted <= FRESH_AFTER_FAILOVER_S})
     if name == "redis-outage":
         goals.append({"goal": "the router reports its stale view while Redis is down",
                       "measured": report["time_to_detect_s"],

@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from lab.devstack.cluster import ValkeyCluster
 from lab.devstack.loadgen import LoadGenerator, LoadSpec, LoadTarget, RequestResult
 from lab.devstack.sentinel import SentinelGroup
 from lab.devstack.stack import LocalStack
@@ -184,6 +185,14 @@ async def run_drill(options: DrillOptions, say: Callable[[str], None]) -> dict[s
         f"clear); fault at t={timeline.fault_s:g}s for {options.fault_s:g} s; "
         f"out: {options.out}")
     sentinel: SentinelGroup | None = None
+    cluster: ValkeyCluster | None = None
+    if Scenario.registry[options.scenario].needs_cluster:
+        started = time.monotonic()
+        cluster = await asyncio.to_thread(ValkeyCluster.start, options.out / "redis",
+                                          replicas_per_primary=1,
+                                          password=secrets.token_urlsafe(16))
+        say(f"redis: a Valkey Cluster up in {time.monotonic() - started:.1f} s (primaries "
+            f"{', '.join(str(n.port) for n in cluster.primaries)}, a replica each)")
     if Scenario.registry[options.scenario].needs_sentinel:
         started = time.monotonic()
         sentinel = await asyncio.to_thread(SentinelGroup.start, options.out / "redis",
@@ -193,25 +202,28 @@ async def run_drill(options: DrillOptions, say: Callable[[str], None]) -> dict[s
             f"{', '.join(str(s.port) for s in sentinel.sentinels)})")
     stack = LocalStack(
         config, config_path, host="127.0.0.1", port=free_port(),
-        log_dir=options.out / "logs", redis_url=None if sentinel is None else sentinel.url,
+        log_dir=options.out / "logs",
+        redis_url=sentinel.url if sentinel else cluster.url if cluster else None,
         progress=say, netem=True, admin_token=secrets.token_urlsafe(16),
     )
     try:
-        return await _run_on(stack, options, timeline, say, sentinel)
+        return await _run_on(stack, options, timeline, say, sentinel, cluster)
     finally:
         if sentinel is not None:
             await asyncio.to_thread(sentinel.stop)
+        if cluster is not None:
+            await asyncio.to_thread(cluster.stop)
 
 
 async def _run_on(stack: LocalStack, options: DrillOptions, timeline: Timeline,
-                  say: Callable[[str], None], sentinel: SentinelGroup | None
-                  ) -> dict[str, Any]:
+                  say: Callable[[str], None], sentinel: SentinelGroup | None,
+                  cluster: ValkeyCluster | None) -> dict[str, Any]:
     started = time.monotonic()
     await stack.start()
     say(f"stack up in {time.monotonic() - started:.1f} s; router {stack.router_url} "
         f"(region {stack.config.router.region}); logs in {stack.log_dir}")
     try:
-        return await _drive(options, stack, timeline, say, sentinel)
+        return await _drive(options, stack, timeline, say, sentinel, cluster)
     finally:
         say("stopping the stack ...")
         stopping = time.monotonic()
@@ -220,8 +232,8 @@ async def _run_on(stack: LocalStack, options: DrillOptions, timeline: Timeline,
 
 
 async def _drive(options: DrillOptions, stack: LocalStack, timeline: Timeline,
-                 say: Callable[[str], None], sentinel: SentinelGroup | None = None
-                 ) -> dict[str, Any]:
+                 say: Callable[[str], None], sentinel: SentinelGroup | None = None,
+                 cluster: ValkeyCluster | None = None) -> dict[str, Any]:
     router_region = stack.router_regions[0]
     # A bound only: the load is stopped when the after phase has what it needs. The clear
     # itself takes time too (a drain waits up to 10 s for the agents to leave).
@@ -236,7 +248,7 @@ async def _drive(options: DrillOptions, stack: LocalStack, timeline: Timeline,
     generator = LoadGenerator(spec)
     load_at_start = os.getloadavg()[0]  # other work on the machine skews latencies
     context = DrillContext(stack=stack, settings=options.settings, t0_s=time.monotonic(),
-                           say=say, sentinel=sentinel)
+                           say=say, sentinel=sentinel, cluster=cluster)
     scenario = Scenario.registry[options.scenario](context)
     expected_workers = len(stack.by_role("sim"))
     stop = asyncio.Event()

@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-import aiohttp
 import yaml
 
+from lab.devstack.cluster import ValkeyCluster
 from lab.devstack.sentinel import SentinelGroup
 from lab.devstack.stack import LocalStack
-from lab.devstack.valkey import EmbeddedRedisError, EmbeddedValkey
 from lab.drill.analysis import Target
 
 DrainVia = Literal["sigterm", "admin", "config"]
@@ -49,6 +48,7 @@ class DrillContext:
     clock: Callable[[], float] = time.monotonic
     events: list[tuple[float, str]] = field(default_factory=list)
     sentinel: SentinelGroup | None = None  # the Redis of a scenario that `needs_sentinel`
+    cluster: ValkeyCluster | None = None  # the Redis of a scenario that `needs_cluster`
 
     def now_s(self) -> float:
         return self.clock() - self.t0_s
@@ -69,6 +69,8 @@ class Scenario:
     # The stack's Redis is a Sentinel group (a primary, a replica, three sentinels), not
     # the embedded Valkey.
     needs_sentinel: ClassVar[bool] = False
+    # The stack's Redis is a Valkey Cluster (three primaries, a replica each).
+    needs_cluster: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, name: str, summary: str, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -284,87 +286,3 @@ class WorkerFlap(Scenario, name="worker-flap",
         if not sim.running:
             await self.stack.restart(sim)
         self.context.mark(f"flapping ends; {self.sim_name} stays up")
-
-
-FRESH_AFTER_FAILOVER_S = 10.0  # the goal: heartbeats fresh again this soon after it
-
-
-class RedisFailover(Scenario, name="redis-failover",
-                    summary="SIGKILL the Redis primary (Sentinel promotes its replica); the "
-                    "old primary rejoins as a replica when cleared"):
-    """Redis runs as a Sentinel group here, and the routers and agents use its
-    `redis+sentinel://` URL. Measured on the way: kill -> the sentinels name a new primary
-    (`promoted_after_s`), and -> every heartbeat the router holds is fresh again
-    (`heartbeats_fresh_after_s`: each younger than `fresh_s`)."""
-
-    quick_fault_s = 10.0
-    needs_sentinel = True
-
-    def __init__(self, context: DrillContext) -> None:
-        super().__init__(context)
-        if context.sentinel is None:
-            raise ValueError("redis-failover runs on a Sentinel group")
-        self.group = context.sentinel
-        self.killed: EmbeddedValkey | None = None
-        self.failover: dict[str, float | str | None] = {}
-        interval_s = self.stack.config.heartbeat.interval_s
-        self.fresh_s = max(1.0, 2.0 * interval_s)
-
-    def target(self) -> Target:
-        return Target()
-
-    async def inject(self) -> None:
-        killed_at = self.context.now_s()
-        self.killed = await asyncio.to_thread(self.group.kill_primary)
-        self.context.mark(f"SIGKILL the Redis primary (port {self.killed.port})")
-        self.failover = {"killed_at_s": round(killed_at, 3), "promoted_after_s": None,
-                         "heartbeats_fresh_after_s": None, "fresh_s": self.fresh_s}
-        try:
-            host, port = await asyncio.to_thread(self.group.wait_for_new_primary,
-                                                 self.killed, 30.0)
-        except EmbeddedRedisError as exc:
-            self.context.mark(f"no new primary: {exc}")
-            return
-        promoted_s = self.context.now_s() - killed_at
-        self.failover["promoted_after_s"] = round(promoted_s, 3)
-        self.failover["new_primary"] = f"{host}:{port}"
-        self.context.mark(f"the sentinels promoted {host}:{port} ({promoted_s:.2f} s after "
-                          "the kill)")
-        fresh_s = await self._heartbeats_fresh(deadline_s=killed_at + promoted_s + 30.0)
-        if fresh_s is not None:
-            self.failover["heartbeats_fresh_after_s"] = round(fresh_s - killed_at, 3)
-            self.context.mark(f"every heartbeat fresh again ({fresh_s - killed_at:.2f} s "
-                              "after the kill)")
-
-    async def _heartbeats_fresh(self, deadline_s: float) -> float | None:
-        """Poll /admin/status until every worker's heartbeat is younger than `fresh_s`;
-        when it was (seconds since the load started), or None by `deadline_s`."""
-        workers = len(self.stack.by_role("sim"))
-        headers = {"Authorization": f"Bearer {self.stack.admin_token}"}
-        timeout = aiohttp.ClientTimeout(total=1.0)
-        async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
-            while self.context.now_s() < deadline_s:
-                asked_s = self.context.now_s()
-                try:
-                    async with session.get(f"{self.stack.router_url}/admin/status"
-                                           f"?workers={workers}") as response:
-                        status = await response.json()
-                    ages = [w["heartbeat_age_s"] for w in status["workers"]]
-                    if (status["redis"]["connected"] and len(ages) == workers
-                            and max(ages) < self.fresh_s):
-                        return asked_s
-                except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError):
-                    pass
-                await asyncio.sleep(0.1)
-        return None
-
-    async def clear(self) -> None:
-        if self.killed is None:
-            return
-        address = await asyncio.to_thread(self.group.primary_address)
-        if address is None:
-            self.context.mark("no primary to rejoin")
-            return
-        await asyncio.to_thread(self.group.rejoin, self.killed, address)
-        self.context.mark(f"the old primary (port {self.killed.port}) rejoins as a replica "
-                          f"of {address[0]}:{address[1]}")

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from lab.devstack.stack import LocalStack
+from lab.devstack.valkey import TLSFiles
+from tests.conftest import skip_for_missing_tool
 
 FRESH_S = 1.0  # a heartbeat this old or younger is fresh (the interval is 0.2 s)
 
@@ -83,3 +88,16 @@ class Streams:
     async def stop(self, timeout_s: float = 60.0) -> None:
         self._stop.set()
         await asyncio.wait_for(asyncio.gather(*self._tasks), timeout_s)
+
+
+def certificate(tmp_path: Path) -> TLSFiles:
+    """A self-signed certificate for 127.0.0.1 (the servers' and the CA clients check)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        skip_for_missing_tool("openssl makes the test certificate")
+    files = TLSFiles(tmp_path / "cert.pem", tmp_path / "key.pem")
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(files.key), "-out", str(files.cert)],
+                   check=True, capture_output=True)
+    return files

@@ -157,3 +157,16 @@ async def test_worker_flap(tmp_path: Path) -> None:
     assert report["failed"]["mid_stream"] == 0, report["phases"]
     assert report["flap"]["cycles"] >= 2
     assert report["flap"]["readmissions"] * 2 < report["flap"]["comebacks"], report["flap"]
+
+
+async def test_a_cluster_primary_failover_under_load_fails_nothing(tmp_path: Path) -> None:
+    """Redis as a Valkey Cluster of real processes (three primaries, a replica each); the
+    primary of the drill region's heartbeat slot SIGKILLed."""
+    report = await _drill(tmp_path, "redis-cluster-failover", fault_s=8.0)
+    assert report["failed"]["total"] == 0, report["phases"]
+    failover = report["failover"]
+    assert failover["promoted_after_s"] is not None, report["events"]
+    assert failover["agents_published_after_s"] is not None, report["events"]
+    assert failover["agents_published_after_s"] - failover["promoted_after_s"] <= 10.0
+    assert report["goals_met"], report["goals"]
+    assert any("heartbeat slot" in e["what"] for e in report["events"])

@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import secrets
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,12 +30,16 @@ from openai import AsyncOpenAI
 from lab.devstack.cluster import ValkeyCluster, key_slot
 from lab.devstack.stack import LocalStack
 from lab.devstack.valkey import free_port
+from router.admission.gcra import Bucket
+from router.admission.redis_limiter import RateLimitKeys, RedisLimiter
 from router.config_loader import load_config
 from router.registry import HeartbeatCollector, SnapshotHolder
+from tests.conftest import skip_for_missing_tool
 from tests.integration.redis_failover import (
     FRESH_S,
     Streams,
     ages,
+    certificate,
     drain_reaches_the_router,
     status_of,
 )
@@ -50,14 +55,27 @@ PREFIX = "gp-cluster"
 REGIONS = ("us-east", "eu-west")
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[ValkeyCluster]:
+@pytest.fixture(params=["valkey", "redis-tls"])
+def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ValkeyCluster]:
+    binary, tls = None, None
+    if request.param == "redis-tls":
+        binary = shutil.which("redis-server")
+        if binary is None:
+            skip_for_missing_tool("redis-server (Debian: apt-get install redis-server) runs "
+                                  "the TLS cluster")
+        tls = certificate(tmp_path)
     group = ValkeyCluster.start(tmp_path / "cluster", primaries=3, replicas_per_primary=1,
-                                password=secrets.token_urlsafe(12))
+                                password=secrets.token_urlsafe(12), binary=binary, tls=tls)
     try:
         yield group
     finally:
         group.stop()
+
+
+def _tls(cluster: ValkeyCluster) -> dict[str, Any]:
+    """redis-py's arguments for the test's own look at the cluster's nodes."""
+    return {} if cluster.tls is None else {"ssl": True,
+                                           "ssl_ca_certs": str(cluster.tls.cert)}
 
 
 def _keys_by_node(cluster: ValkeyCluster) -> dict[int, list[bytes]]:
@@ -66,7 +84,8 @@ def _keys_by_node(cluster: ValkeyCluster) -> dict[int, list[bytes]]:
     for node in cluster.primaries:
         if node in cluster.killed:
             continue
-        client = redis.Redis(host=node.host, port=node.port, password=cluster.password)
+        client = redis.Redis(host=node.host, port=node.port, password=cluster.password,
+                             **_tls(cluster))
         try:
             found[node.port] = sorted(client.scan_iter(match=f"*{PREFIX}*", count=1000))
         finally:
@@ -78,7 +97,8 @@ def _until_published(cluster: ValkeyCluster, since_unix_s: float) -> float | Non
     """Seconds after `since_unix_s` at which every heartbeat key holds a heartbeat sent
     after it (None: not within 30 s)."""
     live = next(node for node in cluster.primaries if node not in cluster.killed)
-    client = redis.RedisCluster(host=live.host, port=live.port, password=cluster.password)
+    client = redis.RedisCluster(host=live.host, port=live.port, password=cluster.password,
+                                **_tls(cluster))
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -156,7 +176,7 @@ async def test_a_cluster_carries_the_fleet_and_survives_losing_a_regions_primary
                       "new_primary": promoted.port,
                       "router_fresh_after_s": None if fresh_s is None else round(fresh_s, 2),
                       "every_agent_published_after_s": published_s}
-            print(json.dumps(report))
+            print(json.dumps(report | {"url": cluster.url.partition("://")[0]}))
             assert sent - before > 20, report  # the kill happened under load
             assert failures == [], (report, failures[:5])
             assert fresh_s is not None and fresh_s - promoted_s < 10.0, report
@@ -249,4 +269,28 @@ async def test_a_collector_follows_each_regions_sharded_channel_and_regions_adde
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await publisher.aclose()
+        group.stop()
+
+
+async def test_rate_limits_are_shared_through_a_cluster_per_tenant_slot(tmp_path: Path) -> None:
+    """The GCRA script charges a tenant's buckets together on its slot's node: two
+    clients (two replicas) share one budget, and tenants on different nodes each have
+    their own."""
+    group = ValkeyCluster.start(tmp_path / "cluster", primaries=3)
+    tenants = ("acme", "hooli")
+    assert group.node_for_slot(key_slot(b"{acme}")) is not group.node_for_slot(
+        key_slot(b"{hooli}"))
+    limiters = [RedisLimiter(connect(group.url), RateLimitKeys("gp-rl")) for _ in range(2)]
+    try:
+        for limiter in limiters:
+            await limiter.warm_up()
+        for tenant in tenants:
+            buckets = [Bucket("tenant:requests", "tenant", "requests", 5, 5, 1),
+                       Bucket("key:k1:tokens", "key", "tokens", 1000, 1000, 100)]
+            allowed = [(await limiters[n % 2].check(tenant, buckets)).allowed
+                       for n in range(8)]
+            assert allowed == [True] * 5 + [False] * 3, (tenant, allowed)
+    finally:
+        for limiter in limiters:
+            await limiter.aclose()
         group.stop()

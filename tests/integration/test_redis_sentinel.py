@@ -16,7 +16,6 @@ import contextlib
 import json
 import secrets
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,13 +25,14 @@ import pytest
 
 from lab.devstack.sentinel import SentinelGroup
 from lab.devstack.stack import LocalStack
-from lab.devstack.valkey import TLSFiles, free_port
+from lab.devstack.valkey import free_port
 from router.config_loader import load_config
 from tests.conftest import skip_for_missing_tool
 from tests.integration.redis_failover import (
     FRESH_S,
     Streams,
     ages,
+    certificate,
     drain_reaches_the_router,
     status_of,
 )
@@ -48,26 +48,13 @@ def sentinel_group(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[S
         if binary is None:
             skip_for_missing_tool("redis-server (Debian: apt-get install redis-server) runs "
                                   "the TLS sentinel group")
-        tls = _certificate(tmp_path)
+        tls = certificate(tmp_path)
     group = SentinelGroup.start(tmp_path / "sentinel", password=secrets.token_urlsafe(12),
                                 binary=binary, tls=tls)
     try:
         yield group
     finally:
         group.stop()
-
-
-def _certificate(tmp_path: Path) -> TLSFiles:
-    """A self-signed certificate for 127.0.0.1 (the servers' and the CA clients check)."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        skip_for_missing_tool("openssl makes the test certificate")
-    files = TLSFiles(tmp_path / "cert.pem", tmp_path / "key.pem")
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(files.key), "-out", str(files.cert)],
-                   check=True, capture_output=True)
-    return files
 
 
 async def test_the_primary_killed_under_load_costs_no_request_and_heartbeats_recover(

@@ -176,19 +176,26 @@ class RegionPenalties:
         excess = max(-JUMP_MS, (ttfb_s - router_delay_s) * 1000.0
                      - _expected_ms(attempt, engine_ttft_ms))
         workers = self._excess_ms.setdefault(attempt.region, {})
-        previous = workers.get(attempt.worker_id)
-        if lower_bound and (excess <= 0.0 or (previous is not None and excess <= previous[0])):
-            return
         worker_id = attempt.worker_id
+        previous = workers.get(worker_id)
+        if lower_bound and excess <= 0.0:
+            return
         if previous is None:
             ewma = excess
         else:
             mean = previous[0] * 0.5 ** ((now_s - previous[1]) / self._half_life_s)
+            if lower_bound and excess <= mean:
+                # (Against the mean as it has decayed by now: against the mean as last
+                # stored, a region's decayed penalty could never be restored by copies.)
+                return
             ewma = 0.8 * mean + 0.2 * excess
             # A step is judged against the mean from before it began (the first sample
             # of it is averaged in meanwhile).
             count, total, before = self._steps.get(worker_id, (0, 0.0, mean))
-            if abs(excess - before) > JUMP_MS and not lower_bound:
+            # A lower bound (a copy outran it) beyond the mean by a jump is a step up
+            # too: its path was at least that slow (not believing it let a slow region
+            # keep its traffic ~2 s longer while copies answered for it).
+            if abs(excess - before) > JUMP_MS and (not lower_bound or excess > before):
                 step = 1 if excess > before else -1
                 count, total = (count + step, total + excess) if count * step > 0 else (
                     step, excess)

@@ -7,8 +7,10 @@ produce a whole first event answers the client; the other's connection is closed
 makes vLLM abort the request (the engine stops work on it). The delay is the request's
 predicted TTFT times the recent `quantile` of measured over predicted TTFT
 (`HedgeDelay`), within the configured bounds, and at most half the client's TTFT budget
-if it gave one; the extra load is capped by `HedgeBudget` (over N eligible streams at
-most `max_fraction` x N + `max_burst` copies).
+if it gave one; the extra load is capped by `HedgeBudget`: over N eligible streams at
+most `max_fraction` x N + `max_burst` copies that lost. A copy that answers first is
+refunded: it replaced an original that was late (and is aborted), so the engines did the
+answer once, not twice; while a place stays slow, every late stream there gets its copy.
 
 Only streams are hedged: a non-streaming answer shows no first token, so a hedge there
 would run the whole answer twice.
@@ -37,16 +39,18 @@ Opened = tuple[UpstreamConnection, bytes, bool]
 
 
 class HedgeBudget:
-    """At most a share of the eligible requests hedged: each adds that share of a token
-    (saved up to `cap`, the largest burst), a copy spends one."""
+    """At most a share of the eligible requests hedged in vain: each adds that share of a
+    token (saved up to `cap`, the largest burst), a copy spends one, and a copy that
+    answered first gives it back (`refund`)."""
 
-    __slots__ = ("_cap", "_tokens", "denied", "sent")
+    __slots__ = ("_cap", "_tokens", "denied", "refunded", "sent")
 
     def __init__(self, cap: float = 20.0) -> None:
         self._cap = max(1.0, cap)
         self._tokens = 1.0
         self.sent = 0
         self.denied = 0
+        self.refunded = 0
 
     def eligible(self, ratio: float, cap: float) -> None:
         """An eligible request arrived (`ratio`, `cap`: as configured now)."""
@@ -60,6 +64,11 @@ class HedgeBudget:
             return True
         self.denied += 1
         return False
+
+    def refund(self) -> None:
+        """A copy answered first: its token comes back (up to the cap)."""
+        self._tokens = min(self._cap, self._tokens + 1.0)
+        self.refunded += 1
 
 
 class HedgeDelay:
@@ -172,6 +181,8 @@ class Hedges:
         last (the one that served it)."""
         winner, opened = await first_to_start(primary, hedge.delay_s, send_hedge,
                                               hedge.primary, lost)
+        if winner is not hedge.primary:
+            self.budget.refund()
         if record.attempts[-1] is not winner:
             record.attempts.remove(winner)
             record.attempts.append(winner)

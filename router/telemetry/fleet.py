@@ -39,6 +39,7 @@ class RetryBudgetView(Protocol):
 
 class HedgeBudgetView(Protocol):
     denied: int
+    refunded: int
 
 
 @dataclass(eq=False)  # hashable by identity: the registry keys collectors by it
@@ -140,6 +141,10 @@ class FleetCollector:
             yield _counter("globalpool_hedges_denied",
                            "Streams that would have been hedged but for the hedging budget "
                            "(router.hedging.max_fraction).", float(self.hedge_budget.denied))
+            yield _counter("globalpool_hedges_refunded",
+                           "Copies that answered first, given back to the hedging budget (the "
+                           "budget bounds the copies that lose).",
+                           float(self.hedge_budget.refunded))
 
     def _upstream(self) -> Iterator[Metric]:
         if self.upstream_stats is None:

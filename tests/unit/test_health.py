@@ -515,6 +515,50 @@ def test_a_step_in_a_paths_delay_is_believed_at_its_second_sample() -> None:
     assert health.region_penalty_ms("us-east", 0.0) == 0.0
 
 
+def test_copies_that_outran_their_originals_confirm_a_step_up() -> None:
+    """Originals a hedged copy outran are known only to have waited at least so long;
+    two in a row 300 ms beyond the mean still show that the path slowed at once."""
+    views = {"us-1": view("us-1"), "us-2": view("us-2")}
+    health = Health(POLICY, clock=FakeClock(0.0), views=lambda: views)
+
+    def finished(ttfb_s: float, *, outrun: bool = False) -> None:
+        for worker_id in views:
+            late = attempt(worker_id, None, "us-east", ttfb_s=None if outrun else ttfb_s)
+            late.outrun, late.finished_s = outrun, ttfb_s
+            health.attempt_finished(late)
+
+    for _ in range(10):
+        finished(0.050)
+    finished(0.350, outrun=True)
+    assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(60.0 - FLOOR, abs=1)
+    finished(0.350, outrun=True)  # the second in a row: the path is at least this slow
+    assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(300.0 - FLOOR, abs=1)
+    finished(0.100, outrun=True)  # a lower bound below the mean lowers nothing
+    assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(300.0 - FLOOR, abs=1)
+
+
+def test_outrun_originals_restore_a_penalty_that_has_decayed() -> None:
+    """A slow region's penalty decays while traffic stays away; the requests then sent
+    back are outrun by their copies, and what they waited, a lower bound below the old
+    peak but above the decayed mean, must bring the penalty back."""
+    views = {"us-1": view("us-1"), "us-2": view("us-2")}
+    clock = FakeClock(0.0)
+    health = Health(POLICY, clock=clock, views=lambda: views)
+    for ttfb_s in (0.050, 0.350, 0.350):
+        for worker_id in views:
+            health.attempt_finished(attempt(worker_id, None, "us-east", ttfb_s=ttfb_s))
+    assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(300.0 - FLOOR, abs=1)
+    clock.now = 40.0  # four half-lives (10 s): decayed to ~19 ms, below the floor
+    assert health.region_penalty_ms("us-east", clock.now) == 0.0
+    for _ in range(2):
+        for worker_id in views:
+            late = attempt(worker_id, None, "us-east", ttfb_s=None)
+            late.outrun, late.finished_s = True, 0.250  # outrun after 250 ms
+            health.attempt_finished(late)
+    assert health.region_penalty_ms("us-east", clock.now) == pytest.approx(
+        200.0 - FLOOR, abs=5)
+
+
 def test_a_miss_the_whole_fleet_shares_sends_nothing_away_from_busy_local_workers() -> None:
     """Every region's first bytes come 150 ms later than predicted (predictions low for
     a busy host): nobody's path. Local workers with streams in flight (the idle remote

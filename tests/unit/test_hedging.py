@@ -42,6 +42,37 @@ def test_the_budget_never_hedges_more_than_its_share_and_a_burst(ratio: float,
     assert budget.sent == hedged and budget.sent + budget.denied == requests
 
 
+@given(st.floats(min_value=0.0, max_value=1.0), st.lists(st.booleans(), max_size=2000))
+def test_copies_that_lose_stay_within_the_share_however_many_win(ratio: float,
+                                                                  wins: list[bool]) -> None:
+    """A copy that answers first is refunded: only the copies that lost (the answers run
+    twice) are bounded by the share and the burst."""
+    budget = HedgeBudget(cap=5.0)
+    lost = 0
+    for won in wins:  # every stream late; whether its copy outruns it, as drawn
+        budget.eligible(ratio, 5.0)
+        if budget.try_spend():
+            if won:
+                budget.refund()
+            else:
+                lost += 1
+    assert lost <= 1 + ratio * len(wins) + 1e-9
+    assert budget.refunded == budget.sent - lost
+
+
+def test_while_copies_win_every_late_stream_gets_one() -> None:
+    """A region gone slow all at once: its streams are late and their copies answer first,
+    so the burst never runs out (without the refund, 5 of the 100 would get a copy)."""
+    budget = HedgeBudget()
+    hedged = 0
+    for _ in range(100):
+        budget.eligible(0.05, 5)
+        if budget.try_spend():
+            hedged += 1
+            budget.refund()
+    assert hedged == 100 and budget.denied == 0
+
+
 def test_the_budget_lets_its_share_through_when_every_stream_is_late() -> None:
     budget = HedgeBudget()
     for _ in range(1000):

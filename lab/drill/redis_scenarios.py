@@ -112,9 +112,8 @@ class RedisFailover(Scenario, name="redis-failover",
 
 
 class RedisClusterFailover(RedisFailover, name="redis-cluster-failover",
-                           summary="SIGKILL the cluster primary that holds the router "
-                           "region's heartbeat slot (its replica is promoted); it stays "
-                           "down when cleared"):
+                           summary="SIGKILL the cluster primary of the region's heartbeat "
+                           "slot (its replica is promoted); it stays down"):
     """Redis runs as a Valkey Cluster here (three primaries, a replica each), and the
     routers and agents use its `redis+cluster://` URL. The node killed holds the slot of
     the drill region's heartbeat plane (`{region}`). Beside the router's view, the

@@ -8,12 +8,15 @@ the loop, and when it raises, logs the traceback, counts the crash (`crashes`, e
 as `globalpool_background_task_crashes_total{task}`), calls `on_down` (what the task feeds
 is marked stale, readiness fails), waits (0.1 s, doubling up to 5 s; back to 0.1 s after a
 minute without a crash) and starts it again. Cancellation (shutdown) ends it, whatever
-error the loop ends with once cancelled.
+error the loop ends with once cancelled. A loop that has not ended `STOP_WAIT_S` after its
+cancel (one that swallowed it) is logged with where it is, cancelled again, and after a
+second wait left behind, so that stopping the router cannot hang on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -26,6 +29,9 @@ MIN_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
 # A task that has run this long since its last crash is trusted again: backoff resets.
 STABLE_AFTER_S = 60.0
+# How long `stop` waits for the task to end after each cancel (a loop ends in
+# milliseconds; one that has not ended by then swallowed the cancel).
+STOP_WAIT_S = 5.0
 
 
 class Supervised:
@@ -51,11 +57,24 @@ class Supervised:
         self._task = asyncio.create_task(self._supervise(), name=self.name)
         return self
 
-    async def stop(self) -> None:
-        """Cancel it and wait until it has ended."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+    async def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Cancel it and wait until it has ended: at most twice `wait_s`, cancelling it
+        again in between (see the module doc)."""
+        task = self._task
+        if task is None:
+            return
+        for attempt in (1, 2):
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=wait_s)
+            if done:
+                await asyncio.gather(task, return_exceptions=True)
+                return
+            where = io.StringIO()
+            task.print_stack(file=where)
+            log.error("background task %s has not stopped %g s after it was cancelled; %s; "
+                      "it is at:\n%s", self.name, wait_s,
+                      "cancelling it again" if attempt == 1 else "left running",
+                      where.getvalue().strip())
 
     async def _supervise(self) -> None:
         backoff_s = MIN_BACKOFF_S

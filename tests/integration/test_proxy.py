@@ -7,6 +7,7 @@ so it controls exactly what the router believes about each worker.
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import json
 import time
@@ -132,9 +133,28 @@ async def fleet_factory(
 
     yield make
     for runner in runners:
-        await runner.cleanup()
+        await cleaned_up(runner)
     for publisher in publishers.values():
         await publisher.aclose()
+
+
+# A router's cleanup that takes longer than this fails the test with every task's stack
+# (under pytest-timeout's 120 s, whose report shows only the main thread waiting in
+# select: two CI runs hung in this teardown and left nothing to read).
+CLEANUP_BOUND_S = 90.0
+
+
+async def cleaned_up(runner: web.AppRunner) -> None:
+    cleanup = asyncio.ensure_future(runner.cleanup())
+    done, _ = await asyncio.wait({cleanup}, timeout=CLEANUP_BOUND_S)
+    if not done:
+        stacks = io.StringIO()
+        for task in asyncio.all_tasks():
+            task.print_stack(limit=12, file=stacks)
+        cleanup.cancel()
+        pytest.fail(f"the router's cleanup has not ended in {CLEANUP_BOUND_S:g} s; every "
+                    f"task's stack:\n{stacks.getvalue()[-30000:]}")
+    cleanup.result()
 
 
 async def _chat(url: str, body: dict[str, object]) -> tuple[int, str, bytes]:

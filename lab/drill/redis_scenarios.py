@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 import aiohttp
 import redis
+import redis.sentinel
 
-from lab.devstack.cluster import ValkeyCluster, key_slot
+from lab.devstack.cluster import key_slot
 from lab.devstack.valkey import EmbeddedRedisError, EmbeddedValkey
 from lab.drill.analysis import Target
 from lab.drill.scenarios import DrillContext, Scenario
@@ -58,9 +60,20 @@ class RedisFailover(Scenario, name="redis-failover",
 
     async def inject(self) -> None:
         killed_at = self.context.now_s()
+        killed_at_unix_s = time.time()
         self.killed = await self._kill()
         self.failover = {"killed_at_s": round(killed_at, 3), "promoted_after_s": None,
-                         "heartbeats_fresh_after_s": None, "fresh_s": self.fresh_s}
+                         "heartbeats_fresh_after_s": None, "fresh_s": self.fresh_s,
+                         "agents_published_after_s": None}
+        # Measured beside the router's view: see `_published`.
+        published = asyncio.create_task(self._published(killed_at_unix_s))
+        try:
+            await self._promoted_and_fresh(killed_at)
+        finally:
+            await published
+
+    async def _promoted_and_fresh(self, killed_at: float) -> None:
+        assert self.killed is not None
         try:
             address = await self._promoted(self.killed)
         except EmbeddedRedisError as exc:
@@ -76,6 +89,28 @@ class RedisFailover(Scenario, name="redis-failover",
             self.failover["heartbeats_fresh_after_s"] = round(fresh_s - killed_at, 3)
             self.context.mark(f"every heartbeat fresh again ({fresh_s - killed_at:.2f} s "
                               "after the kill)")
+
+    async def _published(self, since_unix_s: float) -> None:
+        """When every agent's heartbeat in Redis is one sent after the kill
+        (`agents_published_after_s`): the router keeps a worker it cannot hear from in its
+        view while Redis is out of reach (fail static), so its view alone can look fresh
+        before the agents are through."""
+        after_s = await asyncio.to_thread(_every_heartbeat_sent_after, self._reader,
+                                          self.stack.key_prefix, len(self.stack.by_role("sim")),
+                                          since_unix_s)
+        self.failover["agents_published_after_s"] = after_s
+        if after_s is not None:
+            self.context.mark(f"every agent's heartbeat in Redis again ({after_s:.2f} s "
+                              "after the kill)")
+
+    def _reader(self) -> redis.Redis | redis.RedisCluster:
+        """A client that reads the heartbeat keys wherever the primary is now."""
+        assert self.group is not None
+        sentinels = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            [(s.host, s.port) for s in self.group.sentinels], socket_timeout=1.0)
+        primary: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+            self.group.service, password=self.group.password, socket_timeout=1.0)
+        return primary
 
     async def _heartbeats_fresh(self, deadline_s: float) -> float | None:
         """Poll /admin/status until every worker's heartbeat is younger than `fresh_s`;
@@ -116,11 +151,7 @@ class RedisClusterFailover(RedisFailover, name="redis-cluster-failover",
                            "slot (its replica is promoted); it stays down"):
     """Redis runs as a Valkey Cluster here (three primaries, a replica each), and the
     routers and agents use its `redis+cluster://` URL. The node killed holds the slot of
-    the drill region's heartbeat plane (`{region}`). Beside the router's view, the
-    heartbeats themselves are checked in Redis: `agents_published_after_s`, when every
-    heartbeat key holds one sent after the kill (the router keeps a worker it cannot hear
-    from in its view while Redis is out of reach, so its view alone can look fresh
-    before the agents are through)."""
+    the drill region's heartbeat plane (`{region}`)."""
 
     needs_sentinel = False
     needs_cluster = True
@@ -130,55 +161,43 @@ class RedisClusterFailover(RedisFailover, name="redis-cluster-failover",
         if context.cluster is None:
             raise ValueError(f"{self.name} runs on a Valkey Cluster")
         self.cluster = context.cluster
-        self._published_task: asyncio.Task[None] | None = None
-
-    async def inject(self) -> None:
-        await super().inject()
-        if self._published_task is not None:  # measured beside the router's view
-            await self._published_task
 
     async def _kill(self) -> EmbeddedValkey:
         slot = key_slot(f"{{{self.region}}}".encode())
         node = await asyncio.to_thread(self.cluster.node_for_slot, slot)
-        killed_at_unix_s = time.time()
         await asyncio.to_thread(self.cluster.kill, node)
         self.context.mark(f"SIGKILL the cluster primary of {self.region}'s heartbeat slot "
                           f"{slot} (port {node.port})")
-        self._published_task = asyncio.create_task(self._published(killed_at_unix_s))
         return node
 
     async def _promoted(self, killed: EmbeddedValkey) -> str:
         node = await asyncio.to_thread(self.cluster.wait_for_failover, killed, 30.0)
         return f"{node.host}:{node.port}"
 
-    async def _published(self, since_unix_s: float) -> None:
-        after_s = await asyncio.to_thread(_every_heartbeat_sent_after, self.cluster,
-                                          self.stack.key_prefix, len(self.stack.by_role("sim")),
-                                          since_unix_s)
-        self.failover["agents_published_after_s"] = after_s
-        if after_s is not None:
-            self.context.mark(f"every agent's heartbeat in Redis again ({after_s:.2f} s "
-                              "after the kill)")
+    def _reader(self) -> redis.Redis | redis.RedisCluster:
+        live = next(node for node in self.cluster.primaries if node not in self.cluster.killed)
+        return redis.RedisCluster(host=live.host, port=live.port,
+                                  password=self.cluster.password, socket_timeout=1.0)
 
     async def clear(self) -> None:
         self.context.mark("the cluster runs on with the promoted replica (the killed "
                           "node stays down)")
 
 
-def _every_heartbeat_sent_after(cluster: ValkeyCluster, prefix: str, workers: int,
-                                since_unix_s: float, timeout_s: float = 40.0) -> float | None:
+def _every_heartbeat_sent_after(connect: Callable[[], redis.Redis | redis.RedisCluster],
+                                prefix: str, workers: int, since_unix_s: float,
+                                timeout_s: float = 40.0) -> float | None:
     """Seconds after `since_unix_s` at which each of `workers` heartbeat keys holds a
-    heartbeat sent after it (None: not within `timeout_s`)."""
-    live = next(node for node in cluster.primaries if node not in cluster.killed)
-    client = redis.RedisCluster(host=live.host, port=live.port, password=cluster.password,
-                                socket_timeout=1.0)
+    heartbeat sent after it (None: not within `timeout_s`); read through `connect()`."""
+    client = connect()
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
                 keys = list(client.scan_iter(match=f"{prefix}:hb:*", count=1000))
-                sent = [json.loads(raw)["sent_at_s"] for raw in client.mget_nonatomic(keys)
-                        if raw is not None]
+                values = (client.mget_nonatomic(keys) if isinstance(client, redis.RedisCluster)
+                          else client.mget(keys)) if keys else []
+                sent = [json.loads(raw)["sent_at_s"] for raw in values if raw is not None]
             except redis.RedisError:
                 sent = []
             if len(sent) >= workers and min(sent) > since_unix_s:

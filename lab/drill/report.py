@@ -233,9 +233,7 @@ def _goals(name: str, report: dict[str, Any]) -> list[dict[str, Any]]:
                       else round(fresh - promoted, 3),
                       "met": promoted is not None and fresh is not None
                       and fresh - promoted <= FRESH_AFTER_FAILOVER_S})
-    if name == "redis-cluster-failover":
-        published = (report.get("failover") or {}).get("agents_published_after_s")
-        promoted = (report.get("failover") or {}).get("promoted_after_s")
+        published = failover.get("agents_published_after_s")
         goals.append({"goal": f"every agent's heartbeat in Redis again within "
                               f"{FRESH_AFTER_FAILOVER_S:g} s of the failover",
                       "measured": None if promoted is None or published is None

@@ -145,6 +145,7 @@ async def test_redis_failover_under_load_fails_nothing(tmp_path: Path) -> None:
     assert failover["promoted_after_s"] is not None, report["events"]
     assert failover["heartbeats_fresh_after_s"] is not None, report["events"]
     assert failover["heartbeats_fresh_after_s"] - failover["promoted_after_s"] <= 10.0
+    assert failover["agents_published_after_s"] - failover["promoted_after_s"] <= 10.0
     assert report["goals_met"], report["goals"]
     assert any("rejoins as a replica" in e["what"] for e in report["events"])
     assert report["time_to_recover_s"] is not None

@@ -34,10 +34,12 @@ from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 from redis.typing import KeyT
 
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
@@ -291,11 +293,50 @@ def _sentinel_client(url: SentinelURL, *, max_connections: int, timeout: float |
     return client
 
 
+class ClusterUnavailable(RedisConnectionError):
+    """What redis-py raises as `RedisClusterException`, which is not a `RedisError` (no node
+    reachable, a slot without a node mid-failover), raised as a Redis connection error:
+    every caller's `except RedisError` then fails static as with a single server."""
+
+
+class _Cluster(RedisCluster):
+    """RedisCluster whose commands and pipelines fail with `RedisError`s only (reading the
+    slot map, which every first command and pipeline does, included)."""
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
+        try:
+            return await super().initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise ClusterUnavailable(str(exc)) from exc
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise ClusterUnavailable(str(exc)) from exc
+
+    def pipeline(self, transaction: Any | None = None,
+                 shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            raise ValueError("a cluster pipeline takes no shard_hint")
+        # (mypy sees ClusterPipeline as abstract: redis-py declares an attribute it sets)
+        return _ClusterPipeline(self, transaction)  # type: ignore[abstract]
+
+
+class _ClusterPipeline(ClusterPipeline):
+    async def execute(self, raise_on_error: bool = True,
+                      allow_redirections: bool = True) -> list[Any]:
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
+        except RedisClusterException as exc:
+            raise ClusterUnavailable(str(exc)) from exc
+
+
 def _cluster_client(url: ClusterURL, *, max_connections: int, timeout: float | None,
                     **connection_kwargs: Any) -> Redis:
     del timeout  # a cluster client has no wait for a free connection
     tls = _tls(url.tls, url.ssl_ca_certs)
-    client = RedisCluster(
+    client = _Cluster(
         startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
         # A slot without a node (mid-failover) fails only the calls that need it.
         require_full_coverage=False,

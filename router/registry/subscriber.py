@@ -29,7 +29,9 @@ import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
+
+from worker.redis_client import ClusterUnavailable
 
 READ_CHUNK = 1 << 18
 SUBSCRIBE_TIMEOUT_S = 2.0
@@ -88,14 +90,16 @@ async def _by_node(redis: RedisCluster, channels: list[str]) -> list[tuple[Any, 
     try:
         async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
             await redis.nodes_manager.initialize()
+        nodes = [redis.get_node_from_key(channel) for channel in channels]
     except TimeoutError:
         raise RedisConnectionError(
             f"the cluster's slot map was not read within {SUBSCRIBE_TIMEOUT_S:g} s") from None
+    except RedisClusterException as exc:  # no node reachable, a slot without a node
+        raise ClusterUnavailable(str(exc)) from exc
     grouped: dict[str, tuple[Any, list[str]]] = {}
-    for channel in channels:
-        node = redis.get_node_from_key(channel)
+    for channel, node in zip(channels, nodes, strict=True):
         if node is None:
-            raise RedisConnectionError(f"no cluster node serves the channel {channel!r}")
+            raise ClusterUnavailable(f"no cluster node serves the channel {channel!r}")
         if node.name not in grouped:
             grouped[node.name] = (node.connection_class(**node.connection_kwargs), [])
         grouped[node.name][1].append(channel)

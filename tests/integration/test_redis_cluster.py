@@ -26,6 +26,7 @@ import aiohttp
 import pytest
 import redis
 from openai import AsyncOpenAI
+from redis.exceptions import RedisError
 
 from lab.devstack.cluster import ValkeyCluster, key_slot
 from lab.devstack.stack import LocalStack
@@ -34,6 +35,7 @@ from router.admission.gcra import Bucket
 from router.admission.redis_limiter import RateLimitKeys, RedisLimiter
 from router.config_loader import load_config
 from router.registry import HeartbeatCollector, SnapshotHolder
+from router.registry.subscriber import Subscription
 from tests.conftest import skip_for_missing_tool
 from tests.integration.redis_failover import (
     FRESH_S,
@@ -45,7 +47,7 @@ from tests.integration.redis_failover import (
 )
 from tests.integration.stack import small_config
 from worker.heartbeat_keys import HeartbeatKeys
-from worker.publisher import HeartbeatPublisher
+from worker.publisher import HeartbeatPublisher, RedisUnavailableError
 from worker.redis_client import connect, connect_pubsub
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load
 
@@ -293,4 +295,46 @@ async def test_rate_limits_are_shared_through_a_cluster_per_tenant_slot(tmp_path
     finally:
         for limiter in limiters:
             await limiter.aclose()
+        group.stop()
+
+
+async def test_a_cluster_out_of_reach_fails_static_as_a_single_server_does(
+        tmp_path: Path) -> None:
+    """redis-py raises `RedisClusterException`, not a `RedisError`, when no node answers or
+    a slot has no node; every caller's `except RedisError` then missed it (the agent's
+    publish raised it, the collector crashed instead of failing static)."""
+    url = f"redis+cluster://127.0.0.1:{free_port()}/"  # nothing listens there
+    publisher = HeartbeatPublisher(connect(url), HeartbeatKeys("gp", sharded=True), signer=None)
+    with pytest.raises(RedisUnavailableError):
+        await publisher.publish(_beat("a", "us-east", 1))
+    await publisher.aclose()
+    with pytest.raises(RedisError):
+        async with Subscription(connect_pubsub(url), ["gp:heartbeats:{us-east}"]):
+            pass
+    holder = SnapshotHolder()
+    collector = HeartbeatCollector(redis=connect(url), pubsub_redis=connect_pubsub(url),
+                                   keys=HeartbeatKeys("gp", sharded=True), holder=holder,
+                                   regions=lambda: ["us-east"])
+    task = asyncio.create_task(collector.run())
+    await asyncio.sleep(1.0)
+    assert not task.done(), task  # retrying with backoff, not crashed
+    assert holder.current.redis_connected is False
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+    # A slot without a node (its primary killed, no replica): that region's heartbeats
+    # fail as Redis errors; another region's, on a live node, go on.
+    group = ValkeyCluster.start(tmp_path / "cluster", primaries=3)
+    publisher = HeartbeatPublisher(connect(group.url), HeartbeatKeys("gp", sharded=True),
+                                   signer=None)
+    try:
+        await publisher.publish(_beat("a", "us-east", 1))
+        group.kill(group.node_for_slot(key_slot(b"{us-east}")))
+        with pytest.raises(RedisUnavailableError):
+            for seq in range(2, 40):  # until the cluster marks the slot as unserved
+                await publisher.publish(_beat("a", "us-east", seq))
+                await asyncio.sleep(0.1)
+        await publisher.publish(_beat("b", "eu-west", 1))
+    finally:
+        await publisher.aclose()
         group.stop()

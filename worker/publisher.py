@@ -24,14 +24,14 @@ import os
 import time
 from collections.abc import Callable
 from enum import Enum
-from typing import Any, Literal
+from typing import Literal
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.load_records import load_record, static_digest
-from worker.redis_client import close, raise_if_cancelling
+from worker.redis_client import close, publish, raise_if_cancelling
 from worker.schema import Heartbeat
 from worker.signing import HeartbeatSigner
 
@@ -95,7 +95,7 @@ class HeartbeatPublisher:
         announce = (record is None or self._announced.get(worker_id) != digest
                     or region != heartbeat.region)
         ttl_ms = max(1, round(heartbeat.ttl_s * 1000))
-        keys = self._keys
+        keys, sharded = self._keys, self._keys.sharded
         try:
             if region is not None and region != heartbeat.region:
                 await self._forget(worker_id, region)  # it moved
@@ -104,10 +104,10 @@ class HeartbeatPublisher:
                 if record is not None:
                     pipe.hset(keys.loads(heartbeat.region), worker_id, record)
                 if announce:
-                    self._publish(pipe, keys.region_channel(heartbeat.region), payload)
+                    publish(pipe, keys.region_channel(heartbeat.region), payload, sharded=sharded)
                 tap = self._clock() >= self._tap_quiet_until_s
                 if tap:
-                    self._publish(pipe, keys.region_tap(heartbeat.region), payload)
+                    publish(pipe, keys.region_tap(heartbeat.region), payload, sharded=sharded)
                 results = await pipe.execute()
             raise_if_cancelling()  # redis-py can return normally from a cancelled call
         except (RedisError, OSError) as exc:
@@ -117,13 +117,6 @@ class HeartbeatPublisher:
             self._tap_quiet_until_s = self._clock() + TAP_RECHECK_S
         self._announced[worker_id] = digest
         self._regions[worker_id] = heartbeat.region
-
-    def _publish(self, pipe: Any, channel: str, payload: bytes | str) -> None:
-        """PUBLISH, or SPUBLISH on a cluster (the channel is then in the keys' slot)."""
-        if self._keys.sharded:
-            pipe.execute_command("SPUBLISH", channel, payload)
-        else:
-            pipe.publish(channel, payload)
 
     async def _forget(self, worker_id: str, region: str) -> None:
         """Remove what `worker_id` wrote as a worker of `region` (it now says another)."""
@@ -143,17 +136,17 @@ class HeartbeatPublisher:
         region = self._regions.get(worker_id)
         if region is None and self._keys.sharded:
             return  # never published here: nothing of it to remove
-        keys = self._keys
+        keys, sharded = self._keys, self._keys.sharded
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.delete(keys.worker(worker_id, region))
                 if region is not None:
                     pipe.hdel(keys.loads(region), worker_id)
-                    self._publish(pipe, keys.region_channel(region), gone)
-                    self._publish(pipe, keys.region_tap(region), gone)
+                    publish(pipe, keys.region_channel(region), gone, sharded=sharded)
+                    publish(pipe, keys.region_tap(region), gone, sharded=sharded)
                 else:
-                    self._publish(pipe, keys.channel, gone)
-                    self._publish(pipe, keys.tap, gone)
+                    publish(pipe, keys.channel, gone, sharded=sharded)
+                    publish(pipe, keys.tap, gone, sharded=sharded)
                 await pipe.execute()
             raise_if_cancelling()
         except (RedisError, OSError) as exc:

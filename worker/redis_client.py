@@ -136,6 +136,14 @@ async def mget(client: Redis, keys: Sequence[KeyT]) -> list[Any]:
     return await client.mget(keys)
 
 
+def publish(target: Any, channel: str, payload: bytes | str, *, sharded: bool) -> Any:
+    """PUBLISH, or SPUBLISH when `sharded` (a cluster: sent to the channel's slot's node,
+    not to every node). `target`: a client (await what this returns) or a pipeline."""
+    if sharded:
+        return target.execute_command("SPUBLISH", channel, payload)
+    return target.publish(channel, payload)
+
+
 async def close(client: Redis) -> None:
     """Close `client` and every connection it holds (a cluster's, on every node)."""
     if isinstance(client, RedisCluster):

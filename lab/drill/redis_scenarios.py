@@ -95,7 +95,7 @@ class RedisFailover(Scenario, name="redis-failover",
         (`agents_published_after_s`): the router keeps a worker it cannot hear from in its
         view while Redis is out of reach (fail static), so its view alone can look fresh
         before the agents are through."""
-        after_s = await asyncio.to_thread(_every_heartbeat_sent_after, self._reader,
+        after_s = await asyncio.to_thread(every_heartbeat_sent_after, self._reader,
                                           self.stack.key_prefix, len(self.stack.by_role("sim")),
                                           since_unix_s)
         self.failover["agents_published_after_s"] = after_s
@@ -184,11 +184,12 @@ class RedisClusterFailover(RedisFailover, name="redis-cluster-failover",
                           "node stays down)")
 
 
-def _every_heartbeat_sent_after(connect: Callable[[], redis.Redis | redis.RedisCluster],
+def every_heartbeat_sent_after(connect: Callable[[], redis.Redis | redis.RedisCluster],
                                 prefix: str, workers: int, since_unix_s: float,
                                 timeout_s: float = 40.0) -> float | None:
-    """Seconds after `since_unix_s` at which each of `workers` heartbeat keys holds a
-    heartbeat sent after it (None: not within `timeout_s`); read through `connect()`."""
+    """Seconds after `since_unix_s` at which the `workers` heartbeat keys (exactly so
+    many) each hold a heartbeat sent after it (None: not within `timeout_s`); read
+    through `connect()`."""
     client = connect()
     try:
         deadline = time.monotonic() + timeout_s
@@ -200,7 +201,7 @@ def _every_heartbeat_sent_after(connect: Callable[[], redis.Redis | redis.RedisC
                 sent = [json.loads(raw)["sent_at_s"] for raw in values if raw is not None]
             except redis.RedisError:
                 sent = []
-            if len(sent) >= workers and min(sent) > since_unix_s:
+            if len(sent) == workers and min(sent) > since_unix_s:
                 return round(time.time() - since_unix_s, 3)
             time.sleep(0.1)
         return None

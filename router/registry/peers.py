@@ -41,7 +41,7 @@ from redis.exceptions import RedisError
 from router.core.stats import SecurityStats
 from router.registry.inflight import InFlight
 from router.registry.subscriber import Subscription
-from worker.redis_client import is_cluster, raise_if_cancelling
+from worker.redis_client import is_cluster, publish, raise_if_cancelling
 from worker.signing import hmac_sha256_hex
 
 log = logging.getLogger("globalpool.peers")
@@ -234,11 +234,7 @@ class PeerExchange:
 
     async def _publish(self, counts: Mapping[str, int]) -> None:
         report = encode_report(self.router, counts, self._signing_key, self._region)
-        if is_cluster(self._redis):  # sharded: the channel's node only, not every node
-            spublish = self._redis.execute_command
-            await spublish("SPUBLISH", self._channel, report)  # type: ignore[no-untyped-call]
-        else:
-            await self._redis.publish(self._channel, report)
+        await publish(self._redis, self._channel, report, sharded=is_cluster(self._redis))
 
     def _apply(self, payload: bytes) -> None:
         try:

@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 from lab.devstack.cluster import ValkeyCluster, key_slot
 from lab.devstack.stack import LocalStack
 from lab.devstack.valkey import free_port
+from lab.drill.redis_scenarios import every_heartbeat_sent_after
 from router.admission.gcra import Bucket
 from router.admission.redis_limiter import RateLimitKeys, RedisLimiter
 from router.config_loader import load_config
@@ -95,26 +96,6 @@ def _keys_by_node(cluster: ValkeyCluster) -> dict[int, list[bytes]]:
     return found
 
 
-def _until_published(cluster: ValkeyCluster, since_unix_s: float) -> float | None:
-    """Seconds after `since_unix_s` at which every heartbeat key holds a heartbeat sent
-    after it (None: not within 30 s)."""
-    live = next(node for node in cluster.primaries if node not in cluster.killed)
-    client = redis.RedisCluster(host=live.host, port=live.port, password=cluster.password,
-                                **_tls(cluster))
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            keys = list(client.scan_iter(match=f"{PREFIX}:hb:*", count=1000))
-            sent = [json.loads(raw)["sent_at_s"] for raw in client.mget_nonatomic(keys)
-                    if raw is not None]
-            if len(sent) == 4 and min(sent) > since_unix_s:
-                return round(time.time() - since_unix_s, 2)
-            time.sleep(0.1)
-        return None
-    finally:
-        client.close()
-
-
 async def _until_fresh(session: aiohttp.ClientSession, stack: LocalStack, workers: int,
                        timeout_s: float) -> dict[str, Any] | None:
     deadline = time.monotonic() + timeout_s
@@ -167,8 +148,12 @@ async def test_a_cluster_carries_the_fleet_and_survives_losing_a_regions_primary
             # The router keeps a worker it cannot hear from fresh while Redis is out of
             # reach (fail static): the agents' own new heartbeats, in Redis, say when
             # they reached the promoted node.
-            published_s = await asyncio.to_thread(_until_published, cluster,
-                                                  time.time() - (time.monotonic() - killed_at))
+            live = next(node for node in cluster.primaries if node not in cluster.killed)
+            published_s = await asyncio.to_thread(
+                every_heartbeat_sent_after,
+                lambda: redis.RedisCluster(host=live.host, port=live.port,
+                                           password=cluster.password, **_tls(cluster)),
+                PREFIX, 4, time.time() - (time.monotonic() - killed_at), timeout_s=30.0)
             fresh_s = time.monotonic() - killed_at if fresh is not None else None
             await asyncio.sleep(1.0)  # requests keep flowing after the failover
             await streams.stop()

@@ -31,6 +31,7 @@ from router.core.stats import SecurityStats
 from router.event_loop import new_event_loop, tune_gc
 from router.health import BreakerPolicy, Health, RetryBudget
 from router.policy import RoutingContext, create_policy
+from router.policy.batch_room import BatchRoom
 from router.processes import ProcessSlot
 from router.proxy import catalog
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
@@ -257,6 +258,7 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         near_equal_ms=config.router.near_equal_ms,
         health=health,
         region_cost=lambda region: app[OPERATIONS].configs.current.cost_per_gpu_hour(region),
+        batch_room=BatchRoom(lambda: app[OPERATIONS].configs.current.batch.fixed_reserve),
     )
     operations = app[OPERATIONS]
     queue_config = config.router.queue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
@@ -35,10 +37,33 @@ class BatchConfig(BaseModel):
         description="most batch lines one replica runs at once, whatever the heartbeats "
         "say is spare: bounds what a wrong or forged heartbeat (an absurd max_num_seqs) "
         "can make it send; raise it for a fleet with more spare slots than replicas x this")
+    interactive_reserve: Literal["adaptive"] | float = Field(
+        default="adaptive",
+        description="what batch lines leave free on each worker for interactive requests: "
+        "'adaptive' keeps free the peak of the worker's interactive load lately plus 2 "
+        "slots, and a quarter of its slots after everything that runs "
+        "(router.policy.batch_room); a number from 0 to 0.95 keeps that share of its slots "
+        "free after everything that runs instead, whatever the interactive load does. 0.25 "
+        "was the only rule before: more batch throughput, and interactive requests that "
+        "find every slot taken wait for a batch line to end. Requests a client sends with "
+        "x-globalpool-class: batch (they come when they come) keep a quarter, or this share")
     lease_s: float = Field(
         default=30.0, ge=1.0, le=3600.0,
         description="a replica holds the lines it runs for this long, renewing it while it "
         "runs them; a replica that dies has its lines run by another after this long")
+
+    @property
+    def fixed_reserve(self) -> float | None:
+        """`interactive_reserve` as router.policy.batch_room reads it (None: adaptive)."""
+        reserve = self.interactive_reserve
+        return None if reserve == "adaptive" else float(reserve)
+
+    @field_validator("interactive_reserve")
+    @classmethod
+    def _share(cls, reserve: str | float) -> str | float:
+        if isinstance(reserve, float) and not 0.0 <= reserve <= 0.95:
+            raise ValueError("'adaptive', or a share of each worker's slots from 0 to 0.95")
+        return reserve
 
     @field_validator("storage")
     @classmethod

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from lab.devstack.loadgen import RequestResult
 from router.config import SimulatedPool
-from router.policy.predicted_ttft import BATCH_SLOT_RESERVE
+from router.policy.batch_room import MIN_RESERVE_SHARE as BATCH_SLOT_RESERVE
 
 
 @dataclass(frozen=True, slots=True)

@@ -249,6 +249,8 @@ class Twin:
         worker.in_transit += 1
         policy, _, views = self._routers[request.origin]
         if policy is not None:
+            if request.traffic_class == "batch":  # as the proxy counts them (batch_room)
+                policy.context.batch_room.started(worker.name)
             policy.context.affinity.sent(
                 worker.name, views[worker.name].cache_tokens, session_id=request.session_id,
                 prefix_keys=parsed.prefix_keys, prompt_tokens=parsed.prompt_tokens,
@@ -314,11 +316,13 @@ class Twin:
             outcome.last_token_s = (seq.last_token_s or seq.first_token_s) + half_rtt_s
         outcome.tokens = len(seq.output)
         outcome.end_s = (seq.finished_s or self.clock.now_s) + half_rtt_s
-        inflight = self._routers[request.origin][1]
+        policy, inflight, _ = self._routers[request.origin]
 
         def client_end() -> None:
             self._open -= 1
             inflight.finished(worker.name)
+            if policy is not None and request.traffic_class == "batch":
+                policy.context.batch_room.finished(worker.name)
             if self._backlogs:
                 self._poll_backlogs()  # as RouterQueue.capacity_freed
 

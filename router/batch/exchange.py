@@ -21,6 +21,7 @@ class LineExchange:
     request id."""
 
     __slots__ = ("_body", "_headers", "_path")
+    paced = True  # started into the room interactive traffic leaves (router.batch.runner)
 
     def __init__(self, path: str, body: bytes, request_id: str) -> None:
         self._path = path

@@ -4,10 +4,10 @@ A runner scans the batches that are not finished (router.batch.state) every SCAN
 - `validating`: one replica (a lock) reads the input file, checks it
   (router.batch.lines) and queues its chunks, or fails the batch;
 - `in_progress`: it claims chunks of lines (leases) while it has room for more, and
-  starts their lines **only into spare capacity**: the batch slots that the fleet's
-  heartbeats show free on the workers serving the batch's model, less the quarter of
-  every worker's slots kept for interactive traffic (router.policy's
-  BATCH_SLOT_RESERVE), less what is open there now, this replica's lines included, and
+  starts their lines **only into spare capacity**: the slots that the fleet's
+  heartbeats show free on the workers serving the batch's model, less what each worker
+  keeps for interactive traffic (the peak of its interactive load lately: router.policy.
+  batch_room), less what is open there now, this replica's lines included, and
   never more than `batch.max_in_flight` lines of this replica at once (the heartbeats'
   `max_num_seqs` is the worker's word, which a forged heartbeat can inflate). When
   interactive load rises the spare slots shrink and no new line starts; the router queue
@@ -46,7 +46,7 @@ from router.batch.lines import Line
 from router.batch.record import Batch
 from router.batch.state import CHUNK_LINES, BatchesUnavailable, BatchStore
 from router.config_reload import ConfigHolder
-from router.policy.predicted_ttft import BATCH_SLOT_RESERVE, effective_load
+from router.policy.predicted_ttft import effective_load
 from router.proxy.exchange import Reply
 from router.proxy.handlers import Proxy
 from router.proxy.replies import REGION_HEADER, WORKER_HEADER
@@ -248,11 +248,13 @@ class BatchRunner:
 
     def spare_slots(self, model: str, principal: Principal | None) -> int:
         """Batch slots free now on the fresh, ready workers serving `model` (in the
-        regions `principal` may use): each worker's slots less the interactive reserve,
-        less what runs or waits there."""
+        regions `principal` may use): each worker's slots less what it keeps for
+        interactive requests, less what runs or waits there (router.policy.batch_room)."""
         proxy = self.proxy
         snapshot = proxy.holder.current
-        fresh_now = snapshot.freshness_now(time.monotonic())
+        now = time.monotonic()
+        fresh_now = snapshot.freshness_now(now)
+        room = proxy.policy.context.batch_room.room
         allowed = None if principal is None else principal.allowed_regions
         spare = 0
         for view in snapshot.serving(model):
@@ -260,8 +262,8 @@ class BatchRunner:
                 continue
             if allowed is not None and view.region not in allowed:
                 continue
-            slots = int(view.heartbeat.capacity.max_num_seqs * (1.0 - BATCH_SLOT_RESERVE))
-            spare += max(0, slots - effective_load(view, proxy.inflight.of(view.worker_id)))
+            spare += max(0, room(view, effective_load(view, proxy.inflight.of(view.worker_id)),
+                                 now))
         return spare
 
     async def _run_line(self, held: _Held, line: Line, tries: int) -> None:
@@ -336,7 +338,8 @@ class BatchRunner:
                      "lines_running": self.lines_running,
                      "lines_waiting": sum(len(held.pending) for held in self._held),
                      "max_in_flight": self.configs.current.batch.max_in_flight,
-                     "held_back_by_max_in_flight": self.capped},
+                     "held_back_by_max_in_flight": self.capped,
+                     "interactive_reserve": self.configs.current.batch.interactive_reserve},
         }
 
     def _check_done(self, held: _Held) -> None:

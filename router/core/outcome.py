@@ -81,6 +81,7 @@ class Attempt:
     # its problem, never counted against the worker.
     client_stalled: bool = False
     streamed: bool = False
+    batch: bool = False  # a batch-class attempt (counted in router.policy.batch_room)
     retry_after_s: float | None = None
     # While waiting for the first byte: the deadline that `abandon` brings forward.
     first_byte_deadline: Reschedulable | None = None

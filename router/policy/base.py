@@ -18,6 +18,7 @@ from typing import ClassVar, TypeVar
 
 from router.health.tracker import Health
 from router.policy.affinity import AffinityTable
+from router.policy.batch_room import BatchRoom
 from router.policy.filters import eligible
 from router.policy.request import Decision, RouteRequest
 from router.registry.inflight import InFlight
@@ -37,6 +38,7 @@ class RoutingContext:
     health: Health | None = None
     affinity: AffinityTable = field(default_factory=AffinityTable)
     region_cost: Callable[[str], float] = lambda _region: 1.0
+    batch_room: BatchRoom = field(default_factory=BatchRoom)
 
 
 class Policy:

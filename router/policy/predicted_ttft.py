@@ -119,8 +119,6 @@ def predict(context: RoutingContext, view: WorkerView, request: RouteRequest) ->
 AFFINITY_SLACK_MS = 50.0
 AFFINITY_SLACK_SHARE = 0.25
 _first = itemgetter(0)
-# Batch traffic leaves this share of every worker's batch slots to interactive requests.
-BATCH_SLOT_RESERVE = 0.25
 
 
 def _one_of_the_best(scored: list[tuple[float, WorkerView]], limit_ms: float,
@@ -340,12 +338,16 @@ class PredictedTtft(Policy):
 
     def _choose_batch(self, scored: list[tuple[float, WorkerView]], request: RouteRequest,
                       cached: dict[str, int]) -> Decision:
-        inflight = self.context.inflight
-        spare = [
-            (score, view) for score, view in scored
-            if effective_load(view, inflight.of(view.worker_id)) + 1
-            <= view.heartbeat.capacity.max_num_seqs * (1.0 - BATCH_SLOT_RESERVE)
-        ]
+        context = self.context
+        inflight = context.inflight
+        batch_room = context.batch_room
+        now_s = context.clock()
+        # A batch line: into the room interactive traffic leaves (router.policy.batch_room).
+        # A client's batch-class request comes when it comes: a slot beyond a fixed share.
+        room = batch_room.room if request.paced else batch_room.fixed_room
+        spare = [item for item in scored
+                 if room(item[1], effective_load(item[1], inflight.of(item[1].worker_id)),
+                         now_s) >= 1]
         budget = request.ttft_budget_ms
         if budget is not None:
             within = [item for item in spare if item[0] <= budget]
@@ -354,7 +356,7 @@ class PredictedTtft(Policy):
             # Every worker is busy with interactive work: the least bad place, marked so.
             score, view = min(scored, key=_first)
             return self._decision(view, score, "batch_queued", request, len(scored), cached)
-        cost = self.context.region_cost
+        cost = context.region_cost
         score, view = min(spare, key=lambda item: (cost(item[1].region), item[0]))
         return self._decision(view, score, "batch", request, len(scored), cached)
 

@@ -45,6 +45,10 @@ class RouteRequest(NamedTuple):
     # The one worker the request may go to (None: any): the holder of the stored response
     # it continues (the Responses API's `previous_response_id`), which no other has.
     only_worker: str | None = None
+    # Sent by the router at its own pace (a Batch API line: router.batch.runner), into the
+    # room interactive traffic leaves (router.policy.batch_room); a batch-class request
+    # from a client comes when it comes, and takes a free slot beyond a quarter.
+    paced: bool = False
 
 
 class Decision(NamedTuple):

@@ -58,6 +58,8 @@ def api_error_reply(exc: ApiError) -> Reply:
 class Exchange(Protocol):
     """The client side of one request."""
 
+    paced: bool  # sent by the router itself at its own pace (a batch line), not a client
+
     @property
     def path(self) -> str: ...
 
@@ -114,6 +116,7 @@ class AiohttpExchange:
     """An inference request that aiohttp's server received (handed-over connections)."""
 
     __slots__ = ("_request", "response")
+    paced = False
 
     def __init__(self, request: web.Request) -> None:
         self._request = request

@@ -71,6 +71,7 @@ class FrontExchange:
 
     __slots__ = ("_protocol", "_transcript", "_transport", "content_length", "headers", "path",
                  "started")
+    paced = False
 
     def __init__(self, protocol: Connection, path: str, headers: dict[str, str],
                  content_length: int) -> None:

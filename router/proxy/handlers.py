@@ -1,9 +1,8 @@
 """The OpenAI-compatible endpoints: validate, route, forward, retry before the first byte.
 
-`Proxy.inference` admits a request, then the routing-and-retry loop routes, counts and
-forwards each attempt (`unary`, `stream`), retries a failed one elsewhere (`retries`) and
-continues a stream that broke off (`stream_failover`); `replies` makes what it answers.
-"""
+`Proxy.inference` admits a request; the routing-and-retry loop routes, counts and forwards
+each attempt (`unary`, `stream`), retries a failed one elsewhere (`retries`), continues a
+broken stream (`stream_failover`); `replies` makes what it answers."""
 
 from __future__ import annotations
 
@@ -169,7 +168,8 @@ class Proxy:
         headers = worker_headers(exchange.headers, record.request_id, self.propagate_trace)
         record.traffic_class = hints[1]
         record.ttft_budget_ms = hints[2]
-        route = route_request(parsed, record, self.drains.current, principal, hints, pinned)
+        route = route_request(parsed, record, self.drains.current, principal, hints, pinned,
+                              exchange.paced)
         failover = failover_for(router_config, exchange, parsed, body, record.kind)
         retries: Retries | None = None  # made when an attempt fails
         self.retry_budget.request_arrived()
@@ -228,8 +228,8 @@ class Proxy:
 
     async def _wait_turn(self, queue: RouterQueue, decision: Decision, route: RouteRequest,
                          record: RequestRecord) -> Decision:
-        """Wait in the router's queue for a worker with room (the queue counts the request
-        in flight there), routed again when its turn comes."""
+        """Wait in the queue for a worker with room (counted in flight there), routed again
+        when its turn comes."""
         decision, record.queued_s = await queue.turn(
             decision, functools.partial(self._pick, route),
             model=route.model, traffic_class=route.traffic_class,
@@ -237,8 +237,7 @@ class Proxy:
         return decision
 
     def _pick(self, route: RouteRequest) -> Decision:
-        """Route on the fleet view of this moment (a waiting request is routed again)."""
-        return self.policy.pick(self.holder.current, route)
+        return self.policy.pick(self.holder.current, route)  # (on the view of this moment)
 
     def _dispatched(self, decision: Decision, record: RequestRecord, route: RouteRequest,
                     headers: dict[str, str], config: GlobalConfig, counted: bool,
@@ -255,8 +254,11 @@ class Proxy:
                           prediction=decision.prediction,
                           reason=("continuation" if continuing else
                                   decision.reason if not record.attempts else "retry"),
-                          started_s=now, streamed=route.stream)
+                          started_s=now, streamed=route.stream,
+                          batch=route.traffic_class == "batch")
         record.attempts.append(attempt)
+        if attempt.batch:  # (what it holds there is not the interactive load)
+            self.policy.context.batch_room.started(worker.worker_id)
         self._worker_auth.authorize(headers, config, worker.region)
         if not counted:
             self.inflight.started(worker.worker_id)
@@ -322,8 +324,7 @@ class Proxy:
     def _send_hedge(self, config: RouterConfig, path: str, record: RequestRecord,
                     headers: dict[str, str], body: bytes, hedge: Hedge
                     ) -> tuple[Attempt, Coroutine[Any, Any, Opened]] | None:
-        """The hedge's attempt on the next-best worker, sent (None: none can take it, or
-        the budget is spent)."""
+        """The hedge's attempt on the next-best worker, sent (None: no room, or no budget)."""
         try:
             decision = self.policy.pick(self.holder.current, hedge.route)
         except NoRoute:
@@ -339,9 +340,8 @@ class Proxy:
 
     def _lost(self, attempt: Attempt, failure: UpstreamFailure | None) -> None:
         """A copy of a hedged stream that did not answer: outrun by the other, or failed."""
-        if failure is None:
-            attempt.outrun = True
-        else:
+        attempt.outrun = failure is None
+        if failure is not None:
             note_failure(attempt, failure)
         self._attempt_finished(attempt)
 
@@ -350,8 +350,7 @@ class Proxy:
                               record: RequestRecord, failover: Failover | None,
                               opened: Opened | None = None) -> Reply:
         """A stream passed on as it arrives (`opened` already: a hedged one), kept in
-        `failover`'s transcript if any; one that ended early (with an error event) is the
-        request's error."""
+        `failover`'s transcript if any; an early end (an error event) is the request's."""
         reply = await forward_stream(
             exchange, self.upstreams, target, payload, config.timeouts, answer_headers,
             attempt, config.client_timeouts.stall_s,
@@ -366,6 +365,8 @@ class Proxy:
         """However `attempt` ended: out of the in-flight counts, its room offered to a
         waiting request, and its outcome to health and the observers."""
         self.inflight.finished(attempt.worker_id)
+        if attempt.batch:
+            self.policy.context.batch_room.finished(attempt.worker_id)
         if attempt.committed_tokens:
             self.inflight.release(attempt.worker_id, attempt.committed_tokens,
                                   attempt.started_s)
@@ -379,8 +380,7 @@ class Proxy:
             observer.attempt_finished(attempt)
 
     def _request_finished(self, record: RequestRecord, principal: Principal | None) -> None:
-        """However the request ended: its residency to admission, its record to the
-        observers."""
+        """However the request ended: its residency to admission, its record to observers."""
         record.finished_s = time.monotonic()
         admission = self.admission
         if admission is not None and principal is not None:

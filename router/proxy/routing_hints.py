@@ -54,9 +54,9 @@ def routing_hints(headers: Mapping[str, str]) -> tuple[str | None, str, float | 
 def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained,
                   principal: Principal | None,
                   hints: tuple[str | None, str, float | None],
-                  only_worker: str | None = None) -> RouteRequest:
+                  only_worker: str | None = None, paced: bool = False) -> RouteRequest:
     """What routing knows of the request, for its first attempt (`only_worker`: the one
-    worker it may go to, if any)."""
+    worker it may go to, if any; `paced`: a batch line the router sends)."""
     session_id, traffic_class, budget_ms = hints
     allowed = None if principal is None else principal.allowed_regions  # data residency
     # `__new__` called directly: `RouteRequest(...)` costs twice as much, as the type's
@@ -75,4 +75,5 @@ def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained
         ttft_budget_ms=budget_ms,
         completion_tokens=parsed.completion_tokens,
         only_worker=only_worker,
+        paced=paced,
     )

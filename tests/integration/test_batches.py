@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -153,6 +154,53 @@ async def test_lines_wait_while_interactive_traffic_holds_the_slots(fleet: OpsFl
             await fleet.publish(worker, running=0)
         done = await until_status(openai, created.id, ("completed",))
     assert done.request_counts.completed == 20
+
+
+@pytest.mark.parametrize("reserve", ["adaptive", 0.25])
+async def test_lines_leave_free_the_interactive_load_a_worker_carried_lately(
+        fleet: OpsFleet, reserve: str | float) -> None:
+    # Each worker's heartbeat says what an agent would: 4 interactive requests, plus the
+    # lines its simulator holds. The batch starts; then the interactive requests end. The
+    # old rule (a quarter free, 0.25) fills every worker to 6 of 8 and more at once; the
+    # adaptive rule keeps free the 4 that interactive traffic needed a moment ago (+2), so
+    # at most 2 lines per worker, for the 5 s watched (the peak it keeps falls back by 0.1
+    # slot a second). The simulators, not the router, count what reaches them.
+    document = config(fleet)
+    document["batch"]["interactive_reserve"] = reserve
+    await fleet.start(WORKERS, config=document, decode_step_ms=10.0)
+    interactive = dict.fromkeys(WORKERS, 4)
+    ended = {"at": math.inf}
+    most = dict.fromkeys(WORKERS, 0)  # lines at once on each, in the 5 s after that end
+
+    async def agents(http: aiohttp.ClientSession) -> None:
+        while True:
+            for worker, sim in fleet.sims.items():
+                async with http.get(f"{sim.url}/metrics") as response:
+                    lines = parse_metrics(await response.text()).in_flight
+                await fleet.publish(worker, running=interactive[worker] + lines)
+                if 0 <= time.monotonic() - ended["at"] <= 5.0:
+                    most[worker] = max(most[worker], lines)
+            await asyncio.sleep(0.02)
+
+    async with client(fleet.url) as openai, aiohttp.ClientSession() as http:
+        publishing = asyncio.create_task(agents(http))
+        try:
+            created = await submit(openai, jsonl(90, max_tokens=20))
+            await until_status(openai, created.id, ("in_progress",))
+            await asyncio.sleep(1.0)
+            interactive.update(dict.fromkeys(WORKERS, 0))
+            ended["at"] = time.monotonic()
+            done = await until_status(openai, created.id, ("completed", "failed"))
+        finally:
+            publishing.cancel()
+    status, document = await admin(fleet.url, "GET", "/admin/status")
+    assert status == 200 and document["batches"]["here"]["interactive_reserve"] == reserve
+    assert done.status == "completed" and done.request_counts is not None
+    assert done.request_counts.completed == 90
+    if reserve == "adaptive":
+        assert sum(most.values()) > 0 and all(lines <= 2 for lines in most.values()), most
+    else:
+        assert max(most.values()) >= 5, most
 
 
 async def test_a_forged_heartbeat_cannot_make_a_replica_run_more_than_its_cap(

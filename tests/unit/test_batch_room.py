@@ -1,0 +1,195 @@
+"""What batch lines leave free for interactive requests (router.policy.batch_room), and how
+the `batch` class and the runner's pacing use it.
+
+The old rule kept a quarter of each worker's slots free after everything that ran; a batch
+filled the rest while interactive load swung from 5 to over 10 of 16 slots, and requests
+that found every slot taken waited for a batch line to end (bench-batch: TTFT p99 3.9x)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.policy import RouteRequest
+from router.policy.batch_room import (
+    FORGET_S,
+    LEARN_DECAY_PER_S,
+    LEARN_S,
+    MARGIN_SLOTS,
+    MIN_RESERVE_SHARE,
+    PEAK_DECAY_PER_S,
+    BatchRoom,
+)
+from router.registry.worker_view import WorkerView
+from tests.unit.test_policy import FakeClock, make_policy, snapshot, view
+
+
+def beat(at_s: float, slots: int = 16) -> WorkerView:
+    """Worker w's heartbeat received at `at_s` (the load is passed to `room` apart)."""
+    return view("w", slots=slots, received_at_s=at_s)
+
+
+T = LEARN_S + 2.0  # when a worker first seen has been learnt (see `learnt`)
+
+
+def learnt(room: BatchRoom, load: int, slots: int = 16) -> None:
+    """Worker w seen at `load` in a heartbeat every 0.5 s from 0 to T."""
+    for tick in range(int(2 * T) + 1):
+        room.room(beat(tick / 2, slots), load, now_s=tick / 2)
+
+
+def test_a_worker_first_seen_starts_with_little_room_and_learns_its_load() -> None:
+    # Nothing is known of its swings yet: three quarters of its slots are held back,
+    # falling back by LEARN_DECAY_PER_S while it shows what its interactive load does.
+    room = BatchRoom()
+    assert room.room(beat(0.0), 0, now_s=0.0) == 16 - 12 - MARGIN_SLOTS
+    assert room.room(beat(4.0), 0, now_s=4.0) == 16 - 8 - MARGIN_SLOTS
+    assert room.room(beat(8.0), 0, now_s=8.0) == 16 - 4 - MARGIN_SLOTS
+    assert room.peak_of("w") == 0  # what it showed; the guess is apart
+    # What it shows meanwhile falls back only as any peak does.
+    room.room(beat(8.5), 7, now_s=8.5)
+    room.room(beat(9.0), 7, now_s=9.0)
+    assert room.room(beat(9.5), 0, now_s=9.5) == 16 - 7 - MARGIN_SLOTS
+    assert room.room(beat(15.0), 0, now_s=15.0) == 16 - 7 - MARGIN_SLOTS
+    # A worker whose interactive load is 9 never gets less held back than that.
+    busy = BatchRoom()
+    learnt(busy, 9)
+    assert busy.peak_of("w") == 9
+
+
+def test_the_peak_of_interactive_load_is_kept_free_and_falls_back_slowly() -> None:
+    room = BatchRoom()
+    learnt(room, 10)
+    # Interactive load falls to 3: the fixed quarter would give 16 - 4 - 3 = 9 slots, but
+    # the peak is remembered, falling back by PEAK_DECAY_PER_S.
+    assert room.room(beat(T + 0.5), 3, now_s=T + 0.5) == 16 - 10 - MARGIN_SLOTS
+    after = T + 20.0
+    peak = 10 - PEAK_DECAY_PER_S * (after - T)
+    assert room.room(beat(after), 3, now_s=after) == 16 - math.ceil(peak) - MARGIN_SLOTS
+    assert room.peak_of("w") == pytest.approx(peak)
+    # Not seen for longer than FORGET_S: nothing is known again.
+    later = after + FORGET_S + 1
+    assert room.room(beat(later), 3, now_s=later) == 16 - 12 - MARGIN_SLOTS
+
+
+def test_a_load_one_heartbeat_shows_is_not_taken_for_a_peak() -> None:
+    # A heartbeat is taken before it arrives: 3 lines that ended in between are in its
+    # load and no longer in the router's count, so it seems to show 3 more interactive
+    # requests. Kept as a peak, they would hold slots back for 30 s.
+    room = BatchRoom()
+    learnt(room, 4)
+    assert room.room(beat(T + 0.5), 7, now_s=T + 0.5) == 16 - 4 - 7  # (the quarter binds)
+    assert room.peak_of("w") == 4
+    assert room.room(beat(T + 1.0), 4, now_s=T + 1.0) == 16 - 4 - 4  # not 16 - 7 - 2
+    # Two heartbeats in a row at 7: that is interactive load.
+    assert room.room(beat(T + 1.5), 7, now_s=T + 1.5) == 16 - 4 - 7
+    assert room.room(beat(T + 2.0), 7, now_s=T + 2.0) == 16 - 4 - 7
+    assert room.peak_of("w") == 7
+    assert room.room(beat(T + 2.5), 2, now_s=T + 2.5) == 16 - 7 - MARGIN_SLOTS
+
+
+def test_own_batch_lines_are_not_taken_for_interactive_load() -> None:
+    room = BatchRoom()
+    learnt(room, 4)
+    for _ in range(6):
+        room.started("w")
+    # The worker holds 10 (4 interactive + 6 lines): the peak stays 4.
+    assert room.room(beat(T + 0.5), 10, now_s=T + 0.5) == 16 - 4 - 10
+    assert room.room(beat(T + 1.0), 10, now_s=T + 1.0) == 16 - 4 - 10
+    assert room.peak_of("w") == 4
+    # Its interactive requests end: 6 lines left, the peak's 4 + 2 kept, so 4 more lines
+    # (had the lines counted as interactive load, the peak would be 10, and none).
+    assert room.room(beat(T + 1.5), 6, now_s=T + 1.5) == 16 - 4 - MARGIN_SLOTS - 6
+    for _ in range(10):  # more ends than starts (a cancelled attempt) never go negative
+        room.finished("w")
+    assert room.batch_of("w") == 0
+
+
+def test_a_fixed_share_is_the_old_rule() -> None:
+    room = BatchRoom(lambda: 0.25)
+    assert room.room(beat(0.0), 10, now_s=0.0) == 2  # 16 - 4 - 10: nothing to learn
+    assert room.room(beat(0.5), 10, now_s=0.5) == 2
+    assert room.room(beat(1.0), 3, now_s=1.0) == 9  # no memory of the peak
+    assert BatchRoom(lambda: 0.0).room(beat(0.0), 3, now_s=0.0) == 13
+
+
+def test_workers_gone_are_not_remembered_forever() -> None:
+    room = BatchRoom()
+    for number in range(1000):
+        at = number * 1.0
+        room.room(view(f"w{number}", received_at_s=at), 1, now_s=at)
+    assert len(room._peaks) < 200
+
+
+@settings(max_examples=500, deadline=None)
+@given(slots=st.integers(4, 64),
+       steps=st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 0.5),
+                                st.floats(0.0, 0.6), st.booleans()), min_size=1, max_size=60))
+def test_batch_lines_never_take_what_interactive_load_held_within_the_decay(
+        slots: int, steps: list[tuple[float, float, float, bool]]) -> None:
+    """Whatever the loads seen, heartbeats, lines added and time passed: room never lets
+    batch lines reach the slots that an interactive load two heartbeats in a row showed
+    within the last second needs, nor go past the fixed quarter."""
+    room = BatchRoom()
+    learnt(room, 0, slots)
+    now = heartbeat = T
+    shown = [(T, T, 0)]  # (when, in which heartbeat, interactive load): learnt's last
+    for interactive_share, lines_share, dt, new_heartbeat in steps:
+        interactive, lines = round(interactive_share * slots), round(lines_share * slots)
+        now += dt
+        if new_heartbeat:
+            heartbeat = now
+        for _ in range(lines - room.batch_of("w")):
+            room.started("w")
+        for _ in range(room.batch_of("w") - lines):
+            room.finished("w")
+        load = interactive + lines
+        free = room.room(beat(heartbeat, slots), load, now)
+        shown.append((now, heartbeat, interactive))
+        assert load + free <= slots - math.ceil(slots * MIN_RESERVE_SHARE)
+        # Every two heartbeats in a row seen within the last second: the least of what
+        # they showed is interactive load the peak holds (falling 0.1 slot a second).
+        recent = [(seen_in, level) for at, seen_in, level in shown if now - at <= 1.0]
+        if any(now - at > 1.0 for at, seen_in, _ in shown if seen_in == recent[0][0]):
+            recent = [(seen_in, level) for seen_in, level in recent if seen_in != recent[0][0]]
+        least: dict[float, int] = {}
+        for seen_in, level in recent:
+            least[seen_in] = min(least.get(seen_in, level), level)
+        beats = sorted(least)
+        held = max((min(least[one], least[next_one])
+                    for one, next_one in itertools.pairwise(beats)), default=0)
+        assert lines + free <= slots - held - MARGIN_SLOTS
+
+
+def test_a_batch_line_goes_only_where_interactive_traffic_leaves_room() -> None:
+    clock = FakeClock(100.0 - T)
+    policy = make_policy(clock=clock)
+    line = RouteRequest(model="m", origin_region="us-east", traffic_class="batch",
+                        paced=True)
+    # Both workers learnt idle; eu-west is cheaper.
+    while clock.now < 100.0:
+        idle = snapshot(view("us-1", received_at_s=clock.now),
+                        view("eu-1", "eu-west", received_at_s=clock.now))
+        policy.pick(idle, line)
+        clock.now += 0.5
+    assert policy.pick(idle, line).worker.worker_id == "eu-1"
+    # Then eu-west's worker carries 6 interactive requests of 8, in two heartbeats.
+    for received in (100.5, 101.0):
+        clock.now = received
+        busy = snapshot(view("us-1"), view("eu-1", "eu-west", running=6,
+                                           received_at_s=received))
+        assert policy.pick(busy, line).worker.worker_id == "us-1"
+    quiet_now = snapshot(view("us-1"), view("eu-1", "eu-west", running=1,
+                                            received_at_s=101.5))
+    decision = policy.pick(quiet_now, line)
+    assert (decision.worker.worker_id, decision.reason) == ("us-1", "batch")
+    # A client's batch-class request keeps the fixed rule: the cheap region, 1 + 1 <= 6.
+    client_batch = RouteRequest(model="m", origin_region="us-east", traffic_class="batch")
+    assert policy.pick(quiet_now, client_batch).worker.worker_id == "eu-1"
+    # Once the peak has fallen back, lines go to the cheap region again.
+    clock.now += (6 + MARGIN_SLOTS + 1 - 8) / PEAK_DECAY_PER_S + 1.0
+    assert policy.pick(quiet_now, line).worker.worker_id == "eu-1"

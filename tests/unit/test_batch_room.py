@@ -47,7 +47,7 @@ def test_a_worker_first_seen_starts_with_little_room_and_learns_its_load() -> No
     # falling back by LEARN_DECAY_PER_S while it shows what its interactive load does.
     room = BatchRoom()
     assert room.room(beat(0.0), 0, now_s=0.0) == 16 - 12 - MARGIN_SLOTS
-    assert room.room(beat(4.0), 0, now_s=4.0) == 16 - 8 - MARGIN_SLOTS
+    assert room.room(beat(4.0), 0, now_s=4.0) == 16 - (12 - 4 * LEARN_DECAY_PER_S) - MARGIN_SLOTS
     assert room.room(beat(8.0), 0, now_s=8.0) == 16 - 4 - MARGIN_SLOTS
     assert room.peak_of("w") == 0  # what it showed; the guess is apart
     # What it shows meanwhile falls back only as any peak does.

@@ -28,7 +28,8 @@ worker.heartbeat_keys), and pub/sub is sharded (SSUBSCRIBE/SPUBLISH) on a cluste
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
@@ -307,21 +308,26 @@ class ClusterUnavailable(RedisConnectionError):
     every caller's `except RedisError` then fails static as with a single server."""
 
 
+@contextlib.contextmanager
+def cluster_unavailable() -> Iterator[None]:
+    """A `RedisClusterException` raised inside, raised as `ClusterUnavailable`."""
+    try:
+        yield
+    except RedisClusterException as exc:
+        raise ClusterUnavailable(str(exc)) from exc
+
+
 class _Cluster(RedisCluster):
     """RedisCluster whose commands and pipelines fail with `RedisError`s only (reading the
     slot map, which every first command and pipeline does, included)."""
 
     async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
-        try:
+        with cluster_unavailable():
             return await super().initialize(*args, **kwargs)
-        except RedisClusterException as exc:
-            raise ClusterUnavailable(str(exc)) from exc
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        try:
+        with cluster_unavailable():
             return await super().execute_command(*args, **kwargs)
-        except RedisClusterException as exc:
-            raise ClusterUnavailable(str(exc)) from exc
 
     def pipeline(self, transaction: Any | None = None,
                  shard_hint: Any | None = None) -> ClusterPipeline:
@@ -334,10 +340,8 @@ class _Cluster(RedisCluster):
 class _ClusterPipeline(ClusterPipeline):
     async def execute(self, raise_on_error: bool = True,
                       allow_redirections: bool = True) -> list[Any]:
-        try:
+        with cluster_unavailable():
             return await super().execute(raise_on_error, allow_redirections)
-        except RedisClusterException as exc:
-            raise ClusterUnavailable(str(exc)) from exc
 
 
 def _cluster_client(url: ClusterURL, *, max_connections: int, timeout: float | None,

@@ -87,22 +87,21 @@ class BatchRoom:
         """Batch lines the worker may take now, its `load` (sequences running or waiting
         there: predicted_ttft.effective_load) seen now; the interactive peak is updated
         with it. Can be negative (interactive load took back what batch lines hold)."""
-        room = self.fixed_room(view, load, now_s)
-        if self.fixed_share() is not None:
+        fixed = self.fixed_share()
+        slots = view.heartbeat.capacity.max_num_seqs
+        room = _fixed_room(slots, load, fixed)
+        if fixed is not None:
             return room
         worker_id = view.worker_id
-        batch = self._batch.get(worker_id, 0)
-        slots = view.heartbeat.capacity.max_num_seqs
         peak = self.seen(worker_id, slots, view.received_at_s, load, now_s)
-        return min(room, slots - math.ceil(peak) - MARGIN_SLOTS - batch)
+        return min(room, slots - math.ceil(peak) - MARGIN_SLOTS - self._batch.get(worker_id, 0))
 
     def fixed_room(self, view: WorkerView, load: int, now_s: float) -> int:
         """The fixed rule: a share of the slots kept free after everything that runs
         (`batch.interactive_reserve`, else a quarter). A floor under the adaptive rule, and
-        the rule for a client's batch-class requests, which come when they come."""
-        fixed = self.fixed_share()
-        slots = view.heartbeat.capacity.max_num_seqs
-        return slots - math.ceil(slots * (MIN_RESERVE_SHARE if fixed is None else fixed)) - load
+        the rule for a client's batch-class requests, which come when they come. (`now_s`:
+        `room`'s signature, for callers that choose between the two.)"""
+        return _fixed_room(view.heartbeat.capacity.max_num_seqs, load, self.fixed_share())
 
     def seen(self, worker_id: str, slots: int, heartbeat_s: float, load: int,
              now_s: float) -> float:
@@ -143,3 +142,7 @@ class BatchRoom:
         guess of its LEARN_S."""
         state = self._peaks.get(worker_id)
         return None if state is None else state[0]
+
+
+def _fixed_room(slots: int, load: int, fixed: float | None) -> int:
+    return slots - math.ceil(slots * (MIN_RESERVE_SHARE if fixed is None else fixed)) - load

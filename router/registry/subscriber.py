@@ -29,9 +29,9 @@ import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisError
 
-from worker.redis_client import ClusterUnavailable
+from worker.redis_client import ClusterUnavailable, cluster_unavailable
 
 READ_CHUNK = 1 << 18
 SUBSCRIBE_TIMEOUT_S = 2.0
@@ -88,14 +88,14 @@ async def _by_node(redis: RedisCluster, channels: list[str]) -> list[tuple[Any, 
     """A new connection to each node that serves some of `channels`, with its channels,
     from a slot map read now (the last one may predate a failover)."""
     try:
-        async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
-            await redis.nodes_manager.initialize()
-        nodes = [redis.get_node_from_key(channel) for channel in channels]
+        # (no node reachable, a slot without a node: ClusterUnavailable)
+        with cluster_unavailable():
+            async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
+                await redis.nodes_manager.initialize()
+            nodes = [redis.get_node_from_key(channel) for channel in channels]
     except TimeoutError:
         raise RedisConnectionError(
             f"the cluster's slot map was not read within {SUBSCRIBE_TIMEOUT_S:g} s") from None
-    except RedisClusterException as exc:  # no node reachable, a slot without a node
-        raise ClusterUnavailable(str(exc)) from exc
     grouped: dict[str, tuple[Any, list[str]]] = {}
     for channel, node in zip(channels, nodes, strict=True):
         if node is None:

@@ -112,8 +112,10 @@ class BatchRoom:
         is taken before it arrives: lines that ended in between are still in its load but
         no longer in this router's count, so for one heartbeat the interactive load seems
         higher by them. Kept as a peak, that would hold slots back for tens of seconds.
-        Interactive requests hold their slots across heartbeats."""
-        interactive = float(max(0, load - self._batch.get(worker_id, 0)))
+        Interactive requests hold their slots across heartbeats. Counted up to `slots`: a
+        queue longer than that (a burst, or a heartbeat's absurd load) needs every slot,
+        and no more, so the peak falls back from the slots, not from the queue."""
+        interactive = float(min(slots, max(0, load - self._batch.get(worker_id, 0))))
         state = self._peaks.get(worker_id)
         if state is None or now_s - state[1] > FORGET_S:
             peaks = self._peaks

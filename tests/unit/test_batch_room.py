@@ -109,6 +109,22 @@ def test_own_batch_lines_are_not_taken_for_interactive_load() -> None:
     assert room.batch_of("w") == 0
 
 
+def test_a_queue_or_an_absurd_load_holds_every_slot_and_no_more() -> None:
+    # 200 waiting on a 16-slot worker (a burst), or a lying heartbeat's 10,000,000: the
+    # peak is the worker's slots, and falls back from there. Kept as the queue's length,
+    # it would hold the worker's slots back from batch lines for hours.
+    for load in (216, 10_000_000):
+        room = BatchRoom()
+        learnt(room, 4)
+        room.room(beat(T + 0.5), load, now_s=T + 0.5)
+        room.room(beat(T + 1.0), load, now_s=T + 1.0)
+        assert room.peak_of("w") == 16
+        for later in (T + 21.0, T + 41.0, T + 61.0):  # (seen: not forgotten)
+            free = room.room(beat(later), 4, now_s=later)
+        assert room.peak_of("w") == pytest.approx(16 - 60 * PEAK_DECAY_PER_S)
+        assert free == 16 - 10 - MARGIN_SLOTS
+
+
 def test_a_fixed_share_is_the_old_rule() -> None:
     room = BatchRoom(lambda: 0.25)
     assert room.room(beat(0.0), 10, now_s=0.0) == 2  # 16 - 4 - 10: nothing to learn

@@ -38,6 +38,7 @@ from lab.sim.tokens import Prompt, prompt_from_text
 from router.admission.queue import POLL_S as QUEUE_POLL_S
 from router.admission.queue import Backlog
 from router.config import QueueConfig, RouterConfig
+from router.core.outcome import Attempt
 from router.core.parse import ParsedRequest, parse_body
 from router.policy import Decision, Policy, RouteRequest, RoutingContext, create_policy
 from router.policy.affinity import AffinityTable
@@ -99,6 +100,7 @@ class Twin:
         self.workers: list[TwinWorker] = []
         self.outcomes: dict[int, Outcome] = {}
         self._pending: dict[str, tuple[TraceRequest, TwinWorker, ParsedRequest]] = {}
+        self._attempts: dict[int, Attempt] = {}
         self._routers: dict[str, tuple[Policy | None, InFlight, dict[str, WorkerView]]] = {}
         self._open = len(trace.requests)  # requests whose client has not seen the end yet
         self.queue = queue
@@ -117,7 +119,7 @@ class Twin:
             config = sim_config(self.scenario.engine_for(region), self.scenario.model)
             for number in range(1, spec.workers + 1):
                 name = f"{region}-{number}"
-                observer = EngineEvents(self._finished)
+                observer = EngineEvents(self._finished, self._first_token)
                 engine = Engine(config, self.clock, observer)
                 self.workers.append(TwinWorker(name, region, engine, observer, config.max_num_seqs))
         rtt = self.scenario.rtt_ms
@@ -247,7 +249,12 @@ class Twin:
         its prefix cache as the decision scored it). The outcome keeps the decision's
         prediction (<= 0: none) and the time the request waited for it at its router."""
         worker.in_transit += 1
-        policy, _, views = self._routers[request.origin]
+        policy, inflight, views = self._routers[request.origin]
+        # as the proxy counts its prompt's prefill until the first byte (Proxy._dispatched)
+        attempt = self._attempts[request.index] = Attempt(
+            worker_id=worker.name, region=worker.region, predicted_ttft_ms=predicted_ms,
+            reason=reason, started_s=self.clock.now_s)
+        inflight.commit(attempt, 0, parsed.prompt_tokens - cached_tokens, self.clock.now_s)
         if policy is not None:
             if request.traffic_class == "batch":  # as the proxy counts them (batch_room)
                 policy.context.batch_room.started(worker.name)
@@ -305,6 +312,13 @@ class Twin:
             prompt = prompt_from_text(text, self.scenario.engine.block_size, 0)
             self._prompts[request.index] = prompt
         return prompt
+
+    def _first_token(self, seq: EngineSequence) -> None:
+        """The first token reaches the router half an RTT later, as its first byte."""
+        request, worker, _ = self._pending[seq.request_id]
+        attempt = self._attempts.pop(request.index)
+        at_s = self.clock.now_s + self.scenario.rtt_ms(request.origin, worker.region) / 2000.0
+        self._at(at_s, lambda: attempt.first_byte(at_s))
 
     def _finished(self, seq: EngineSequence) -> None:
         request, worker, _ = self._pending.pop(seq.request_id)

@@ -106,8 +106,10 @@ class EngineEvents:
     """Engine events the twin needs: finished sequences (for heartbeats and clients) and
     prefix-cache counters."""
 
-    def __init__(self, on_finished: Callable[[EngineSequence], None]) -> None:
+    def __init__(self, on_finished: Callable[[EngineSequence], None],
+                 on_first_token: Callable[[EngineSequence], None] = lambda seq: None) -> None:
         self._on_finished = on_finished
+        self._on_first_token = on_first_token
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -116,7 +118,7 @@ class EngineEvents:
         self.hit_tokens += hit_tokens
 
     def on_first_token(self, seq: EngineSequence) -> None:
-        pass
+        self._on_first_token(seq)
 
     def on_decode_token(self, inter_token_s: float) -> None:
         pass

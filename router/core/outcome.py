@@ -112,6 +112,22 @@ class Attempt:
     # (router.health.penalties.handshake_s).
     connect_s: float = 0.0
     connecting: bool = False
+    # Its prompt's tokens still to prefill on the worker (not in its prefix cache), until
+    # the first byte or its end: counted there by `prefilled` (InFlight.prefill_ended).
+    prefill_tokens: int = 0
+    prefilled: Callable[[str, int], None] | None = None
+
+    def first_byte(self, now_s: float) -> None:
+        """The worker's first byte came at `now_s`: its prompt is prefilled."""
+        self.first_byte_s = now_s
+        if self.prefill_tokens:
+            self.end_prefill()
+
+    def end_prefill(self) -> None:
+        """Its prompt no longer waits to be prefilled (a first byte, or the attempt ended)."""
+        tokens, self.prefill_tokens = self.prefill_tokens, 0
+        if tokens and self.prefilled is not None:
+            self.prefilled(self.worker_id, tokens)
 
     @property
     def ttfb_s(self) -> float | None:

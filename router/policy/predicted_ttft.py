@@ -3,6 +3,11 @@
     predicted_ttft_ms = RTT(origin -> worker region) + the region's learnt penalty
                         + predicted queue wait + predicted prefill + the first engine step
 
+The prefill is the prompt's part that the worker's prefix cache lacks, and, while the
+worker has a free batch slot, also the prompts this router sent it that have not had
+their first byte yet (`InFlight.prefilling`): the engine prefills those before the new
+one, or in the same step. On a queued worker the queue's price covers them.
+
 One unit for every term, so a spill-over to a farther region happens exactly when the
 farther region is predicted to answer first. The pick is herd-free: among candidates
 within `near_equal_ms` of the best, two are drawn at random and the better one wins
@@ -92,14 +97,17 @@ def region_ms(context: RoutingContext, region: str, origin: str | None,
 def prediction(context: RoutingContext, view: WorkerView, origin: str | None, tokens: int,
                region_cost_ms: float, now_s: float) -> Prediction:
     """`predicted_ms` for `view`, by its parts, for a prompt of which `tokens` are not in
-    its prefix cache, `region_cost_ms` being `region_ms` (made once per decision, for the
-    chosen worker: metrics, traces and the benchmark compare each with what happened)."""
+    its prefix cache (the prompts sent ahead of it are added, as scoring does),
+    `region_cost_ms` being `region_ms` (made once per decision, for the chosen worker:
+    metrics, traces and the benchmark compare each with what happened)."""
     rtt_ms = context.rtt_ms(origin, view.region) if origin else 0.0
     inflight = context.inflight
     queued = view.queue_base + inflight.of(view.worker_id)
     queue_ms = view.kv_pressure_ms
     if queued > 0:
         queue_ms += queued * queue_price_ms(view, inflight, now_s)
+    else:
+        tokens += inflight.prefilling.get(view.worker_id, 0)
     return Prediction(rtt_ms, region_cost_ms - rtt_ms, queue_ms,
                       tokens * view.prefill_ms_per_token, view.first_step_ms)
 
@@ -224,6 +232,7 @@ class PredictedTtft(Policy):
         exclude = request.exclude
         inflight = context.inflight
         open_requests = inflight.counts
+        prefilling = inflight.prefilling
         tokens = request.prompt_tokens
         origin = request.origin_region
         health = context.health
@@ -239,9 +248,12 @@ class PredictedTtft(Policy):
             if base is None:
                 base = region_costs[region] = region_ms(context, region, origin, now_s)
             queued = queue_base + open_requests.get(worker_id, 0)
+            uncached = tokens
             if queued > 0:
                 queue_ms_per_request = queue_price_ms(view, inflight, now_s)
-            score = predicted_ms(base, engine_ms, tokens, prefill_ms_per_token, queued,
+            else:  # the prompts sent there ahead of it (module doc)
+                uncached += prefilling.get(worker_id, 0)
+            score = predicted_ms(base, engine_ms, uncached, prefill_ms_per_token, queued,
                                  queue_ms_per_request)
             if overdue:  # its streams waiting now are later than this (Health.check_overdue)
                 score += overdue.get(worker_id, 0.0)
@@ -315,6 +327,7 @@ class PredictedTtft(Policy):
         context = self.context
         inflight = context.inflight
         open_requests = inflight.counts
+        prefilling = inflight.prefilling
         prompt_tokens = request.prompt_tokens
         origin = request.origin_region
         health = context.health
@@ -328,9 +341,12 @@ class PredictedTtft(Policy):
             worker_id = view.worker_id
             tokens = prompt_tokens - cached.get(worker_id, 0) if cached else prompt_tokens
             queued = view.queue_base + open_requests.get(worker_id, 0)
-            score = predicted_ms(base, view.engine_ms, tokens, view.prefill_ms_per_token,
-                                 queued, queue_price_ms(view, inflight, now_s) if queued > 0
-                                 else 0.0)
+            if queued > 0:
+                score = predicted_ms(base, view.engine_ms, tokens, view.prefill_ms_per_token,
+                                     queued, queue_price_ms(view, inflight, now_s))
+            else:  # the prompts sent there ahead of it (module doc)
+                score = predicted_ms(base, view.engine_ms, tokens + prefilling.get(worker_id, 0),
+                                     view.prefill_ms_per_token, 0, 0.0)
             if overdue:  # its streams waiting now are later than this (Health.check_overdue)
                 score += overdue.get(worker_id, 0.0)
             scored.append((score, view))

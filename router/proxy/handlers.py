@@ -263,9 +263,8 @@ class Proxy:
         if not counted:
             self.inflight.started(worker.worker_id)
         tokens = route.completion_tokens
-        if tokens:
-            attempt.committed_tokens = tokens
-            self.inflight.commit(worker.worker_id, tokens, now)
+        self.inflight.commit(attempt, tokens or 0, route.prompt_tokens - decision.cached_tokens,
+                             now)
         self.health.dispatched(attempt)
         # Remembered as it is sent, not when it ends: the worker holds the prompt once
         # prefilled, and requests sharing the prefix that arrive meanwhile should find it
@@ -365,6 +364,7 @@ class Proxy:
         """However `attempt` ended: out of the in-flight counts, its room offered to a
         waiting request, and its outcome to health and the observers."""
         self.inflight.finished(attempt.worker_id)
+        attempt.end_prefill()  # (when it ended before its first byte)
         if attempt.batch:
             self.policy.context.batch_room.finished(attempt.worker_id)
         if attempt.committed_tokens:

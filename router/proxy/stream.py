@@ -131,7 +131,7 @@ async def forward_stream(
     (a hedged stream's: `payload` is then unused)."""
     upstream, first, refused = (
         opened or await open_stream(pool, target, payload, timeouts, attempt))
-    attempt.first_byte_s = time.monotonic()
+    attempt.first_byte(time.monotonic())
     if refused:
         attempt.status = upstream.status
         return Reply(upstream.status, answer_headers(response_headers, upstream, attempt),
@@ -178,7 +178,7 @@ async def continue_stream(
         raise UpstreamFailure(
             f"the worker refused the continuation ({refusal[0]})", Failure.REFUSED,
             status=refusal[0], detail=f"worker refused the continuation: {refusal[1]}")
-    attempt.first_byte_s = time.monotonic()
+    attempt.first_byte(time.monotonic())
     await _pass_on(exchange, pool.loop, upstream, timeouts, attempt, client_stall_s, transcript,
                    exchange.relay_more(first, upstream, rewrite), server_timing)
 

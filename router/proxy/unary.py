@@ -53,6 +53,6 @@ async def forward_unary(
         deadline.cancel()
         attempt.first_byte_deadline = None
         attempt.answering = None
-    attempt.first_byte_s = time.monotonic()
+    attempt.first_byte(time.monotonic())
     attempt.status = upstream.status
     return Reply(upstream.status, answer_headers(response_headers, upstream, attempt), answer)

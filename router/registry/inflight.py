@@ -20,6 +20,10 @@ claims its share of the free slots, not all of them.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.core.outcome import Attempt
 
 _NONE: dict[str, int] = {}
 
@@ -27,7 +31,8 @@ _NONE: dict[str, int] = {}
 class InFlight:
     """Open requests per worker: this router's own, plus its peers' latest reports."""
 
-    __slots__ = ("_echo_new", "_echo_old", "_open", "_own", "_peers", "_work", "echo")
+    __slots__ = ("_echo_new", "_echo_old", "_open", "_own", "_peers", "_work", "echo",
+                 "prefilling")
 
     def __init__(self) -> None:
         self._open: dict[str, int] = {}  # own + peers' + echoes: what routing reads
@@ -41,6 +46,10 @@ class InFlight:
         # This router's open requests that said how many tokens they may generate, per
         # worker: [how many, their tokens, the sum of their start times]. See `remaining_ms`.
         self._work: dict[str, list[float]] = {}
+        # Prompt tokens (not in the worker's prefix cache) of this router's open requests
+        # on each worker that have not had their first byte yet: prefill work queued there
+        # ahead of a new request. Read by routing as `prefilling.get(id, 0)`.
+        self.prefilling: dict[str, int] = {}
 
     def started(self, worker_id: str) -> None:
         self._own[worker_id] = self._own.get(worker_id, 0) + 1
@@ -49,8 +58,18 @@ class InFlight:
         if echo:
             self._echo_new[worker_id] = self._echo_new.get(worker_id, 0) + echo
 
-    def commit(self, worker_id: str, tokens: int, now_s: float) -> None:
-        """An own request sent to the worker may generate `tokens` (its max_tokens)."""
+    def commit(self, attempt: Attempt, tokens: int, prefill_tokens: int,
+               now_s: float) -> None:
+        """An own attempt sent to its worker may generate `tokens` (its max_tokens; 0:
+        unsaid), and has `prefill_tokens` of its prompt to prefill there: those count in
+        `prefilling` until its first byte or its end (Attempt.end_prefill)."""
+        worker_id = attempt.worker_id
+        if prefill_tokens > 0:
+            attempt.prefill_tokens, attempt.prefilled = prefill_tokens, self.prefill_ended
+            self.prefilling[worker_id] = self.prefilling.get(worker_id, 0) + prefill_tokens
+        if tokens <= 0:
+            return
+        attempt.committed_tokens = tokens
         work = self._work.get(worker_id)
         if work is None:
             self._work[worker_id] = [1.0, float(tokens), now_s]
@@ -58,6 +77,11 @@ class InFlight:
             work[0] += 1.0
             work[1] += tokens
             work[2] += now_s
+
+    def prefill_ended(self, worker_id: str, tokens: int) -> None:
+        """An attempt `commit` counted in `prefilling` had its first byte, or ended."""
+        if tokens > 0:
+            _add(self.prefilling, worker_id, -tokens)
 
     def release(self, worker_id: str, tokens: int, started_s: float) -> None:
         """The request `commit` counted has ended."""

@@ -24,7 +24,7 @@ from tests.integration.conftest import StartSim
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
-from worker.schema import Capacity, Heartbeat, LifecycleState, Load
+from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 
 TOKEN = "test-admin-token-7f3a"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
@@ -111,7 +111,7 @@ class OpsFleet:
 
     async def publish(self, worker_id: str, *, running: int = 0,
                       state: LifecycleState = LifecycleState.READY,
-                      max_num_seqs: int = 8) -> None:
+                      max_num_seqs: int = 8, performance: Performance | None = None) -> None:
         assert self._publisher is not None
         self._seq += 1
         await self._publisher.publish(Heartbeat(
@@ -120,7 +120,8 @@ class OpsFleet:
             state=state,
             capacity=Capacity(max_num_seqs=max_num_seqs),
             load=Load(running=running, waiting=0, kv_cache_usage=0.1),
-            seq=self._seq, sent_at_s=time.time(), ttl_s=60.0,
+            performance=performance or Performance(), seq=self._seq, sent_at_s=time.time(),
+            ttl_s=60.0,
         ))
 
     async def close(self) -> None:

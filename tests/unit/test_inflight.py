@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from router.core.outcome import Attempt
 from router.registry.inflight import InFlight
 from router.registry.peers import (
     KEEPALIVE_S,
@@ -134,8 +135,8 @@ def test_own_requests_echo_for_siblings_for_two_report_intervals() -> None:
 def test_own_long_requests_are_counted_as_the_work_they_commit() -> None:
     inflight = InFlight()
     assert inflight.remaining_ms("w", 50.0, 10.0) == 0.0  # none said how long
-    inflight.commit("w", 600, 10.0)
-    inflight.commit("w", 200, 11.0)
+    inflight.commit(attempt("w", 10.0), 600, 0, 10.0)
+    inflight.commit(attempt("w", 11.0), 200, 0, 11.0)
     # 400 tokens on average at 50 ms a step, 0.5 s already run on average.
     assert inflight.remaining_ms("w", 50.0, 11.0) == pytest.approx(400 * 50.0 - 500.0)
     inflight.release("w", 600, 10.0)
@@ -143,3 +144,24 @@ def test_own_long_requests_are_counted_as_the_work_they_commit() -> None:
     assert inflight.remaining_ms("w", 50.0, 100.0) == 0.0  # overdue: nothing left to price
     inflight.release("w", 200, 11.0)
     assert inflight.remaining_ms("w", 50.0, 12.0) == 0.0
+
+
+def attempt(worker_id: str, started_s: float = 0.0) -> Attempt:
+    return Attempt(worker_id=worker_id, region="r", predicted_ttft_ms=0.0, reason="local",
+                   started_s=started_s)
+
+
+def test_prompts_count_as_prefill_ahead_until_their_first_byte_or_their_end() -> None:
+    inflight = InFlight()
+    first, second, third = attempt("w"), attempt("w"), attempt("v")
+    inflight.commit(first, 0, 4000, 0.0)
+    inflight.commit(second, 100, 1000, 0.0)
+    inflight.commit(third, 0, 0, 0.0)  # all of its prompt in the prefix cache: none
+    assert inflight.prefilling == {"w": 5000}
+    first.first_byte(1.0)
+    assert inflight.prefilling == {"w": 1000} and first.first_byte_s == 1.0
+    first.end_prefill()  # its end, after its first byte: counted once
+    assert inflight.prefilling == {"w": 1000}
+    second.end_prefill()  # ended before its first byte (failed, cancelled)
+    second.first_byte(2.0)
+    assert inflight.prefilling == {}

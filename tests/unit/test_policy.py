@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from router.core.outcome import Attempt
 from router.policy import NoRoute, Policy, RouteRequest, RoutingContext, create_policy
 from router.policy.affinity import AffinityTable
 from router.policy.base import two_of
@@ -498,11 +499,43 @@ def test_a_full_engine_of_long_requests_is_priced_by_the_work_they_committed() -
     clock = seeing.context.clock()
     for _ in range(16):
         seeing.context.inflight.started("us-1")
-        seeing.context.inflight.commit("us-1", 600, clock)
+        seeing.context.inflight.commit(sent("us-1", clock), 600, 0, clock)
     decision = seeing.pick(snap, request)
     assert decision.worker.worker_id == "eu-1", decision
     parts = seeing.pick(snapshot(us), request).prediction
     assert parts is not None and parts.queue_ms == pytest.approx(600 * 50.0 / 16, rel=0.01)
+
+
+def sent(worker_id: str, at_s: float) -> Attempt:
+    return Attempt(worker_id=worker_id, region="us-east", predicted_ttft_ms=0.0,
+                   reason="local", started_s=at_s)
+
+
+def test_prompts_sent_ahead_and_not_yet_prefilled_delay_the_next_first_token() -> None:
+    """A 16,000-token prompt that this router sent us-1 is prefilled there before, or in
+    the same step as, the next request (10,000 tokens/s: 1.6 s): the next goes to us-2,
+    by either way of scoring. Once its first byte came, the two are equal again. A queued
+    worker's queue price covers what waits there: nothing is added twice."""
+    policy = make_policy()
+    inflight = policy.context.inflight
+    clock = policy.context.clock()
+    one, two = view("us-1"), view("us-2")
+    request = RouteRequest(model="m", origin_region="us-east", prompt_tokens=100)
+    long_prompt = sent("us-1", clock)
+    inflight.started("us-1")
+    inflight.commit(long_prompt, 0, 16_000, clock)
+    for _ in range(20):  # the plain path, and `choose` (what ranked and affine picks score)
+        assert policy.pick(snapshot(one, two), request).worker.worker_id == "us-2"
+        assert policy.choose([one, two], request).worker.worker_id == "us-2"
+    parts = policy.pick(snapshot(one), request).prediction
+    assert parts is not None and parts.prefill_ms == pytest.approx(1610.0)
+    long_prompt.first_byte(clock + 0.2)
+    chosen = {policy.pick(snapshot(one, two), request).worker.worker_id for _ in range(40)}
+    assert chosen == {"us-1", "us-2"}
+    full = view("us-1", running=8, waiting=2)  # queued: priced by its queue alone
+    queued = policy.choose([full], request)
+    inflight.commit(sent("us-1", clock), 0, 16_000, clock)
+    assert policy.choose([full], request).predicted_ttft_ms == queued.predicted_ttft_ms
 
 
 def test_a_holder_is_dropped_once_the_worker_was_sent_more_than_its_cache_holds() -> None:

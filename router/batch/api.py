@@ -181,6 +181,8 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         body = json.loads(raw)
     except ValueError:
         raise ApiError(400, "request body must be JSON") from None
+    except RecursionError:  # (nested too deeply for json: a client's fault, not a 500)
+        raise ApiError(400, "request body must be JSON, not nested that deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return body

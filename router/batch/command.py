@@ -211,5 +211,5 @@ def _message(body: bytes) -> str:
     try:
         document = json.loads(body)
         return str(document["error"]["message"])[:300]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return body[:200].decode(errors="replace")

@@ -98,11 +98,18 @@ class BatchJobs:
     async def input(self, batch: Batch) -> CheckedInput:
         """The batch's input file, checked (kept for the newest INPUTS_KEPT batches).
         Raises BlobNotFound when the file was deleted, other BlobStoreErrors and
-        FilesUnavailable when it cannot be read now."""
+        FilesUnavailable when it cannot be read now.
+
+        Only validation applies `batch.max_lines`: a batch accepted runs to its end under
+        the limit it was validated with, whatever a reload sets since (a lower limit would
+        otherwise check the file anew, find fewer lines than the batch has, and lose
+        track of the rest)."""
         checked = self._inputs.get(batch.id)
         if checked is None:
             data = await self.files.read(batch.input_file_id)
-            checked = check_input(data, batch.endpoint, self.configs.current.batch.max_lines)
+            max_lines = (self.configs.current.batch.max_lines
+                         if batch.status == "validating" else None)
+            checked = check_input(data, batch.endpoint, max_lines)
             self._inputs[batch.id] = checked
             while len(self._inputs) > INPUTS_KEPT:
                 self._inputs.popitem(last=False)
@@ -146,7 +153,8 @@ class BatchJobs:
         for index in range(batch.total):
             entry = results.get(index)
             if entry is None:
-                custom_id = None if checked is None else checked.lines[index].custom_id
+                custom_id = (checked.lines[index].custom_id
+                             if checked is not None and index < checked.total else None)
                 errors.append(error_line(batch.id, index, custom_id, f"batch_{status}",
                                          f"the batch was {status} before this request ran"))
             elif '"status_code":200,' in entry:

@@ -12,7 +12,10 @@ A runner scans the batches that are not finished (router.batch.state) every SCAN
   `max_num_seqs` is the worker's word, which a forged heartbeat can inflate). When
   interactive load rises the spare slots shrink and no new line starts; the router queue
   also serves interactive requests first. Each line goes through the request path as the
-  `batch` class (the cheapest region with spare slots; the tenant's residency and limits);
+  `batch` class (the cheapest region with spare slots; the tenant's residency and limits).
+  The lines of a model that nobody serves and regions.yaml does not list are let go
+  anyway, each answered 404 as an interactive request would be (router.batch.room); a
+  batch none of whose lines can run (each faulty) is finalized at once;
 - past its `expires_at` a batch is finalized with what is done; `cancelling` and
   `finalizing` batches are finalized (one replica, a lock) once no lease is held: the
   output file has one line per request answered 200, the error file one per other
@@ -44,9 +47,9 @@ from router.batch.files import FileStore
 from router.batch.jobs import UNAVAILABLE, BatchJobs, BatchStats, Warnings
 from router.batch.lines import Line
 from router.batch.record import Batch
+from router.batch.room import LineRoom
 from router.batch.state import CHUNK_LINES, BatchesUnavailable, BatchStore
 from router.config_reload import ConfigHolder
-from router.policy.predicted_ttft import effective_load
 from router.proxy.exchange import Reply
 from router.proxy.handlers import Proxy
 from router.proxy.replies import REGION_HEADER, WORKER_HEADER
@@ -89,6 +92,7 @@ class BatchRunner:
         self.stats = BatchStats()
         self._warn = Warnings()
         self.jobs = BatchJobs(store, files, configs, self.stats, self._warn)
+        self.room = LineRoom(proxy, configs)
         self._held: list[_Held] = []
         self.seen: dict[str, Batch] = {}  # the unfinished batches, as the last scan saw them
         self._tasks: set[asyncio.Task[None]] = set()
@@ -151,6 +155,7 @@ class BatchRunner:
                   and await self.store.leases_held(batch.id) == 0):
                 await self.jobs.start(batch, "finalize", self.holder_id)
         self.seen = seen
+        self.room.keep({batch.model for batch in seen.values() if batch.model is not None})
 
     async def _dispatch_forever(self) -> None:
         while True:
@@ -177,7 +182,8 @@ class BatchRunner:
 
     # --- claiming and running lines -----------------------------------------------------
     async def _claim(self, batch: Batch) -> None:
-        if batch.model is None:
+        if batch.model is None:  # no line can run (each is faulty, its error written)
+            await self.store.begin_finalizing(batch.id, int(time.time()))
             return
         principal, refusal = self._principal(batch)
         pending = sum(len(held.pending) for held in self._held
@@ -206,8 +212,8 @@ class BatchRunner:
             indexes = list(range(chunk * CHUNK_LINES,
                                  min(batch.total, (chunk + 1) * CHUNK_LINES)))
             missing = await self.store.missing(batch.id, indexes)
-            lines = [line for index in missing
-                     if isinstance(line := checked.lines[index], Line)]
+            lines = [line for index in missing if index < checked.total
+                     and isinstance(line := checked.lines[index], Line)]
             held = _Held(batch, chunk, principal,
                          collections.deque((line, 0, 0.0) for line in lines))
             self._held.append(held)
@@ -247,24 +253,8 @@ class BatchRunner:
                 held.pending.rotate(-1)  # one waiting out a retry delay does not block the rest
 
     def spare_slots(self, model: str, principal: Principal | None) -> int:
-        """Batch slots free now on the fresh, ready workers serving `model` (in the
-        regions `principal` may use): each worker's slots less what it keeps for
-        interactive requests, less what runs or waits there (router.policy.batch_room)."""
-        proxy = self.proxy
-        snapshot = proxy.holder.current
-        now = time.monotonic()
-        fresh_now = snapshot.freshness_now(now)
-        room = proxy.policy.context.batch_room.room
-        allowed = None if principal is None else principal.allowed_regions
-        spare = 0
-        for view in snapshot.serving(model):
-            if not view.ready or not view.fresh(fresh_now):
-                continue
-            if allowed is not None and view.region not in allowed:
-                continue
-            spare += max(0, room(view, effective_load(view, proxy.inflight.of(view.worker_id)),
-                                 now))
-        return spare
+        """Batch slots free now for `model`'s lines (router.batch.room)."""
+        return self.room.slots(model, principal)
 
     async def _run_line(self, held: _Held, line: Line, tries: int) -> None:
         batch = held.batch
@@ -286,7 +276,7 @@ class BatchRunner:
                 return
             try:
                 body = json.loads(reply.body)
-            except ValueError:
+            except (ValueError, RecursionError):
                 body = {"error": {"message": "the answer was not JSON",
                                   "type": "server_error"}}
             ok = reply.status == 200

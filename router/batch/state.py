@@ -123,16 +123,19 @@ class BatchStore:
     async def page(self, owner: str | None, limit: int, after: str | None
                    ) -> tuple[list[Batch], bool]:
         """A tenant's batches, newest first, after the batch `after`; and whether more
-        follow."""
+        follow. Paged by rank, not by creation time: batches created in the same second
+        (scored alike, ordered by id) are each listed once; one created since, ranked
+        before `after`, moves `after`'s rank with it. Single-key commands on the
+        tenant's one key, as a Redis Cluster needs."""
         key = self._owned(owner)
         try:
-            top = "+inf"
+            start = 0
             if after is not None:
-                score = await self._redis.zscore(key, after)
-                if score is None:
+                rank = await self._redis.zrevrank(key, after)
+                if not isinstance(rank, int):  # (None: no such batch of this tenant's)
                     return [], False
-                top = f"({score}"
-            ids = await self._redis.zrevrangebyscore(key, top, "-inf", start=0, num=limit + 1)
+                start = rank + 1
+            ids = await self._redis.zrevrange(key, start, start + limit)
         except (RedisError, OSError) as exc:
             raise_if_cancelling()
             raise BatchesUnavailable(str(exc)) from exc

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+from router.batch.files import FileStore
+from router.batch.jobs import BatchJobs, BatchStats
 from router.batch.lines import Line, LineFault, check_input
+from router.batch.record import Batch
+from router.batch.state import BatchStore
+from router.config_reload import ConfigHolder
 
 CHAT = "/v1/chat/completions"
 
@@ -61,3 +67,46 @@ def test_faults_of_the_whole_file_fail_the_batch() -> None:
 def test_any_bytes_are_checked_without_raising(rows: list[bytes]) -> None:
     checked = check_input(b"\n".join(rows), CHAT, 20)
     assert checked.faults or all(isinstance(line, (Line, LineFault)) for line in checked.lines)
+
+
+def test_faults_name_the_line_of_the_file_blank_lines_counted() -> None:
+    checked = check_input(row("a") + b"\n\n \n" + b"{bad" + b"\n" + row("a"), CHAT, 10)
+    assert [(f.code, f.line) for f in checked.faults] == [("duplicate_custom_id", 5)]
+    fault = checked.lines[1]  # the result's key still counts only the lines not blank
+    assert isinstance(fault, LineFault) and fault.index == 1
+    assert fault.message == "line 4 is not valid JSON"
+
+
+def test_a_custom_id_given_twice_fails_the_batch_even_by_a_faulty_line() -> None:
+    for rows in ([row("a"), row("a", method="GET")], [row("a", method="GET"), row("a")],
+                 [row("a", method="GET"), row("a", body=[1])]):
+        faults = check_input(b"\n".join(rows), CHAT, 10).faults
+        assert [(f.code, f.line) for f in faults] == [("duplicate_custom_id", 2)], rows
+
+
+def test_a_line_nested_too_deeply_is_a_faulty_line() -> None:
+    deep = b'{"custom_id": "d", "method": "POST", "body": {"model": "m", "x": ' + (
+        b"[" * 100_000 + b"]" * 100_000 + b"}}")
+    checked = check_input(row("a") + b"\n" + deep, CHAT, 10)
+    assert checked.faults == () and checked.model == "m"
+    fault = checked.lines[1]
+    assert isinstance(fault, LineFault) and fault.code == "invalid_json_line"
+
+
+async def test_an_accepted_batch_keeps_its_lines_when_max_lines_is_lowered() -> None:
+    # A reload lowers batch.max_lines while a batch of 5 lines runs: re-reading its file
+    # (another replica, or after the parsed file was dropped) must still give 5 lines.
+    data = b"\n".join(row(str(i)) for i in range(5))
+
+    class Files:
+        async def read(self, file_id: str) -> bytes:
+            return data
+
+    configs = SimpleNamespace(current=SimpleNamespace(batch=SimpleNamespace(max_lines=3)))
+    jobs = BatchJobs(cast(BatchStore, None), cast(FileStore, Files()),
+                     cast(ConfigHolder, configs), BatchStats(), lambda _: None)
+    doc = {"endpoint": CHAT, "input_file_id": "file-x"}
+    running = await jobs.input(Batch("batch_run", doc, "in_progress", {"total": "5"}))
+    assert running.faults == () and running.total == 5
+    new = await jobs.input(Batch("batch_new", doc, "validating", {}))
+    assert [f.code for f in new.faults] == ["too_many_lines"]

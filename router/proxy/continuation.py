@@ -20,6 +20,7 @@ from typing import Any
 
 from router.proxy.progress import Progress, error_status, sse_data
 from router.proxy.transcript import ErrorEvent, Transcript, after_last_event
+from router.proxy.upstream.errors import ConnectionBroken, UpstreamError
 
 FAILOVER_HEADER = "x-globalpool-failover"  # "off": this request's stream is not continued
 
@@ -27,13 +28,15 @@ _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                "structured_outputs")
 
 
+def _one_choice(document: dict[str, Any]) -> bool:
+    """Whether the request asks for one choice, sampled once (no `n`, `best_of` > 1)."""
+    return document.get("n") in (None, 1) and document.get("best_of") in (None, 1)
+
+
 def refusal(document: dict[str, Any], kind: str) -> str | None:
     """Why a request's stream cannot be continued on another engine, or None."""
-    n = document.get("n", 1)
-    if n not in (None, 1):
-        return "n > 1"
-    if document.get("best_of") not in (None, 1):
-        return "best_of > 1"
+    if not _one_choice(document):
+        return "n > 1" if document.get("n") not in (None, 1) else "best_of > 1"
     if kind == "chat":
         if document.get("logprobs") or document.get("top_logprobs"):
             return "logprobs"
@@ -53,11 +56,19 @@ def refusal(document: dict[str, Any], kind: str) -> str | None:
     return None
 
 
-def tokens_left(document: dict[str, Any], progress: Progress) -> int | None:
+# What /v1/completions generates when the request names no max_tokens (OpenAI's default,
+# and vLLM's: chat's is the context left, no limit here).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def tokens_left(document: dict[str, Any], kind: str, progress: Progress) -> int | None:
     """The completion tokens the continuation may still produce (None: no limit set)."""
     limit = document.get("max_completion_tokens")
     if limit is None:
-        limit = document.get("max_tokens")
+        if kind == "completions" and "max_tokens" not in document:
+            limit = COMPLETIONS_DEFAULT_MAX_TOKENS  # (an explicit null is no limit)
+        else:
+            limit = document.get("max_tokens")
     if type(limit) is not int:
         return None
     return limit - progress.tokens
@@ -67,7 +78,7 @@ def continuation_body(document: dict[str, Any], kind: str, progress: Progress) -
     """The request that continues `progress` (the original body, `document`, is not
     changed). Call only when `tokens_left` is None or positive."""
     body = dict(document)
-    left = tokens_left(document, progress)
+    left = tokens_left(document, kind, progress)
     if left is not None:
         key = "max_completion_tokens" if "max_completion_tokens" in document else "max_tokens"
         body[key] = left
@@ -139,9 +150,16 @@ class Failover:
         """Whether the client has had all it asked for, or the answer's end was sent: the
         stream needs only its closing events (`closing_events`)."""
         progress = self.transcript.read()
-        if progress.done or progress.finish_reason is not None:
+        if progress.done:
             return True
-        left = tokens_left(self._request(), progress)
+        document = self._request()
+        if not _one_choice(document):
+            # One choice's finish, or the tokens of all counted against one's max_tokens,
+            # say nothing of the others': not finished, and `refusal` says why.
+            return False
+        if progress.finish_reason is not None:
+            return True
+        left = tokens_left(document, self.kind, progress)
         return left is not None and left <= 0
 
     def closing_events(self) -> bytes:
@@ -157,26 +175,57 @@ class Rewriter:
     """A continuation's body bytes -> the events its client gets (see the module's
     docstring). Holds the start of an event split across reads until its end comes."""
 
-    __slots__ = ("_held", "_owed", "_prior_tokens", "_progress", "_transcript")
+    __slots__ = ("_held", "_prior_tokens", "_progress", "_transcript")
 
     def __init__(self, transcript: Transcript) -> None:
         self._transcript = transcript
+        # The start of an event the broken stream ended inside never reached the client.
+        transcript.drop_held()
         self._progress = transcript.read()
         self._prior_tokens = self._progress.tokens
-        self._owed = transcript.take_owed()  # events the client has not had: they go first
         self._held = b""
 
     def __call__(self, data: bytes) -> bytes:
+        """The client's events for `data`: first those owed to it (recorded when they
+        came, before an error event: taken only now, as the continuation answers, so a
+        worker that refuses it does not lose them), then the continuation's, recorded.
+        Raises as `Transcript.admit` does, or ErrorEvent: what the client has not had
+        by then stays owed."""
         data = self._held + data
         cut = after_last_event(data)
         self._held = data[cut:]
-        out = [self._owed] if self._owed else []
-        self._owed = b""
+        out: list[bytes] = []
+        error: ErrorEvent | None = None
         for event in data[:cut].replace(b"\r\n", b"\n").split(b"\n\n"):
-            rewritten = self._event(event)
+            try:
+                rewritten = self._event(event)
+            except ErrorEvent as exc:
+                error = exc
+                break
             if rewritten:
                 out.append(rewritten)
-        return self._transcript.admit(b"".join(out)) if out else b""
+        transcript = self._transcript
+        owed = transcript.take_owed()
+        try:
+            new = transcript.admit(b"".join(out)) if out else b""
+        except UpstreamError:
+            transcript.owed = owed + transcript.owed
+            raise
+        if error is not None:
+            transcript.owed = owed + new  # recorded, not sent: whoever goes on sends them
+            raise error
+        return owed + new if owed else new
+
+    def ended(self) -> UpstreamError | None:
+        """At the end of the continuation's body: ConnectionBroken if it ended inside an
+        event (dropped: the client never gets half an event), else None. A last
+        `data: [DONE]` without its blank line counts as broken too: the stream's
+        closing events then give the client its one `[DONE]`."""
+        held, self._held = self._held, b""
+        if not held.strip():
+            return None
+        return ConnectionBroken("the continuation ended inside an event", stale=False,
+                                received_any=True)
 
     def _event(self, event: bytes) -> bytes:
         payload = sse_data(event)

@@ -184,12 +184,12 @@ class AiohttpExchange:
                     chunk = change(chunk)
                 if chunk:
                     await response.write(chunk)
+            if transcript is not None:
+                tail = transcript.take_held()  # raises if the body ended inside an event
+                if tail:
+                    await response.write(tail)
         except UpstreamError as exc:
             return exc
-        if transcript is not None:
-            tail = transcript.take_held()
-            if tail:
-                await response.write(tail)
         return None
 
     async def end_stream(self, tail: bytes, server_timing: str | None = None) -> None:

@@ -138,7 +138,10 @@ class FrontExchange:
             protocol.relaying = None
         transcript = self._transcript
         if transcript is not None:
-            tail = transcript.take_held()
+            try:
+                tail = transcript.take_held()
+            except UpstreamError as exc:  # the body ended inside an event
+                return exc
             if tail:
                 self._chunk(tail)
         return None

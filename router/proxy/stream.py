@@ -18,6 +18,7 @@ from typing import Any
 from router.config import Timeouts
 from router.core.errors import sse_error_event
 from router.core.outcome import Attempt, Failure
+from router.proxy.continuation import Rewriter
 from router.proxy.exchange import Exchange, Reply
 from router.proxy.failures import (
     StreamBroken,
@@ -155,7 +156,7 @@ async def continue_stream(
     attempt: Attempt,
     client_stall_s: float,
     transcript: Transcript,
-    rewrite: Callable[[bytes], bytes],
+    rewrite: Rewriter,
     server_timing: Callable[[], str] | None = None,
 ) -> None:
     """Continue a broken stream on another worker: `payload` asks it for the rest of the
@@ -180,7 +181,15 @@ async def continue_stream(
             status=refusal[0], detail=f"worker refused the continuation: {refusal[1]}")
     attempt.first_byte(time.monotonic())
     await _pass_on(exchange, pool.loop, upstream, timeouts, attempt, client_stall_s, transcript,
-                   exchange.relay_more(first, upstream, rewrite), server_timing)
+                   _to_its_end(exchange.relay_more(first, upstream, rewrite), rewrite),
+                   server_timing)
+
+
+async def _to_its_end(relaying: Coroutine[Any, Any, UpstreamError | None],
+                      rewrite: Rewriter) -> UpstreamError | None:
+    """`relaying` a continuation, and a body that ended inside an event as broken."""
+    broken = await relaying
+    return rewrite.ended() if broken is None else broken
 
 
 async def _pass_on(

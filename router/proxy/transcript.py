@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 
 from router.proxy.progress import Progress, error_status, sse_data
-from router.proxy.upstream.errors import UpstreamError
+from router.proxy.upstream.errors import ConnectionBroken, UpstreamError
 
 # Pieces kept before they are read into the progress and dropped (reading costs ~1 us an
 # event: only answers longer than this pay it).
@@ -30,7 +30,6 @@ FOLD_BYTES = 1024 * 1024
 # no longer be continued: its client may hold half an event).
 MAX_HELD_BYTES = 1024 * 1024
 _ERROR_MARK = b'{"error"'
-_ERROR_EVENT = b'data: {"error"'
 
 
 class TooManyEvents(UpstreamError):
@@ -138,14 +137,11 @@ class Transcript:
         events = self.events + 1
         if events > self.event_limit:
             return False  # `admit` raises
-        # An error event is its own chunk (vLLM writes each event as one): only where
-        # the frame's payload starts is looked at, `data: {"e` after the size line.
-        size_end = 0
-        while size_end < 10 and frame[size_end] != 13:
-            size_end += 1
-        at = size_end + 9
-        if (at + 1 < end and frame[at] == 34 and frame[at + 1] == 101
-                and frame.startswith(_ERROR_EVENT, size_end + 2)):
+        # An error event may come anywhere in a read (vLLM writes each event as its own
+        # chunk, but a read can bring several): one substring search (in C, no copy).
+        # Text that mentions `{"error"` is escaped inside its JSON string, so a hit is an
+        # error event or, rarely, a false alarm the slow path sorts out.
+        if _ERROR_MARK in frame:
             return False  # `admit` raises
         self.events = events
         self._pieces.append(frame)
@@ -159,12 +155,24 @@ class Transcript:
         owed, self.owed = self.owed, b""
         return owed
 
+    def drop_held(self) -> None:
+        """Forget the start of an event held back (its worker broke off inside it: the
+        client never had it, and the continuation's events must not be glued to it)."""
+        self._held = b""
+
     def take_held(self) -> bytes:
-        """What is held back when the stream ends (an answer that ends inside an event)."""
+        """What is held back when the body ended, for the client: a last `data: [DONE]`
+        that lacks its blank line (recorded), else b"". Raises ConnectionBroken when the
+        body ended inside any other event: its client never gets half an event, and the
+        stream is continued or ended as one broken off there."""
         held = self._held
         self._held = b""
-        if held:
-            self._pieces.append(framed(held))
+        if not held.strip():
+            return b""
+        if sse_data(held) != b"[DONE]":
+            raise ConnectionBroken("the stream ended inside an event", stale=False,
+                                   received_any=True)
+        self._pieces.append(framed(held))
         return held
 
     def read(self) -> Progress:

@@ -13,6 +13,7 @@ from router.proxy.continuation import (
     closing_events,
     continuation_body,
     refusal,
+    tokens_left,
 )
 from router.proxy.progress import Progress
 from router.proxy.transcript import ErrorEvent, Transcript
@@ -113,6 +114,54 @@ def test_an_error_event_from_the_continuation_breaks_it_too() -> None:
     rewrite = Rewriter(_sent("chat", _chat_chunk("c1", 7, {"content": "a"})))
     with pytest.raises(ErrorEvent):
         rewrite(b'data: {"error": {"message": "no", "code": 503}}\n\n')
+
+
+def test_events_owed_go_first_once_and_only_when_the_continuation_answers() -> None:
+    transcript = _sent("chat", _chat_chunk("c1", 7, {"content": "a"}))
+    owed = _chat_chunk("c1", 7, {"content": "b"})
+    with pytest.raises(ErrorEvent):
+        transcript.admit(owed + b'data: {"error": {"message": "x", "code": 500}}\n\n')
+    Rewriter(transcript)  # a continuation that was refused: its rewriter never called
+    assert transcript.owed == owed
+    rewrite = Rewriter(transcript)
+    out = rewrite(_chat_chunk("c2", 9, {"content": "c"}))
+    assert out.startswith(owed) and out.count(b"\n\n") == 2
+    progress = transcript.read()
+    assert (progress.answer, progress.tokens, transcript.owed) == ("abc", 3, b"")
+
+
+def test_events_before_a_continuations_error_are_owed() -> None:
+    transcript = _sent("chat", _chat_chunk("c1", 7, {"content": "a"}))
+    rewrite = Rewriter(transcript)
+    with pytest.raises(ErrorEvent):
+        rewrite(_chat_chunk("c2", 9, {"content": "b"})
+                + b'data: {"error": {"message": "no", "code": 503}}\n\n')
+    assert transcript.read().answer == "ab"
+    assert b'"content":"b"' in transcript.owed and b"c2" not in transcript.owed
+    owed = transcript.owed
+    rewrite = Rewriter(transcript)
+    assert rewrite(b": ping\n\n") == owed  # the next worker's first bytes send them
+    assert transcript.owed == b"" and transcript.read().answer == "ab"  # (not twice)
+    assert rewrite.ended() is None
+    rewrite(b"data: {\"id\"")
+    assert rewrite.ended() is not None  # the body ended inside an event
+
+
+def test_many_choices_are_never_taken_for_finished() -> None:
+    request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                          "max_tokens": 2, "n": 2}).encode()
+    failover = Failover(request, "chat", None)
+    failover.transcript.admit(_chat_chunk("c1", 7, {"content": "a"}, "length")
+                              + _chat_chunk("c1", 7, {"content": "b"}))
+    assert not failover.finished() and failover.refusal() == "n > 1"
+
+
+def test_completions_without_max_tokens_have_the_default_16() -> None:
+    progress = Progress("completions")
+    progress.tokens = 3
+    assert tokens_left({"prompt": "x"}, "completions", progress) == 13
+    assert tokens_left({"prompt": "x", "max_tokens": None}, "completions", progress) is None
+    assert tokens_left({"messages": []}, "chat", progress) is None
 
 
 def test_an_answer_with_all_its_tokens_only_needs_its_end() -> None:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from router.proxy.transcript import ErrorEvent, TooManyEvents, Transcript, event_limit
+from router.proxy.upstream.errors import ConnectionBroken
 
 
 def _token(text: str, finish: str | None = None) -> bytes:
@@ -26,7 +27,27 @@ def test_an_event_split_across_reads_is_held_until_it_is_whole() -> None:
     assert transcript.admit(event[10:25]) == b""
     assert transcript.admit(event[25:] + _token(" there")[:5]) == event
     assert transcript.read().answer == "Hello"
-    assert transcript.take_held() == _token(" there")[:5]  # what the stream ended with
+    with pytest.raises(ConnectionBroken):  # the body ended inside an event: broken there
+        transcript.take_held()
+    assert transcript.take_held() == b""  # (dropped, never recorded)
+    assert transcript.read().answer == "Hello"
+
+
+def test_a_last_done_without_its_blank_line_is_the_end() -> None:
+    transcript = Transcript("chat", None)
+    assert transcript.admit(_token("a") + b"data: [DONE]") == _token("a")
+    assert transcript.take_held() == b"data: [DONE]"
+    assert transcript.read().done
+    transcript.admit(b"\r\n")
+    assert transcript.take_held() == b""  # only blank: nothing to send, nothing broken
+
+
+def test_the_half_event_of_a_broken_stream_is_dropped_for_the_continuation() -> None:
+    transcript = Transcript("chat", None)
+    transcript.admit(_token("a") + _token("b")[:12])
+    transcript.drop_held()
+    assert transcript.admit(_token("c")) == _token("c")
+    assert transcript.read().answer == "ac"
 
 
 def test_whole_frames_pass_as_they_are_and_are_recorded() -> None:
@@ -47,6 +68,9 @@ def test_frames_that_do_not_end_an_event_take_the_slow_path() -> None:
     assert transcript.admit_frame(_frame(event) + _frame(event))  # two whole chunks
     assert transcript.events == 1  # a lower bound: a read is counted as one event
     assert transcript.read().answer == "aa"
+    # An error event anywhere in a read, not only at its start.
+    assert not transcript.admit_frame(_frame(event) + _frame(error) + _frame(b"data: [DONE]\n\n"))
+    assert transcript.events == 1
 
 
 def test_a_stream_past_its_max_tokens_is_cut_before_the_extra_event_is_passed() -> None:

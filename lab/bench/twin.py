@@ -148,10 +148,10 @@ class Twin:
         """Every replica's open requests reach the others (router.registry.peers)."""
         now_s = self.clock.now_s
         for region, (_, inflight, _) in self._routers.items():
-            counts = inflight.own_counts()
+            counts, prefill = inflight.own_counts(), inflight.own_prefill()
             for other, (_, peer_inflight, _) in self._routers.items():
                 if other != region:
-                    peer_inflight.apply_peer(region, counts, now_s)
+                    peer_inflight.apply_peer(region, counts, now_s, prefill)
         if self._open and self.peer_interval_s is not None:
             self._at(now_s + self.peer_interval_s, self._exchange)
 

@@ -31,8 +31,8 @@ _NONE: dict[str, int] = {}
 class InFlight:
     """Open requests per worker: this router's own, plus its peers' latest reports."""
 
-    __slots__ = ("_echo_new", "_echo_old", "_open", "_own", "_peers", "_work", "echo",
-                 "prefilling")
+    __slots__ = ("_echo_new", "_echo_old", "_open", "_own", "_own_prefill", "_peer_prefill",
+                 "_peers", "_work", "echo", "prefilling")
 
     def __init__(self) -> None:
         self._open: dict[str, int] = {}  # own + peers' + echoes: what routing reads
@@ -46,10 +46,13 @@ class InFlight:
         # This router's open requests that said how many tokens they may generate, per
         # worker: [how many, their tokens, the sum of their start times]. See `remaining_ms`.
         self._work: dict[str, list[float]] = {}
-        # Prompt tokens (not in the worker's prefix cache) of this router's open requests
-        # on each worker that have not had their first byte yet: prefill work queued there
-        # ahead of a new request. Read by routing as `prefilling.get(id, 0)`.
+        # Prompt tokens (not in the worker's prefix cache) of open requests on each worker
+        # that have not had their first byte yet: prefill work queued there ahead of a new
+        # request. This router's own, and its peers' as they last reported them; read by
+        # routing as `prefilling.get(id, 0)`.
         self.prefilling: dict[str, int] = {}
+        self._own_prefill: dict[str, int] = {}
+        self._peer_prefill: dict[str, dict[str, int]] = {}
 
     def started(self, worker_id: str) -> None:
         self._own[worker_id] = self._own.get(worker_id, 0) + 1
@@ -67,6 +70,8 @@ class InFlight:
         if prefill_tokens > 0:
             attempt.prefill_tokens, attempt.prefilled = prefill_tokens, self.prefill_ended
             self.prefilling[worker_id] = self.prefilling.get(worker_id, 0) + prefill_tokens
+            own = self._own_prefill
+            own[worker_id] = own.get(worker_id, 0) + prefill_tokens
         if tokens <= 0:
             return
         attempt.committed_tokens = tokens
@@ -82,6 +87,11 @@ class InFlight:
         """An attempt `commit` counted in `prefilling` had its first byte, or ended."""
         if tokens > 0:
             _add(self.prefilling, worker_id, -tokens)
+            _add(self._own_prefill, worker_id, -tokens)
+
+    def own_prefill(self) -> dict[str, int]:
+        """A copy of this router's own `prefilling` (what it reports to its peers)."""
+        return dict(self._own_prefill)
 
     def release(self, worker_id: str, tokens: int, started_s: float) -> None:
         """The request `commit` counted has ended."""
@@ -151,22 +161,21 @@ class InFlight:
         return sum(self._own.values())
 
     # --- peers ------------------------------------------------------------------------
-    def apply_peer(self, peer_id: str, counts: Mapping[str, int], now_s: float) -> None:
-        """`peer_id`'s latest report (its open requests per worker) replaces its last."""
+    def apply_peer(self, peer_id: str, counts: Mapping[str, int], now_s: float,
+                   prefill: Mapping[str, int] = _NONE) -> None:
+        """`peer_id`'s latest report (its open requests per worker, and the prompt
+        tokens of those not yet prefilled) replaces its last."""
         _, previous = self._peers.get(peer_id, (0.0, _NONE))
-        open_ = self._open
-        for worker_id, count in previous.items():
-            _add(open_, worker_id, -count)
-        kept = {worker_id: count for worker_id, count in counts.items() if count > 0}
-        for worker_id, count in kept.items():
-            _add(open_, worker_id, count)
-        self._peers[peer_id] = (now_s, kept)
+        self._peers[peer_id] = (now_s, _replace(self._open, previous, counts))
+        before = self._peer_prefill.get(peer_id, _NONE)
+        if prefill or before:
+            self._peer_prefill[peer_id] = _replace(self.prefilling, before, prefill)
 
     def forget_peer(self, peer_id: str) -> None:
         """A peer that left (or went silent) stops counting."""
         _, previous = self._peers.pop(peer_id, (0.0, _NONE))
-        for worker_id, count in previous.items():
-            _add(self._open, worker_id, -count)
+        _replace(self._open, previous, _NONE)
+        _replace(self.prefilling, self._peer_prefill.pop(peer_id, _NONE), _NONE)
 
     def expire_peers(self, older_than_s: float) -> list[str]:
         """Forget peers whose last report arrived before `older_than_s`; their ids."""
@@ -182,6 +191,18 @@ class InFlight:
     def peers(self) -> dict[str, int]:
         """Each peer's total open requests, as it last reported them."""
         return {peer: sum(counts.values()) for peer, (_, counts) in self._peers.items()}
+
+
+def _replace(totals: dict[str, int], previous: Mapping[str, int],
+             latest: Mapping[str, int]) -> dict[str, int]:
+    """One peer's `previous` figures in `totals` replaced by its `latest`; what was kept
+    of them (the positive ones)."""
+    for worker_id, count in previous.items():
+        _add(totals, worker_id, -count)
+    kept = {worker_id: count for worker_id, count in latest.items() if count > 0}
+    for worker_id, count in kept.items():
+        _add(totals, worker_id, count)
+    return kept
 
 
 def _add(counts: dict[str, int], worker_id: str, delta: int) -> None:

@@ -16,7 +16,10 @@ costs nothing but freshness. A peer that falls silent for PEER_TTL_S (it died, o
 is unreachable) stops counting; one that stops cleanly says so with an empty report.
 
 Wire format, one PUBLISH per report: `v1 <key_id> <hex HMAC-SHA256 of the body> <body>`
-(`v1 - - <body>` unsigned), the body `{"router": "<id>", "open": {"<worker_id>": n}}`.
+(`v1 - - <body>` unsigned), the body `{"router": "<id>", "open": {"<worker_id>": n}}`,
+plus `"prefill": {"<worker_id>": tokens}` when some of those requests have not had their
+first byte (the prompt tokens they put ahead of a new request there:
+router.policy.predicted_ttft).
 When heartbeat signing keys are configured (worker.signing), reports are signed with
 the first key and unsigned or unverifiable reports are dropped: otherwise anyone who can
 PUBLISH could steer traffic away from any worker.
@@ -60,6 +63,7 @@ MAX_REPORT_BYTES = 1 << 20
 # of this replica away from its region.
 MAX_ECHO = 8
 MAX_OPEN_PER_WORKER = 100_000
+MAX_PREFILL_PER_WORKER = 100_000_000  # tokens: a report claiming more is not believed
 _VERSION = b"v1"
 _UNSIGNED = b"-"
 
@@ -70,10 +74,13 @@ def router_id() -> str:
 
 
 def encode_report(router: str, open_: Mapping[str, int],
-                  key: tuple[str, bytes] | None = None, region: str | None = None) -> bytes:
+                  key: tuple[str, bytes] | None = None, region: str | None = None,
+                  prefill: Mapping[str, int] | None = None) -> bytes:
     document: dict[str, object] = {"router": router, "open": open_}
     if region is not None:
         document["region"] = region
+    if prefill:
+        document["prefill"] = prefill
     body = json.dumps(document, separators=(",", ":")).encode()
     if key is None:
         return b"v1 - - " + body
@@ -94,14 +101,15 @@ class ReportError(ValueError):
 def decode_report(payload: bytes, keys: Mapping[str, bytes]) -> tuple[str, dict[str, int]]:
     """(router id, open requests per worker). Raises ReportError. With `keys`, the report
     must be signed by one of them."""
-    router, open_, _ = decode_report_from(payload, keys)
+    router, open_, _, _ = decode_report_from(payload, keys)
     return router, open_
 
 
 def decode_report_from(payload: bytes, keys: Mapping[str, bytes]
-                       ) -> tuple[str, dict[str, int], str | None]:
-    """`decode_report`, and the region the sender serves (None: it does not say, as
-    replicas before it did not)."""
+                       ) -> tuple[str, dict[str, int], str | None, dict[str, int]]:
+    """`decode_report`, the region the sender serves (None: it does not say, as replicas
+    before it did not), and its prompt tokens not yet prefilled per worker (empty: none,
+    or a replica from before they were reported)."""
     if len(payload) > MAX_REPORT_BYTES:
         raise ReportError("too_large", f"larger than {MAX_REPORT_BYTES} bytes")
     parts = payload.split(b" ", 3)
@@ -130,8 +138,16 @@ def decode_report_from(payload: bytes, keys: Mapping[str, bytes]
             isinstance(worker, str) and type(count) is int and 0 <= count <= MAX_OPEN_PER_WORKER
             for worker, count in open_.items()):
         raise ReportError("malformed", "`open` is not {worker id: count}")
+    prefill = document.get("prefill", {})
+    if not isinstance(prefill, dict) or not all(
+            isinstance(worker, str) and type(tokens) is int
+            and 0 <= tokens <= MAX_PREFILL_PER_WORKER and worker in open_
+            for worker, tokens in prefill.items()):
+        raise ReportError("malformed", "`prefill` is not {worker id with open requests: "
+                                       "tokens}")
     region = document.get("region")
-    return router, open_, region if isinstance(region, str) and len(region) <= 64 else None
+    region = region if isinstance(region, str) and len(region) <= 64 else None
+    return router, open_, region, prefill
 
 
 class PeerExchange:
@@ -167,7 +183,7 @@ class PeerExchange:
         self.router = router or router_id()
         self._clock = clock
         self._max_backoff_s = max_backoff_s
-        self._sent: dict[str, int] | None = None
+        self._sent: tuple[dict[str, int], dict[str, int]] | None = None
         self._sent_at_s = -float("inf")
         self.rejected_reports = 0
         self.connected = False
@@ -196,7 +212,7 @@ class PeerExchange:
                 else:
                     backoff_s = 0.05
         finally:
-            if self._sent:
+            if self._sent is not None and self._sent[0]:
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
                     await asyncio.wait_for(self._publish({}), timeout=0.5)
 
@@ -219,26 +235,27 @@ class PeerExchange:
         """The configured interval, stretched so that reading this replica's reports costs
         every peer at most RECEIVER_CPU_SHARE of a core (see the module doc), but never
         beyond KEEPALIVE_S: peers must hear from this replica well within PEER_TTL_S."""
-        entries = len(self._sent or ())
+        entries = 0 if self._sent is None else len(self._sent[0]) + len(self._sent[1])
         replicas = 1 + len(self._inflight.peer_ids())
         spacing_s = APPLY_S_PER_ENTRY * entries * replicas / RECEIVER_CPU_SHARE
         return max(interval_s, min(KEEPALIVE_S, spacing_s))
 
     async def _report(self, now_s: float) -> None:
         """Publish this replica's counts if they changed, or as a keepalive."""
-        counts = self._inflight.own_counts()
-        if counts == self._sent and now_s - self._sent_at_s < KEEPALIVE_S:
+        sent = self._inflight.own_counts(), self._inflight.own_prefill()
+        if sent == self._sent and now_s - self._sent_at_s < KEEPALIVE_S:
             return
-        await self._publish(counts)
-        self._sent, self._sent_at_s = counts, now_s
+        await self._publish(*sent)
+        self._sent, self._sent_at_s = sent, now_s
 
-    async def _publish(self, counts: Mapping[str, int]) -> None:
-        report = encode_report(self.router, counts, self._signing_key, self._region)
+    async def _publish(self, counts: Mapping[str, int],
+                       prefill: Mapping[str, int] | None = None) -> None:
+        report = encode_report(self.router, counts, self._signing_key, self._region, prefill)
         await publish(self._redis, self._channel, report, sharded=is_cluster(self._redis))
 
     def _apply(self, payload: bytes) -> None:
         try:
-            peer, open_, region = decode_report_from(payload, self._keys)
+            peer, open_, region, prefill = decode_report_from(payload, self._keys)
         except ReportError as exc:
             self.rejected_reports += 1
             if self._stats is not None:
@@ -253,7 +270,7 @@ class PeerExchange:
             self._siblings[peer] = self._clock()
             self._inflight.echo = min(MAX_ECHO, len(self._siblings))
         if open_:
-            self._inflight.apply_peer(peer, open_, self._clock())
+            self._inflight.apply_peer(peer, open_, self._clock(), prefill)
         else:
             self._inflight.forget_peer(peer)  # it left, or has nothing open
 

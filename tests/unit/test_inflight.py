@@ -10,10 +10,12 @@ from router.registry.inflight import InFlight
 from router.registry.peers import (
     KEEPALIVE_S,
     MAX_OPEN_PER_WORKER,
+    MAX_PREFILL_PER_WORKER,
     MAX_REPORT_BYTES,
     PeerExchange,
     ReportError,
     decode_report,
+    decode_report_from,
     encode_report,
 )
 
@@ -93,6 +95,13 @@ def test_with_keys_only_verified_reports_are_believed(payload: bytes, reason: st
     (b'v1 - - {"router": "r", "open": {"w": %d}}' % (MAX_OPEN_PER_WORKER + 1),
      "not {worker id: count}"),
     (b"v1 - - " + b" " * MAX_REPORT_BYTES, "larger than"),
+    (b'v1 - - {"router": "r", "open": {"w": 1}, "prefill": []}', "`prefill` is not"),
+    (b'v1 - - {"router": "r", "open": {"w": 1}, "prefill": {"w": -5}}', "`prefill` is not"),
+    (b'v1 - - {"router": "r", "open": {"w": 1}, "prefill": {"w": 2.5}}', "`prefill` is not"),
+    (b'v1 - - {"router": "r", "open": {"w": 1}, "prefill": {"w": %d}}'
+     % (MAX_PREFILL_PER_WORKER + 1), "`prefill` is not"),
+    # prompts waiting on a worker where it has nothing open: a forgery, not a report
+    (b'v1 - - {"router": "r", "open": {"w": 1}, "prefill": {"v": 10}}', "`prefill` is not"),
 ])
 def test_malformed_reports_are_refused_with_a_reason(payload: bytes, reason: str) -> None:
     with pytest.raises(ReportError, match=reason):
@@ -103,9 +112,9 @@ def test_reports_of_large_fleets_are_spaced_to_bound_the_receivers_cpu() -> None
     inflight = InFlight()
     exchange = PeerExchange(redis=None, pubsub_redis=None, channel="c",  # type: ignore[arg-type]
                             inflight=inflight, interval_s=lambda: 0.05)
-    exchange._sent = {"w1": 1, "w2": 3}
+    exchange._sent = {"w1": 1, "w2": 3}, {}
     assert exchange._spacing_s(0.05) == 0.05  # small: as configured
-    exchange._sent = {f"w{i}": 1 for i in range(1000)}
+    exchange._sent = {f"w{i}": 1 for i in range(500)}, {f"w{i}": 80 for i in range(500)}
     for peer in range(9):
         inflight.apply_peer(f"r{peer}", {"w1": 1}, now_s=0.0)
     # 10 replicas x 1,000 entries x 1 us each, at most 5 % of a core: every 0.2 s.
@@ -165,3 +174,24 @@ def test_prompts_count_as_prefill_ahead_until_their_first_byte_or_their_end() ->
     second.end_prefill()  # ended before its first byte (failed, cancelled)
     second.first_byte(2.0)
     assert inflight.prefilling == {}
+
+
+def test_peers_prompts_not_yet_prefilled_count_until_their_next_report() -> None:
+    """A peer's report carries its prompt tokens not yet prefilled per worker; they add to
+    this router's own, the next report replaces them, and a peer that left or went silent
+    takes them along. An older replica's report (no `prefill`) adds none."""
+    inflight = InFlight()
+    own = attempt("w1")
+    inflight.commit(own, 0, 1000, 0.0)
+    report = encode_report("r2", {"w1": 2, "w2": 1}, prefill={"w1": 5000})
+    peer, open_, _, prefill = decode_report_from(report, {})
+    inflight.apply_peer(peer, open_, 1.0, prefill)
+    assert inflight.prefilling == {"w1": 6000} and inflight.own_prefill() == {"w1": 1000}
+    inflight.apply_peer("r2", {"w1": 2, "w2": 1}, 1.05, {"w2": 300})
+    assert inflight.prefilling == {"w1": 1000, "w2": 300}
+    older = decode_report_from(encode_report("r3", {"w2": 4}), {})
+    assert older[3] == {}
+    inflight.apply_peer("r3", older[1], 1.1, older[3])
+    own.first_byte(1.2)
+    inflight.forget_peer("r2")
+    assert inflight.prefilling == {} and inflight.own_prefill() == {}

@@ -253,7 +253,7 @@ class Twin:
         # as the proxy counts its prompt's prefill until the first byte (Proxy._dispatched)
         attempt = self._attempts[request.index] = Attempt(
             worker_id=worker.name, region=worker.region, predicted_ttft_ms=predicted_ms,
-            reason=reason, started_s=self.clock.now_s)
+            reason=reason, started_s=self.clock.now_s, streamed=True)
         inflight.commit(attempt, 0, parsed.prompt_tokens - cached_tokens, self.clock.now_s)
         if policy is not None:
             if request.traffic_class == "batch":  # as the proxy counts them (batch_room)

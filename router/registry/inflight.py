@@ -65,9 +65,11 @@ class InFlight:
                now_s: float) -> None:
         """An own attempt sent to its worker may generate `tokens` (its max_tokens; 0:
         unsaid), and has `prefill_tokens` of its prompt to prefill there: those count in
-        `prefilling` until its first byte or its end (Attempt.end_prefill)."""
+        `prefilling` until its first byte or its end (Attempt.end_prefill). Only a
+        stream's: a whole answer's first byte comes with its last token, long after its
+        prompt was prefilled (batch lines, unary clients: not seen, as before)."""
         worker_id = attempt.worker_id
-        if prefill_tokens > 0:
+        if prefill_tokens > 0 and attempt.streamed:
             attempt.prefill_tokens, attempt.prefilled = prefill_tokens, self.prefill_ended
             self.prefilling[worker_id] = self.prefilling.get(worker_id, 0) + prefill_tokens
             own = self._own_prefill

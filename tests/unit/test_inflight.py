@@ -155,9 +155,9 @@ def test_own_long_requests_are_counted_as_the_work_they_commit() -> None:
     assert inflight.remaining_ms("w", 50.0, 12.0) == 0.0
 
 
-def attempt(worker_id: str, started_s: float = 0.0) -> Attempt:
+def attempt(worker_id: str, started_s: float = 0.0, streamed: bool = True) -> Attempt:
     return Attempt(worker_id=worker_id, region="r", predicted_ttft_ms=0.0, reason="local",
-                   started_s=started_s)
+                   started_s=started_s, streamed=streamed)
 
 
 def test_prompts_count_as_prefill_ahead_until_their_first_byte_or_their_end() -> None:
@@ -166,6 +166,8 @@ def test_prompts_count_as_prefill_ahead_until_their_first_byte_or_their_end() ->
     inflight.commit(first, 0, 4000, 0.0)
     inflight.commit(second, 100, 1000, 0.0)
     inflight.commit(third, 0, 0, 0.0)  # all of its prompt in the prefix cache: none
+    # a whole answer's first byte is its last: its prompt is not counted at all
+    inflight.commit(attempt("v", streamed=False), 0, 9000, 0.0)
     assert inflight.prefilling == {"w": 5000}
     first.first_byte(1.0)
     assert inflight.prefilling == {"w": 1000} and first.first_byte_s == 1.0

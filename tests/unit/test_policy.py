@@ -508,7 +508,7 @@ def test_a_full_engine_of_long_requests_is_priced_by_the_work_they_committed() -
 
 def sent(worker_id: str, at_s: float) -> Attempt:
     return Attempt(worker_id=worker_id, region="us-east", predicted_ttft_ms=0.0,
-                   reason="local", started_s=at_s)
+                   reason="local", started_s=at_s, streamed=True)
 
 
 def test_prompts_sent_ahead_and_not_yet_prefilled_delay_the_next_first_token() -> None:

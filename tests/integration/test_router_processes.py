@@ -23,6 +23,7 @@ import yaml
 from lab.devstack.valkey import free_port
 from router.processes import DIR_ENV, INDEX_ENV
 from tests.integration.conftest import StartSim
+from tests.procfs import children
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
@@ -47,15 +48,13 @@ class Machine:
     def children(self) -> dict[int, int]:
         """{process index: pid} of the supervisor's router processes now."""
         found: dict[int, int] = {}
-        tasks = Path(f"/proc/{self.supervisor.pid}/task")
-        for task in tasks.iterdir():
-            for pid in (task / "children").read_text().split():
-                try:
-                    environ = _environ(int(pid))
-                except OSError:  # exited, not yet reaped
-                    continue
-                if INDEX_ENV in environ:
-                    found[int(environ[INDEX_ENV])] = int(pid)
+        for pid in children(self.supervisor.pid):
+            try:
+                environ = _environ(pid)
+            except OSError:  # exited, not yet reaped
+                continue
+            if INDEX_ENV in environ:
+                found[int(environ[INDEX_ENV])] = pid
         return found
 
     def own_metrics(self, index: int) -> str:

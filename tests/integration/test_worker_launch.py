@@ -21,6 +21,7 @@ from tests.integration.test_worker_agent import (
     is_state,
     subscribed,
 )
+from tests.procfs import children
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.schema import Heartbeat, LifecycleState
 
@@ -33,14 +34,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def children(pid: int) -> list[int]:
-    """The direct children of `pid` (Linux /proc)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(child) for child in (task / "children").read_text().split()]
-    return found
 
 
 def alive(pid: int) -> bool:

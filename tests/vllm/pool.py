@@ -27,6 +27,7 @@ import redis
 import yaml
 
 from lab.devstack.valkey import free_port
+from tests.procfs import children
 from worker.heartbeat_keys import HeartbeatKeys
 from worker.schema import Heartbeat, LifecycleState
 from worker.signing import KEYS_ENV
@@ -114,16 +115,6 @@ def vllm_environment(work: Path, index: int) -> dict[str, str]:
         "PYTHONPATH": str(ROOT),
     })
     return env
-
-
-def children(pid: int) -> list[int]:
-    """The direct children of `pid` (Linux /proc); [] once it is gone."""
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                found += [int(child) for child in (task / "children").read_text().split()]
-    return found
 
 
 def descendants(pid: int) -> list[int]:

@@ -37,6 +37,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
+from typing import TypeGuard
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -134,20 +135,22 @@ def decode_report_from(payload: bytes, keys: Mapping[str, bytes]
     router, open_ = document.get("router"), document.get("open")
     if not isinstance(router, str) or not 0 < len(router) <= 200:
         raise ReportError("malformed", "no router id")
-    if not isinstance(open_, dict) or not all(
-            isinstance(worker, str) and type(count) is int and 0 <= count <= MAX_OPEN_PER_WORKER
-            for worker, count in open_.items()):
+    if not _per_worker(open_, MAX_OPEN_PER_WORKER):
         raise ReportError("malformed", "`open` is not {worker id: count}")
     prefill = document.get("prefill", {})
-    if not isinstance(prefill, dict) or not all(
-            isinstance(worker, str) and type(tokens) is int
-            and 0 <= tokens <= MAX_PREFILL_PER_WORKER and worker in open_
-            for worker, tokens in prefill.items()):
+    if not _per_worker(prefill, MAX_PREFILL_PER_WORKER) or not prefill.keys() <= open_.keys():
         raise ReportError("malformed", "`prefill` is not {worker id with open requests: "
                                        "tokens}")
     region = document.get("region")
     region = region if isinstance(region, str) and len(region) <= 64 else None
     return router, open_, region, prefill
+
+
+def _per_worker(figures: object, limit: int) -> TypeGuard[dict[str, int]]:
+    """Whether `figures` is {worker id: an int from 0 to `limit`}."""
+    return isinstance(figures, dict) and all(
+        isinstance(worker, str) and type(figure) is int and 0 <= figure <= limit
+        for worker, figure in figures.items())
 
 
 class PeerExchange:

@@ -188,7 +188,7 @@ class BatchRunner:
         principal, refusal = self._principal(batch)
         pending = sum(len(held.pending) for held in self._held
                       if held.batch.model == batch.model)
-        room = min(self.spare_slots(batch.model, principal),
+        room = min(self.room.slots(batch.model, principal),
                    self.configs.current.batch.max_in_flight)
         lease_ms = round(self.configs.current.batch.lease_s * 1000)
         for _ in range(MAX_CHUNKS_PER_SCAN):
@@ -237,7 +237,7 @@ class BatchRunner:
             regions = None if held.principal is None else held.principal.allowed_regions
             key = f"{model}\0{sorted(regions) if regions else ''}"
             if key not in room:
-                room[key] = self.spare_slots(model, held.principal)
+                room[key] = self.room.slots(model, held.principal)
             while room[key] > 0 and held.pending and held.pending[0][2] <= now:
                 if budget <= 0:
                     self.capped = True
@@ -251,10 +251,6 @@ class BatchRunner:
                 task.add_done_callback(self._tasks.discard)
             if held.pending and held.pending[0][2] > now:
                 held.pending.rotate(-1)  # one waiting out a retry delay does not block the rest
-
-    def spare_slots(self, model: str, principal: Principal | None) -> int:
-        """Batch slots free now for `model`'s lines (router.batch.room)."""
-        return self.room.slots(model, principal)
 
     async def _run_line(self, held: _Held, line: Line, tries: int) -> None:
         batch = held.batch

@@ -49,6 +49,20 @@ def token_ids_of(text: str) -> list[int]:
             for i in range(0, len(text), CHARS_PER_TOKEN)] or [0]
 
 
+def _message_texts(messages: list[Any]) -> list[str]:
+    """The texts of chat messages, as the chat endpoint joins them into its prompt
+    (lab.sim.protocol.parse_chat): a string content, or the texts of its parts."""
+    texts: list[str] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(part["text"] for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return texts
+
+
 def _cosine(a: str, b: str) -> float:
     return sum(x * y for x, y in zip(embedding_of(a), embedding_of(b), strict=True))
 
@@ -209,8 +223,7 @@ class PoolingHandlers:
             if not isinstance(messages, list):
                 raise ApiError(HTTPStatus.BAD_REQUEST, "'messages' must be a list.",
                                param="messages")
-            text = "\n".join(m["content"] for m in messages
-                             if isinstance(m, dict) and isinstance(m.get("content"), str))
+            text = "\n".join(_message_texts(messages))
         else:
             text = _texts(self._required(document, "prompt"), "prompt")[0]
         tokens = token_ids_of(text)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple, Protocol
 
+from router.core.endpoints import KIND_BY_PATH
+
 
 class Reschedulable(Protocol):
     """A deadline that can be moved (`asyncio.Timeout`, `router.proxy.timeouts.Deadline`)."""
@@ -175,10 +177,19 @@ class RequestRecord:
     # ("continued", "failed", "finished", or "not_continued"); None: no stream broke.
     continuations: int = 0
     failover: str | None = None
-    failover_reason: str | None = None  # why not continued (a fixed phrase: a label)
+    # why not continued, or why a stream ended here lacks its usage (a fixed phrase: a label)
+    failover_reason: str | None = None
     # Called with a stream's first event and its attempt before it is passed on (the
     # Responses API records there which worker holds the response), if set.
     on_first_event: Callable[[bytes, Attempt], None] | None = None
+
+    @classmethod
+    def unrouted(cls, path: str, origin_region: str | None, received_s: float,
+                 request_id: str, exc: Exception) -> RequestRecord:
+        """A request to `path` the router failed before parsing it: counted as a 500."""
+        return cls(model="", kind=KIND_BY_PATH.get(path, "chat"), stream=False,
+                   origin_region=origin_region, received_s=received_s,
+                   request_id=request_id, status=500, error=f"internal error: {type(exc).__name__}")
 
     @property
     def first_streamed(self) -> Attempt | None:

@@ -105,22 +105,37 @@ def continuation_body(document: dict[str, Any], kind: str, progress: Progress) -
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def closing_events(progress: Progress) -> bytes:
+def closing_events(progress: Progress, prompt_tokens: int | None = None) -> bytes:
     """What ends a stream that needs no more tokens: a finish event (`length`: the answer
-    used all its max_tokens) unless one was sent, then `[DONE]` unless it was sent."""
+    used all its max_tokens) unless one was sent, the usage chunk when `prompt_tokens` is
+    given (the prompt's count by an engine: `Failover.count_body`), then `[DONE]` unless
+    it was sent."""
     parts: list[bytes] = []
+    identity = {"id": progress.id, "object": progress.object, "created": progress.created,
+                "model": progress.model}
     if progress.finish_reason is None:
         if progress.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None,
                                       "finish_reason": "length"}
         else:
             choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
-        chunk = {"id": progress.id, "object": progress.object, "created": progress.created,
-                 "model": progress.model, "choices": [choice]}
-        parts.append(_event(chunk))
+        parts.append(_event({**identity, "choices": [choice]}))
+    if prompt_tokens is not None:
+        completion_tokens = progress.tokens
+        parts.append(_event({**identity, "choices": [], "usage": {
+            "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}}))
     if not progress.done:
         parts.append(b"data: [DONE]\n\n")
     return b"".join(parts)
+
+
+# What /tokenize (vLLM's) needs of a request to count its prompt as the request's own
+# endpoint does (the chat template and its switches; special tokens).
+_COUNTED_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message",
+                        "add_special_tokens", "chat_template", "chat_template_kwargs",
+                        "tools", "documents")
+_COUNTED_COMPLETION_FIELDS = ("model", "prompt", "add_special_tokens")
 
 
 class Failover:
@@ -162,9 +177,23 @@ class Failover:
         left = tokens_left(document, self.kind, progress)
         return left is not None and left <= 0
 
-    def closing_events(self) -> bytes:
+    def count_body(self) -> bytes | None:
+        """The body of a `/tokenize` request that counts the prompt's tokens, when the
+        stream is to be ended here (`finished`) and its client asked for usage
+        (`stream_options.include_usage`) that it has not had; else None."""
+        document = self._request()
+        options = document.get("stream_options")
+        if (not isinstance(options, dict) or options.get("include_usage") is not True
+                or self.transcript.read().usage):
+            return None
+        fields = _COUNTED_CHAT_FIELDS if self.kind == "chat" else _COUNTED_COMPLETION_FIELDS
+        body = {name: document[name] for name in fields if name in document}
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def closing_events(self, prompt_tokens: int | None = None) -> bytes:
+        """The events that end the stream (`closing_events`), after those it was owed."""
         transcript = self.transcript
-        return transcript.take_owed() + closing_events(transcript.read())
+        return transcript.take_owed() + closing_events(transcript.read(), prompt_tokens)
 
     def next_body(self) -> bytes:
         """The request body that asks another worker for the rest of the answer."""

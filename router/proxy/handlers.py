@@ -30,6 +30,7 @@ from router.proxy.continuation import Failover
 from router.proxy.exchange import Exchange, Reply, api_error_reply
 from router.proxy.failures import StreamBroken, UpstreamFailure
 from router.proxy.hedging import HEDGE_HEADER, Hedge, Hedges, Opened, hedge_wanted
+from router.proxy.prompt_count import prompt_count
 from router.proxy.replies import (
     internal_error,
     no_route_reply,
@@ -72,10 +73,8 @@ class Proxy:
     queue: RouterQueue | None = None  # waiting for a worker with room; None: never waits
     propagate_trace: bool = False  # tracing on: workers continue the router's span
     responses: ResponsesApi | None = None  # stored responses' holders; None: not followed
-
-    def __post_init__(self) -> None:
-        self._worker_auth = WorkerAuth()
-        self.hedges = Hedges()
+    hedges: Hedges = field(default_factory=Hedges, init=False)
+    _worker_auth: WorkerAuth = field(default_factory=WorkerAuth, init=False)
 
     @property
     def config(self) -> GlobalConfig:
@@ -122,7 +121,8 @@ class Proxy:
         except Exception as exc:
             log.exception("request %s (%s): internal error in the router before routing",
                           request_id, exchange.path)
-            self._count_unrouted(exchange.path, received_s, request_id, exc)
+            self._request_finished(RequestRecord.unrouted(
+                exchange.path, self.region, received_s, request_id, exc), None)
             return internal_error(request_id, rate_headers)
         record = RequestRecord(model=parsed.model, kind=kind, stream=parsed.stream,
                                origin_region=origin, received_s=received_s,
@@ -166,8 +166,7 @@ class Proxy:
         on the next."""
         router_config = config.router
         headers = worker_headers(exchange.headers, record.request_id, self.propagate_trace)
-        record.traffic_class = hints[1]
-        record.ttft_budget_ms = hints[2]
+        _, record.traffic_class, record.ttft_budget_ms = hints
         route = route_request(parsed, record, self.drains.current, principal, hints, pinned,
                               exchange.paced)
         failover = failover_for(router_config, exchange, parsed, body, record.kind)
@@ -209,7 +208,8 @@ class Proxy:
                 log.warning("request %s: stream from %s (%s) broke off: %s", record.request_id,
                             attempt.worker_id, attempt.region, broken.detail)
                 assert failover is not None  # (only a kept transcript raises it)
-                if await stream_ended(exchange, failover, broken, record):
+                if await stream_ended(exchange, failover, broken, record, functools.partial(
+                        self._count_prompt, config, route, attempt.worker_id, headers)):
                     return Reply(200, {}, streamed=True)
                 retries = retries or Retries()
                 retries.broke(attempt, broken)
@@ -238,6 +238,16 @@ class Proxy:
 
     def _pick(self, route: RouteRequest) -> Decision:
         return self.policy.pick(self.holder.current, route)  # (on the view of this moment)
+
+    async def _count_prompt(self, config: GlobalConfig, route: RouteRequest, tried: str,
+                            headers: dict[str, str], body: bytes) -> int | None:
+        """`prompt_count` by a worker of the model other than `tried` (None: there is none)."""
+        try:
+            worker = self._pick(route._replace(exclude=route.exclude | {tried})).worker
+        except NoRoute:
+            return None
+        self._worker_auth.authorize(headers, config, worker.region)
+        return await prompt_count(self.upstreams, target_of(worker.endpoint), headers, body)
 
     def _dispatched(self, decision: Decision, record: RequestRecord, route: RouteRequest,
                     headers: dict[str, str], config: GlobalConfig, counted: bool,
@@ -385,16 +395,5 @@ class Proxy:
         admission = self.admission
         if admission is not None and principal is not None:
             admission.record_residency(principal, record)
-        for observer in self.observers:
-            observer.request_finished(record)
-
-    def _count_unrouted(self, path: str, received_s: float, request_id: str,
-                        exc: Exception) -> None:
-        """A router fault before the request was parsed: observers count it as a 500."""
-        record = RequestRecord(model="", kind=KIND_BY_PATH.get(path, "chat"), stream=False,
-                               origin_region=self.region, received_s=received_s,
-                               request_id=request_id, status=500,
-                               error=f"internal error: {type(exc).__name__}")
-        record.finished_s = time.monotonic()
         for observer in self.observers:
             observer.request_finished(record)

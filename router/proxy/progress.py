@@ -33,10 +33,11 @@ def error_status(error: object) -> tuple[int, str]:
 class Progress:
     """The identity of a streamed answer and what of it the client has.
 
-    `unsound` says why the answer cannot be continued elsewhere (None: it can)."""
+    `unsound` says why the answer cannot be continued elsewhere (None: it can); `usage`:
+    whether a chunk with usage counts was sent."""
 
     __slots__ = ("created", "done", "finish_reason", "id", "kind", "model", "object",
-                 "role_sent", "text", "tokens", "unsound")
+                 "role_sent", "text", "tokens", "unsound", "usage")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind  # "chat" or "completions"
@@ -50,6 +51,7 @@ class Progress:
         self.finish_reason: str | None = None
         self.done = False
         self.unsound: str | None = None
+        self.usage = False
 
     @property
     def answer(self) -> str:
@@ -79,6 +81,8 @@ class Progress:
             created = chunk.get("created")
             self.created = created if type(created) is int else None
             self.model = _str(chunk.get("model"))
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = True
         choices = chunk.get("choices")
         if not isinstance(choices, list):
             return

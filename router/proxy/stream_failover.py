@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Awaitable, Callable
 
 from router.config import RouterConfig
 from router.core.outcome import Attempt, RequestRecord
@@ -44,13 +45,28 @@ def failover_for(config: RouterConfig, exchange: Exchange, parsed: ParsedRequest
     return Failover(body, kind, event_limit(parsed.completion_tokens, parsed.choices))
 
 
+PROMPT_COUNT_UNKNOWN = "no worker counted the prompt: usage left out"
+
+
 async def stream_ended(exchange: Exchange, failover: Failover, broken: StreamBroken,
-                       record: RequestRecord) -> bool:
+                       record: RequestRecord,
+                       count_prompt: Callable[[bytes], Awaitable[int | None]]) -> bool:
     """After a stream broke off: end it here if it cannot or need not be continued (True),
-    else False (the caller continues it on another worker)."""
+    else False (the caller continues it on another worker). A stream ended here gets its
+    usage chunk if its client asked for one and has not had it: the completion tokens
+    are those it was sent, the prompt's are counted by a worker (`count_prompt` with a
+    `/tokenize` body: None when none could)."""
     if failover.finished():
         record.failover = "finished"  # nothing left to generate: only its end was missing
-        await exchange.end_stream(failover.closing_events())
+        prompt_tokens = None
+        count_body = failover.count_body()
+        if count_body is not None:
+            prompt_tokens = await count_prompt(count_body)
+            if prompt_tokens is None:
+                record.failover_reason = PROMPT_COUNT_UNKNOWN
+                log.warning("request %s: stream ended without its usage: %s",
+                            record.request_id, PROMPT_COUNT_UNKNOWN)
+        await exchange.end_stream(failover.closing_events(prompt_tokens))
         return True
     reason = failover.refusal()
     if reason is None:
@@ -79,3 +95,4 @@ async def continue_broken_stream(
     log.info("request %s: stream continued on %s (%s)", record.request_id,
              attempt.worker_id, attempt.region)
     return Reply(200, {}, streamed=True)
+

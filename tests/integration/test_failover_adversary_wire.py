@@ -34,6 +34,7 @@ from tests.integration.scripted_workers import (
     http_chunk,
     playing,
     send,
+    sse,
 )
 from tests.integration.test_failover_adversary import (
     CHAT_PATH,
@@ -266,19 +267,105 @@ async def test_completions_without_max_tokens_keep_the_engines_default_length(
     assert_one_whole_stream(answer, "completions", tokens=16)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not fixed: the router knows completion_tokens but has no honest prompt_tokens for a "
-    "stream it ends itself (no usage seen before the break, no engine asked): README's "
-    "failover limits say such a stream ends without usage"))
+def usage_of(answer: bytes) -> dict[str, Any]:
+    """The one usage chunk's counts of a whole stream."""
+    usages = [c["usage"] for c in events_of(answer)[:-1] if c.get("usage") and not c["choices"]]
+    assert len(usages) == 1, answer
+    usage: dict[str, Any] = usages[0]
+    return usage
+
+
+@pytest.mark.parametrize(("path", "body", "kind"), [(CHAT_PATH, CHAT, "chat"),
+                                                    ("/v1/completions", COMPLETION, "completions")])
 async def test_a_stream_ended_for_having_every_token_still_gets_its_usage(
-        start_router: StartRouter, sim_urls: SimURLs) -> None:
+        start_router: StartRouter, sim_urls: SimURLs, path: str, body: dict[str, Any],
+        kind: str) -> None:
     # max_tokens=1 and the engine cut after its token, before its finish event: the router
     # ends the stream itself (finish "length", [DONE]); the client asked for usage
-    # (stream_options.include_usage) and should get it there too.
+    # (stream_options.include_usage) and gets it there too, with the prompt counted by
+    # another engine (/tokenize): the count an unbroken answer of that engine carries.
     a, b = await sim_urls(2)
     await faults(a, mid_stream_error_rate=1.0)
-    answer = await began_on_a(await start_router(a, b), {**CHAT, "max_tokens": 1})
+    one_token = {**body, "max_tokens": 1}
+    answer = await began_on_a(await start_router(a, b), one_token, path)
+    assert_one_whole_stream(answer, kind, tokens=1)
+    _, _, unbroken = await post_stream(b, path, one_token)
+    expected = usage_of(unbroken)
+    assert usage_of(answer) == expected, answer
+    assert expected["prompt_tokens"] > 1
+
+
+def tokenize_answering(answer: bytes | None) -> Play:
+    """A worker whose /tokenize answers `answer` (a whole HTTP response; None: never
+    answers); any other request gets a continuation."""
+    other = continuation_answer()
+
+    async def play(n: int, path: str, request: dict[str, Any],
+                   writer: asyncio.StreamWriter) -> bool:
+        if path != "/tokenize":
+            return await other(n, path, request, writer)
+        if answer is None:
+            await asyncio.sleep(30)  # (the worker is stopped long before)
+            return False
+        writer.write(answer)
+        await writer.drain()
+        return True
+
+    return play
+
+
+def json_answer(status: str, body: bytes) -> bytes:
+    return (b"HTTP/1.1 " + status.encode() + b"\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+@pytest.mark.parametrize("answer", [
+    None,  # hangs
+    json_answer("404 Not Found", b'{"detail":"Not Found"}'),  # no /tokenize (not vLLM)
+    json_answer("200 OK", b'{"count":1000000000000,"tokens":[]}'),  # an absurd count
+    json_answer("200 OK", b'{"count":-3}'),
+    json_answer("200 OK", b'{"count":"12"}'),
+    json_answer("200 OK", b"[" * 100_000),  # deeper than any parser's recursion
+    json_answer("200 OK", b"\xff\xfe not json"),
+], ids=["hangs", "404", "absurd", "negative", "string", "deep", "garbage"])
+async def test_a_worker_that_cannot_count_the_prompt_leaves_the_usage_out(
+        scripted_router: ScriptedRouter, answer: bytes | None) -> None:
+    # The count is the one thing the router cannot make up: when the other worker does not
+    # give a believable one in time, the stream still ends whole, without a usage chunk,
+    # and the metric says why.
+    broken = playing(ROLE_T1)  # the role, " t1", then the connection closes
+    router, (_, counter) = await scripted_router(broken, tokenize_answering(answer))
+    started = time.monotonic()
+    answer_bytes = await began_on_a(router, {**CHAT, "max_tokens": 1})
+    assert time.monotonic() - started < 8, "the count was waited for too long"
+    assert_one_whole_stream(answer_bytes, "chat", tokens=1, usage=False)
+    assert [body.get("messages") for body in counter.bodies] == [CHAT["messages"]]
+    metrics = await scrape(router)
+    assert value(metrics, "globalpool_stream_failovers_total", outcome="finished",
+                 reason="no worker counted the prompt: usage left out") == 1
+
+
+async def test_no_count_is_asked_for_when_the_client_wants_no_usage(
+        scripted_router: ScriptedRouter) -> None:
+    router, (_, other) = await scripted_router(playing(ROLE_T1), tokenize_answering(None))
+    answer = await began_on_a(router, {**CHAT, "max_tokens": 1, "stream_options": None})
+    assert_one_whole_stream(answer, "chat", tokens=1, usage=False)
+    assert other.bodies == []
+
+
+async def test_a_usage_chunk_already_sent_is_not_sent_again(
+        scripted_router: ScriptedRouter) -> None:
+    # The break came between the usage chunk and [DONE]: only [DONE] is missing.
+    usage = sse({"id": "chatcmpl-first", "object": "chat.completion.chunk",
+                 "created": 1_700_000_000, "model": "m", "choices": [],
+                 "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}})
+    finish = http_chunk(chat_chunk(finish="length")) + http_chunk(usage)
+    router, (_, other) = await scripted_router(playing(ROLE_T1, finish),
+                                               tokenize_answering(None))
+    answer = await began_on_a(router, {**CHAT, "max_tokens": 1})
     assert_one_whole_stream(answer, "chat", tokens=1)
+    assert (usage_of(answer))["prompt_tokens"] == 7
+    assert other.bodies == []
 
 
 @pytest.mark.parametrize("misbehave", ["garbage", "headers_then_hang", "half_body_close"])

@@ -182,3 +182,44 @@ def test_closing_events_add_only_what_is_missing() -> None:
     assert closing_events(progress) == b"data: [DONE]\n\n"
     progress.done = True
     assert closing_events(progress) == b""
+
+
+def _usage_request(**extra: Any) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                       "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False},
+                       "temperature": 0.3, **extra}).encode()
+
+
+def test_a_stream_ended_here_asks_for_the_prompt_count_only_for_usage_it_lacks() -> None:
+    wants = {"stream_options": {"include_usage": True}}
+    failover = Failover(_usage_request(**wants), "chat", None)
+    # what /tokenize needs to count as the chat endpoint does: no sampling, no max_tokens
+    assert json.loads(failover.count_body() or b"") == {
+        "model": "m", "messages": [{"role": "user", "content": "x"}],
+        "chat_template_kwargs": {"enable_thinking": False}}
+    assert Failover(_usage_request(), "chat", None).count_body() is None
+    assert Failover(_usage_request(stream_options={"include_usage": "yes"}), "chat",
+                    None).count_body() is None
+    failover.transcript.admit(_event({"id": "c1", "object": "chat.completion.chunk",
+                                      "created": 7, "model": "m", "choices": [],
+                                      "usage": {"prompt_tokens": 3}}))
+    assert failover.count_body() is None  # it had its usage chunk
+    completion = Failover(json.dumps({"model": "m", "prompt": "p", "echo": False,
+                                      "add_special_tokens": False, **wants}).encode(),
+                          "completions", None)
+    assert json.loads(completion.count_body() or b"") == {
+        "model": "m", "prompt": "p", "add_special_tokens": False}
+
+
+def test_closing_events_carry_a_usage_chunk_over_the_whole_answer() -> None:
+    failover = Failover(_usage_request(), "chat", None)
+    failover.transcript.admit(_chat_chunk("c1", 7, {"role": "assistant", "content": ""})
+                              + _chat_chunk("c1", 7, {"content": "a"})
+                              + _chat_chunk("c1", 7, {"content": "b"}))
+    events = failover.closing_events(prompt_tokens=11).decode().split("\n\n")
+    finish, usage = json.loads(events[0][6:]), json.loads(events[1][6:])
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert usage == {"id": "c1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+                     "choices": [], "usage": {"prompt_tokens": 11, "total_tokens": 13,
+                                              "completion_tokens": 2}}
+    assert events[2] == "data: [DONE]"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
@@ -26,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lab.sim.config import SimConfig
 from lab.sim.server import SimServer
+from router.proxy.continuation import Failover
 from tests.integration.test_worker_agent import HeartbeatChannel, subscribed
 from tests.vllm.pool import (
     HEARTBEAT_INTERVAL_S,
@@ -84,6 +86,34 @@ def test_chat_through_the_router_non_streaming_and_streaming(pool: RealPool) -> 
     legacy = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=5,
                                        extra_body=EXACT)
     assert legacy.usage is not None and legacy.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize(("path", "kind", "prompt"), [
+    ("/v1/chat/completions", "chat", {"messages": CHAT}),
+    ("/v1/completions", "completions", {"prompt": "Which region answers fastest today?"}),
+])
+async def test_a_prompt_count_asked_of_tokenize_is_the_one_usage_reports(
+        pool: RealPool, path: str, kind: str, prompt: dict[str, Any]) -> None:
+    # A stream the router ends itself (its engine failed after the last token) gets its
+    # usage chunk with the prompt counted by another engine's /tokenize
+    # (router.proxy.prompt_count): on real vLLM that count must be the one its own usage
+    # chunk carries for the request, chat template and special tokens included.
+    body = {"model": MODEL, **prompt, "max_tokens": 2, "stream": True, **EXACT,
+            "stream_options": {"include_usage": True}}
+    count_body = Failover(json.dumps(body).encode(), kind, None).count_body()
+    assert count_body is not None
+    engine = pool.agents["eu-west"].engine_url
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{engine}/tokenize", data=count_body,
+                             headers={"content-type": "application/json"}) as response:
+            assert response.status == 200, await response.text()
+            counted = (await response.json())["count"]
+        async with http.post(f"{engine}{path}", json=body) as response:
+            events = [line[6:] for line in (await response.text()).splitlines()
+                      if line.startswith("data: {")]
+    usages = [json.loads(event)["usage"] for event in events
+              if json.loads(event).get("usage")]
+    assert usages and counted == usages[-1]["prompt_tokens"], (counted, usages)
 
 
 def test_heartbeats_describe_the_real_engine(pool: RealPool) -> None:
@@ -535,15 +565,89 @@ async def steady_requests(client: openai.AsyncOpenAI, stop: asyncio.Event,
             results.append(exc)
 
 
+# A stream long enough to be in full flow when its engine is killed: the kill is timed by
+# what the client has received (KILL_AFTER_TOKENS), so the engine cannot have finished
+# it, and the continuation's prompt (the text so far, tokenized again) stays well inside
+# the model's context.
+LONG_STREAM_TOKENS = 600
+KILL_AFTER_TOKENS = 24
+
+
+class LongStream:
+    """One long chat stream through the router, read as it comes: its region, what it
+    carried (ids, role events, content events and text, finish reasons, usage), and an
+    event set once it has KILL_AFTER_TOKENS content events."""
+
+    def __init__(self) -> None:
+        self.region = ""
+        self.ids: set[str] = set()
+        self.roles = 0
+        self.texts: list[str] = []
+        self.finishes: list[str] = []
+        self.usage: Any = None
+        self.under_way = asyncio.Event()
+
+    async def read(self, client: openai.AsyncOpenAI) -> None:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=CHAT, max_tokens=LONG_STREAM_TOKENS, extra_body=EXACT,
+            stream=True, stream_options={"include_usage": True})
+        self.region = raw.headers.get(REGION, "")
+        async for chunk in raw.parse():
+            self.ids.add(chunk.id)
+            if chunk.usage is not None:
+                self.usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.role is not None:
+                    self.roles += 1
+                elif choice.delta.content is not None:
+                    self.texts.append(choice.delta.content)
+                if choice.finish_reason is not None:
+                    self.finishes.append(choice.finish_reason)
+            if len(self.texts) >= KILL_AFTER_TOKENS:
+                self.under_way.set()
+
+
+async def long_stream_in(pool: RealPool, region: str) -> tuple[LongStream, asyncio.Task[None]]:
+    """A long stream from `region` that its engine is serving, under way: at most a few
+    tries (one served elsewhere, while the host stalls, is read to its end and dropped)."""
+    client = pool.async_client(region)
+    for _ in range(5):
+        stream = LongStream()
+        reading = asyncio.create_task(stream.read(client))
+        under_way = asyncio.create_task(stream.under_way.wait())
+        await asyncio.wait([reading, under_way], timeout=120,
+                           return_when=asyncio.FIRST_COMPLETED)
+        under_way.cancel()
+        if stream.under_way.is_set() and stream.region == region:
+            reading.add_done_callback(lambda _: asyncio.ensure_future(client.close()))
+            return stream, reading
+        await reading
+    await client.close()
+    raise AssertionError(f"no long stream from {region} was served there")
+
+
+async def router_failovers(pool: RealPool, outcome: str) -> float:
+    async with aiohttp.ClientSession() as http, http.get(f"{pool.router_url}/metrics") as r:
+        text = await r.text()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == "globalpool_stream_failovers_total"
+               and sample.labels.get("outcome") == outcome)
+
+
 async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarted(
     pool: RealPool, measurements: dict[str, Any]
 ) -> None:
+    # Killed while it serves short requests and, halfway, a long stream: the short ones
+    # are retried in eu-west, the stream is finished by eu-west's engine (mid-stream
+    # failover), and the agent restarts its vLLM.
     agent = pool.agents["us-east"]
     await until_served_in(pool, "us-east", "us-east")
     vllm_pid = agent.engine_pid()
     assert vllm_pid is not None
     old_tree = agent.engine_tree()
     assert len(old_tree) >= 2, "API server and engine core"
+    continued_before = await router_failovers(pool, "continued")
 
     client = pool.async_client("us-east")
     stop = asyncio.Event()
@@ -551,12 +655,15 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
     senders = [asyncio.create_task(steady_requests(client, stop, results)) for _ in range(4)]
     try:
         await asyncio.sleep(1.0)
+        stream, reading = await long_stream_in(pool, "us-east")
         os.kill(vllm_pid, signal.SIGKILL)
         killed_at = time.monotonic()
+        tokens_at_kill = len(stream.texts)
         degraded = await until_beat(pool, "us-east",
                                     lambda b: b.state is LifecycleState.DEGRADED, 5)
         degraded_after_s = time.monotonic() - killed_at
         await asyncio.sleep(2.0)
+        await asyncio.wait_for(reading, 180)
     finally:
         stop.set()
         await asyncio.gather(*senders)
@@ -566,6 +673,14 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
     assert all(tokens == 8 for _, _, tokens in served)
     assert any(region == "eu-west" for region, _, _ in served), "retried in the other region"
     assert degraded.state is LifecycleState.DEGRADED
+    # The stream: one answer, as if one engine had written it.
+    assert tokens_at_kill < LONG_STREAM_TOKENS // 2, "killed halfway, not at the end"
+    assert await router_failovers(pool, "continued") == continued_before + 1
+    assert len(stream.ids) == 1 and stream.roles == 1, (stream.ids, stream.roles)
+    assert stream.finishes == ["length"], stream.finishes
+    assert stream.usage is not None
+    assert stream.usage.completion_tokens == LONG_STREAM_TOKENS, stream.usage
+    assert len(stream.texts) <= LONG_STREAM_TOKENS  # (vLLM may put tokens in one event)
     await asyncio.sleep(0.5)
     assert [pid for pid in old_tree if alive(pid)] == [], "the crashed vLLM's group is gone"
 
@@ -581,6 +696,8 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
     await until_served_in(pool, "us-east", "us-east")
     measurements["kill -9 vLLM -> heartbeat degraded (s)"] = round(degraded_after_s, 2)
     measurements["kill -9 vLLM -> restarted and ready (s)"] = round(restart_s, 1)
+    measurements["kill -9 vLLM mid-stream: tokens before the kill, after it"] = (
+        tokens_at_kill, len(stream.texts) - tokens_at_kill)
 
 
 async def test_a_drained_worker_finishes_in_flight_requests_then_stops_its_vllm(

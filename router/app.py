@@ -173,8 +173,7 @@ async def _ready(request: web.Request) -> web.Response:
 async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
     """Redis clients and the heartbeat collector, for the app's lifetime."""
     settings = app[SETTINGS]
-    inflight = InFlight()
-    app[_INFLIGHT] = inflight
+    inflight = app[_INFLIGHT] = InFlight()
     health_config = settings.config.router.health
     health = app[_HEALTH] = Health(BreakerPolicy(
         failures_to_eject=health_config.failures_to_eject,
@@ -260,6 +259,7 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         region_cost=lambda region: app[OPERATIONS].configs.current.cost_per_gpu_hour(region),
         batch_room=BatchRoom(lambda: app[OPERATIONS].configs.current.batch.fixed_reserve),
     )
+    app[PEERS].share(context.affinity)  # (the peers' sends fill it too)
     operations = app[OPERATIONS]
     queue_config = config.router.queue
     queue = (RouterQueue(app[_INFLIGHT], max_requests=queue_config.max_requests,

@@ -145,13 +145,17 @@ class Twin:
                     inflight, max_requests=QUEUE.max_requests, clock=self.clock.now))
 
     def _exchange(self) -> None:
-        """Every replica's open requests reach the others (router.registry.peers)."""
+        """Every replica's open requests, and what it sent since, reach the others
+        (router.registry.peers)."""
         now_s = self.clock.now_s
-        for region, (_, inflight, _) in self._routers.items():
+        for region, (policy, inflight, _) in self._routers.items():
             counts, prefill = inflight.own_counts(), inflight.own_prefill()
-            for other, (_, peer_inflight, _) in self._routers.items():
+            shared = policy.context.affinity.take_shared() if policy is not None else None
+            for other, (peer_policy, peer_inflight, _) in self._routers.items():
                 if other != region:
                     peer_inflight.apply_peer(region, counts, now_s, prefill)
+                    if shared is not None and peer_policy is not None:
+                        peer_policy.context.affinity.apply_peer(shared)
         if self._open and self.peer_interval_s is not None:
             self._at(now_s + self.peer_interval_s, self._exchange)
 

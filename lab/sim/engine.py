@@ -107,6 +107,10 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def running_sequences(self) -> tuple[Sequence, ...]:
+        """The sequences in the batch now (a copy: for the benchmark's diagnostics)."""
+        return tuple(self._running)
+
     @property
     def kv_usage(self) -> float:
         return self._kv.usage

@@ -19,7 +19,12 @@ Wire format, one PUBLISH per report: `v1 <key_id> <hex HMAC-SHA256 of the body> 
 (`v1 - - <body>` unsigned), the body `{"router": "<id>", "open": {"<worker_id>": n}}`,
 plus `"prefill": {"<worker_id>": tokens}` when some of those requests have not had their
 first byte (the prompt tokens they put ahead of a new request there:
-router.policy.predicted_ttft).
+router.policy.predicted_ttft), and `"affinity": {"wrote": {"<worker_id>": tokens},
+"served": [["<worker_id>", [prefix key, ...], tokens], ...]}` when it sent requests since
+its last report: the prompts with prefix keys each worker got, in order, with the tokens
+they write to its KV cache, and the tokens the others wrote (router.policy.affinity
+`take_shared` / `apply_peer`), so that every replica knows which worker holds a long
+shared prompt, whoever sent it there.
 When heartbeat signing keys are configured (worker.signing), reports are signed with
 the first key and unsigned or unverifiable reports are dropped: otherwise anyone who can
 PUBLISH could steer traffic away from any worker.
@@ -44,6 +49,7 @@ from redis.exceptions import RedisError
 
 from router.core.stats import SecurityStats
 from router.registry.inflight import InFlight
+from router.registry.shared_sends import MAX_SHARED_SERVED, SharedAffinity, SharedSends
 from router.registry.subscriber import Subscription
 from worker.redis_client import is_cluster, publish, raise_if_cancelling
 from worker.signing import hmac_sha256_hex
@@ -65,6 +71,9 @@ MAX_REPORT_BYTES = 1 << 20
 MAX_ECHO = 8
 MAX_OPEN_PER_WORKER = 100_000
 MAX_PREFILL_PER_WORKER = 100_000_000  # tokens: a report claiming more is not believed
+MAX_WROTE_PER_WORKER = 1_000_000_000  # tokens sent to a worker's KV cache in one interval
+MAX_PREFIX_KEYS = 32  # a prompt's prefix keys (router.core.parse.prefix_keys_of: CRC-32s)
+MAX_WORKER_ID = 256  # characters
 _VERSION = b"v1"
 _UNSIGNED = b"-"
 
@@ -76,12 +85,15 @@ def router_id() -> str:
 
 def encode_report(router: str, open_: Mapping[str, int],
                   key: tuple[str, bytes] | None = None, region: str | None = None,
-                  prefill: Mapping[str, int] | None = None) -> bytes:
+                  prefill: Mapping[str, int] | None = None,
+                  affinity: SharedSends | None = None) -> bytes:
     document: dict[str, object] = {"router": router, "open": open_}
     if region is not None:
         document["region"] = region
     if prefill:
         document["prefill"] = prefill
+    if affinity:
+        document["affinity"] = {"wrote": affinity.wrote, "served": affinity.served}
     body = json.dumps(document, separators=(",", ":")).encode()
     if key is None:
         return b"v1 - - " + body
@@ -102,15 +114,17 @@ class ReportError(ValueError):
 def decode_report(payload: bytes, keys: Mapping[str, bytes]) -> tuple[str, dict[str, int]]:
     """(router id, open requests per worker). Raises ReportError. With `keys`, the report
     must be signed by one of them."""
-    router, open_, _, _ = decode_report_from(payload, keys)
+    router, open_, _, _, _ = decode_report_from(payload, keys)
     return router, open_
 
 
 def decode_report_from(payload: bytes, keys: Mapping[str, bytes]
-                       ) -> tuple[str, dict[str, int], str | None, dict[str, int]]:
+                       ) -> tuple[str, dict[str, int], str | None, dict[str, int],
+                                  SharedSends | None]:
     """`decode_report`, the region the sender serves (None: it does not say, as replicas
-    before it did not), and its prompt tokens not yet prefilled per worker (empty: none,
-    or a replica from before they were reported)."""
+    before it did not), its prompt tokens not yet prefilled per worker (empty: none, or a
+    replica from before they were reported), and what it sent since its last report
+    (None: nothing, or a replica from before it was reported)."""
     if len(payload) > MAX_REPORT_BYTES:
         raise ReportError("too_large", f"larger than {MAX_REPORT_BYTES} bytes")
     parts = payload.split(b" ", 3)
@@ -143,7 +157,31 @@ def decode_report_from(payload: bytes, keys: Mapping[str, bytes]
                                        "tokens}")
     region = document.get("region")
     region = region if isinstance(region, str) and len(region) <= 64 else None
-    return router, open_, region, prefill
+    return router, open_, region, prefill, _shared_sends(document.get("affinity"))
+
+
+def _shared_sends(affinity: object) -> SharedSends | None:
+    """A report's `affinity`, checked (see the module doc); raises ReportError."""
+    if affinity is None:
+        return None
+    wrote = affinity.get("wrote") if isinstance(affinity, dict) else None
+    served = affinity.get("served") if isinstance(affinity, dict) else None
+    if (not _per_worker(wrote, MAX_WROTE_PER_WORKER) or not isinstance(served, list)
+            or len(served) > MAX_SHARED_SERVED):
+        raise ReportError("malformed", "`affinity` is not {wrote: {worker id: tokens}, "
+                                       "served: [...]}")
+    sends = SharedSends()
+    sends.wrote = wrote
+    for item in served:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                and 0 < len(item[0]) <= MAX_WORKER_ID and isinstance(item[1], list)
+                and 0 < len(item[1]) <= MAX_PREFIX_KEYS
+                and all(type(key) is int and 0 <= key <= 0xFFFFFFFF for key in item[1])
+                and type(item[2]) is int and 0 <= item[2] <= MAX_WROTE_PER_WORKER):
+            raise ReportError("malformed", "`affinity.served` is not [[worker id, [prefix "
+                                           "keys], tokens], ...]")
+        sends.served.append((item[0], tuple(item[1]), item[2]))
+    return sends
 
 
 def _per_worker(figures: object, limit: int) -> TypeGuard[dict[str, int]]:
@@ -170,8 +208,14 @@ class PeerExchange:
         clock: Callable[[], float] = time.monotonic,
         max_backoff_s: float = 2.0,
         region: str | None = None,
+        affinity: SharedAffinity | None = None,
     ) -> None:
         self._redis = redis
+        # This replica's table of who holds which prompt prefixes, shared with the peers
+        # (None: not shared; `share`, once the policy has its table).
+        self.affinity: SharedAffinity | None = None
+        if affinity is not None:
+            self.share(affinity)
         self._region = region
         # Replicas of this region heard from within PEER_TTL_S, idle ones too: how many
         # times each own request is echoed (router.registry.inflight), at most MAX_ECHO.
@@ -187,9 +231,16 @@ class PeerExchange:
         self._clock = clock
         self._max_backoff_s = max_backoff_s
         self._sent: tuple[dict[str, int], dict[str, int]] | None = None
+        self._shared = 0  # entries of the last report's `affinity`
         self._sent_at_s = -float("inf")
         self.rejected_reports = 0
         self.connected = False
+
+    def share(self, affinity: SharedAffinity) -> None:
+        """Tell the peers what `affinity` records being sent from now on, and fill it
+        with what they send."""
+        affinity.shared = SharedSends()
+        self.affinity = affinity
 
     async def run(self) -> None:
         """Run until cancelled; never raises for Redis trouble. On cancellation, tells
@@ -199,6 +250,8 @@ class PeerExchange:
             while True:
                 if self._interval_s() <= 0:
                     self._forget_all()
+                    if self.affinity is not None:
+                        self.affinity.shared = None  # no one to tell
                     await asyncio.sleep(1.0)
                     continue
                 try:
@@ -238,27 +291,34 @@ class PeerExchange:
         """The configured interval, stretched so that reading this replica's reports costs
         every peer at most RECEIVER_CPU_SHARE of a core (see the module doc), but never
         beyond KEEPALIVE_S: peers must hear from this replica well within PEER_TTL_S."""
-        entries = 0 if self._sent is None else len(self._sent[0]) + len(self._sent[1])
+        entries = self._shared + (0 if self._sent is None
+                                  else len(self._sent[0]) + len(self._sent[1]))
         replicas = 1 + len(self._inflight.peer_ids())
         spacing_s = APPLY_S_PER_ENTRY * entries * replicas / RECEIVER_CPU_SHARE
         return max(interval_s, min(KEEPALIVE_S, spacing_s))
 
     async def _report(self, now_s: float) -> None:
-        """Publish this replica's counts if they changed, or as a keepalive."""
+        """Publish this replica's counts if they changed, or what it sent since its last
+        report, or as a keepalive."""
         sent = self._inflight.own_counts(), self._inflight.own_prefill()
-        if sent == self._sent and now_s - self._sent_at_s < KEEPALIVE_S:
+        affinity = self.affinity
+        shared = affinity.take_shared() if affinity is not None else None
+        if sent == self._sent and not shared and now_s - self._sent_at_s < KEEPALIVE_S:
             return
-        await self._publish(*sent)
+        await self._publish(*sent, shared)
         self._sent, self._sent_at_s = sent, now_s
+        self._shared = len(shared.wrote) + len(shared.served) if shared else 0
 
     async def _publish(self, counts: Mapping[str, int],
-                       prefill: Mapping[str, int] | None = None) -> None:
-        report = encode_report(self.router, counts, self._signing_key, self._region, prefill)
+                       prefill: Mapping[str, int] | None = None,
+                       shared: SharedSends | None = None) -> None:
+        report = encode_report(self.router, counts, self._signing_key, self._region, prefill,
+                               shared)
         await publish(self._redis, self._channel, report, sharded=is_cluster(self._redis))
 
     def _apply(self, payload: bytes) -> None:
         try:
-            peer, open_, region, prefill = decode_report_from(payload, self._keys)
+            peer, open_, region, prefill, shared = decode_report_from(payload, self._keys)
         except ReportError as exc:
             self.rejected_reports += 1
             if self._stats is not None:
@@ -276,6 +336,8 @@ class PeerExchange:
             self._inflight.apply_peer(peer, open_, self._clock(), prefill)
         else:
             self._inflight.forget_peer(peer)  # it left, or has nothing open
+        if shared is not None and self.affinity is not None:
+            self.affinity.apply_peer(shared)
 
     def _expire(self) -> None:
         silent_since_s = self._clock() - PEER_TTL_S

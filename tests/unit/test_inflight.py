@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router.core.outcome import Attempt
+from router.policy.affinity import AffinityTable
 from router.registry.inflight import InFlight
 from router.registry.peers import (
     KEEPALIVE_S,
@@ -18,6 +19,7 @@ from router.registry.peers import (
     decode_report_from,
     encode_report,
 )
+from router.registry.shared_sends import MAX_SHARED_SERVED, SharedSends
 
 KEYS = {"k1": b"0123456789abcdef0123", "k2": b"fedcba9876543210fedc"}
 
@@ -102,6 +104,22 @@ def test_with_keys_only_verified_reports_are_believed(payload: bytes, reason: st
      % (MAX_PREFILL_PER_WORKER + 1), "`prefill` is not"),
     # prompts waiting on a worker where it has nothing open: a forgery, not a report
     (b'v1 - - {"router": "r", "open": {"w": 1}, "prefill": {"v": 10}}', "`prefill` is not"),
+    *((b'v1 - - {"router": "r", "open": {}, "affinity": %s}' % affinity, "`affinity")
+      for affinity in (
+        b"[]", b'{"wrote": {}}', b'{"served": []}', b'{"wrote": {"w": -1}, "served": []}',
+        b'{"wrote": {}, "served": {}}',
+        b'{"wrote": {}, "served": [["w", [1], 5, 6]]}',  # not a triple
+        b'{"wrote": {}, "served": [["", [1], 5]]}',  # no worker id
+        b'{"wrote": {}, "served": [["%s", [1], 5]]}' % (b"w" * 257),
+        b'{"wrote": {}, "served": [["w", [], 5]]}',  # no prefix key
+        b'{"wrote": {}, "served": [["w", [4294967296], 5]]}',  # not a CRC-32
+        b'{"wrote": {}, "served": [["w", [-1], 5]]}',
+        b'{"wrote": {}, "served": [["w", [1.5], 5]]}',
+        b'{"wrote": {}, "served": [["w", %s, 5]]}' % str(list(range(33))).encode(),
+        b'{"wrote": {}, "served": [["w", [1], -5]]}',
+        b'{"wrote": {}, "served": [["w", [1], true]]}',
+        b'{"wrote": {}, "served": %s}' % (b"[" + b",".join([b'["w",[1],1]'] * 1001) + b"]"),
+      )),
 ])
 def test_malformed_reports_are_refused_with_a_reason(payload: bytes, reason: str) -> None:
     with pytest.raises(ReportError, match=reason):
@@ -186,7 +204,7 @@ def test_peers_prompts_not_yet_prefilled_count_until_their_next_report() -> None
     own = attempt("w1")
     inflight.commit(own, 0, 1000, 0.0)
     report = encode_report("r2", {"w1": 2, "w2": 1}, prefill={"w1": 5000})
-    peer, open_, _, prefill = decode_report_from(report, {})
+    peer, open_, _, prefill, _ = decode_report_from(report, {})
     inflight.apply_peer(peer, open_, 1.0, prefill)
     assert inflight.prefilling == {"w1": 6000} and inflight.own_prefill() == {"w1": 1000}
     inflight.apply_peer("r2", {"w1": 2, "w2": 1}, 1.05, {"w2": 300})
@@ -197,3 +215,41 @@ def test_peers_prompts_not_yet_prefilled_count_until_their_next_report() -> None
     own.first_byte(1.2)
     inflight.forget_peer("r2")
     assert inflight.prefilling == {} and inflight.own_prefill() == {}
+
+
+def test_what_a_replica_sent_reaches_its_peers_tables() -> None:
+    """A replica's sends since its last report (router.policy.affinity `take_shared`)
+    travel in its report, and a peer takes them as its own: it finds the worker that holds
+    a prompt prefix, and that worker's holders age by the tokens the sender wrote there."""
+    sender, peer = AffinityTable(), AffinityTable()
+    sender.shared = SharedSends()
+    sender.sent("w1", 1000, session_id="s", prefix_keys=(11, 12), prompt_tokens=600,
+                cached_tokens=0, completion_tokens=10)
+    sender.sent("w2", 1000, session_id=None, prefix_keys=(), prompt_tokens=50,
+                cached_tokens=0, completion_tokens=10)
+    shared = sender.take_shared()
+    assert sender.take_shared() is None  # taken once
+    report = encode_report("r2", {}, affinity=shared)
+    _, _, _, _, received = decode_report_from(report, {})
+    assert received is not None
+    peer.apply_peer(received)
+    assert peer.lookup(None, (11, 12)) == {"w1": 512}
+    assert peer.lookup("s", ()) == {}  # sessions stay with their replica
+    peer.wrote("w1", 1000, 1000)  # as much as w1's cache holds, since: still there
+    assert peer.lookup(None, (11, 12)) == {"w1": 512}
+    peer.wrote("w1", 1, 1000)  # more: evicted by now
+    assert peer.lookup(None, (11, 12)) == {}
+    older = decode_report_from(encode_report("r3", {"w1": 1}), {})
+    assert older[4] is None  # a replica from before: nothing shared
+
+
+def test_a_replica_keeps_at_most_a_bounded_batch_of_sends_for_its_peers() -> None:
+    table = AffinityTable()
+    table.shared = SharedSends()
+    for number in range(MAX_SHARED_SERVED + 10):
+        table.sent("w", 10**6, session_id=None, prefix_keys=(number,), prompt_tokens=300,
+                   cached_tokens=0, completion_tokens=None)
+    shared = table.take_shared()
+    assert shared is not None and len(shared.served) == MAX_SHARED_SERVED
+    assert shared.wrote == {"w": 10 * 300}  # the rest still age the worker's holders
+    assert len(encode_report("r", {}, affinity=shared)) < MAX_REPORT_BYTES

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.proxy.shares import create_shares, mark_not_accepting
+from router.proxy.shares import accepting, create_shares, mark_not_accepting
 
 log = logging.getLogger("globalpool.processes")
 
@@ -225,11 +225,19 @@ class Supervisor:
                 continue
             slot.quick_failures += 1
             if slot.quick_failures >= MAX_QUICK_FAILURES:
-                self._failed = (f"router process {slot.index} exited {slot.quick_failures} "
-                                f"times within {STABLE_AFTER_S:g} s of its start (last: "
-                                f"{_exit_text(code)}); stopping (see its log above)")
-                self._stopping.set()
-                return
+                if not self._serving(slot):
+                    self._failed = (f"router process {slot.index} exited "
+                                    f"{slot.quick_failures} times within {STABLE_AFTER_S:g} s "
+                                    f"of its start (last: {_exit_text(code)}) and no other "
+                                    "serves; stopping (see its log above)")
+                    self._stopping.set()
+                    return
+                # The others serve (a regions.yaml broken on disk after they started, and
+                # then this one crashed: it cannot start until the file is fixed). Keep
+                # them, and try this one again every MAX_BACKOFF_S.
+                log.error("router process %d cannot start (exited %d times in a row); the "
+                          "other processes serve; trying again every %g s", slot.index,
+                          slot.quick_failures, MAX_BACKOFF_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), backoff_s)
             backoff_s = min(MAX_BACKOFF_S, backoff_s * 2)
@@ -246,6 +254,12 @@ class Supervisor:
         log.info("router process %d started (pid %d)", slot.index, slot.process.pid)
         return slot.process
 
+    def _serving(self, failing: _Slot) -> bool:
+        """Whether a slot other than `failing` has a process that accepts connections."""
+        return any(slot is not failing and slot.process is not None
+                   and slot.process.returncode is None
+                   and accepting(self._shares, slot.index) for slot in self._slots)
+
     def _running(self) -> list[asyncio.subprocess.Process]:
         return [slot.process for slot in self._slots
                 if slot.process is not None and slot.process.returncode is None]
@@ -256,6 +270,10 @@ class Supervisor:
                 process.send_signal(signum)
 
     async def _stop_all(self) -> None:
+        # No new connection waits in the listening socket's queue while the processes
+        # finish what they hold: each closes its own copy as it stops, and this one is
+        # the supervisor's (a client is refused at once, and tries another replica).
+        self._sock.close()
         running = self._running()
         self._forward(signal.SIGTERM)
         if not running:

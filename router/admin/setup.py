@@ -41,7 +41,7 @@ from router.registry.inflight import InFlight
 from router.registry.snapshot import SnapshotHolder
 from router.supervisor import Supervised
 from router.telemetry.fleet import FleetCollector
-from router.telemetry.machine import merge, read_siblings, serve_own
+from router.telemetry.machine import Kept, merge, read_siblings, serve_own
 from router.telemetry.metrics import RequestMetrics, metrics_handler
 from router.telemetry.responses import ResponsesCollector
 from router.telemetry.security import SecurityCollector
@@ -74,6 +74,7 @@ class Operations:
     _redis: Redis | None = None
     _fleet: FleetCollector | None = None
     _own_metrics: asyncio.AbstractServer | None = None
+    _kept: Kept | None = None  # (several processes: router.telemetry.machine)
     _watcher: ConfigWatcher | None = None
 
     def __post_init__(self) -> None:
@@ -172,8 +173,12 @@ class Operations:
             batches=batches.status if batches is not None else None)
         if self.process is not None:
             registry = self.registry
-            self._own_metrics = await serve_own(self.process.metrics_socket(),
-                                                lambda: generate_latest(registry))
+            process = self.process
+            kept = self._kept = Kept(process.directory, process.index, process.count,
+                                     process.starts)
+            kept.fold()
+            self._own_metrics = await serve_own(process.metrics_socket(),
+                                                lambda: kept.note(generate_latest(registry)))
 
     def reload_on_signal(self) -> None:
         """SIGHUP: read regions.yaml again now, as POST /admin/reload does (in this process
@@ -187,9 +192,15 @@ class Operations:
 
     async def _machine_metrics(self, own: bytes) -> bytes:
         """`own` metrics merged with the sibling processes' (router.telemetry.machine)."""
-        assert self.process is not None
-        siblings = await read_siblings(self.process.sibling_sockets())
-        return merge(own, siblings, self.process.count)
+        process, kept = self.process, self._kept
+        assert process is not None and kept is not None
+        answers = iter(await read_siblings(process.sibling_sockets()))
+        siblings = [None if index == process.index else next(answers)
+                    for index in range(process.count)]
+        kept.note(own)
+        return merge(own, [text for text in siblings if text is not None], process.count,
+                     kept.missing([index == process.index or text is not None
+                                   for index, text in enumerate(siblings)]))
 
     async def _worker_exposition(self) -> bytes:
         """The fleet's gauges by worker, once the fleet is followed (`start`)."""

@@ -66,3 +66,10 @@ def mark_not_accepting(path: Path, index: int) -> None:
     with path.open("r+b") as file:
         file.seek(index * _SLOT_BYTES)
         file.write(NOT_ACCEPTING.to_bytes(_SLOT_BYTES, "little", signed=True))
+
+
+def accepting(path: Path, index: int) -> bool:
+    """The supervisor: whether process `index` accepts connections (it is serving)."""
+    with path.open("rb") as file:
+        file.seek(index * _SLOT_BYTES)
+        return int.from_bytes(file.read(_SLOT_BYTES), "little", signed=True) > NOT_ACCEPTING

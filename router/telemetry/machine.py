@@ -17,8 +17,15 @@ scrape time, which that mode cannot see):
   keeps alike: the scraped process's own value.
 
 `globalpool_router_processes{state}` says how many processes there are ("configured") and
-how many answered this scrape ("answered"): a sibling restarting is missing from one
-scrape, not silently counted as zero.
+how many answered this scrape ("answered").
+
+The machine's counters never go backwards (Prometheus would read a drop as a reset, and
+`rate()` would spike when the counts came back). Each process keeps what it last
+answered in the supervisor's directory (`Kept`): a sibling that does not answer a scrape
+(stopped, stuck, restarting) counts what it last answered, and a process started again
+in a slot first folds its predecessors' last counts into the slot's base, which every
+scrape adds. Only counters, histograms and summaries are kept so; a missing sibling's
+gauges are left out.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ SIBLING_TIMEOUT_S = 2.0
 
 async def serve_own(path: Path, own: Callable[[], bytes]) -> asyncio.AbstractServer:
     """Answer every connection to the Unix socket `path` with `own()` (this process's
-    metrics text), then close it."""
+    metrics text, kept as `Kept.note` does), then close it."""
 
     async def answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -65,8 +72,8 @@ async def serve_own(path: Path, own: Callable[[], bytes]) -> asyncio.AbstractSer
 
 
 async def read_siblings(paths: Sequence[Path],
-                        timeout_s: float = SIBLING_TIMEOUT_S) -> list[bytes]:
-    """The metrics texts of the siblings that answer within `timeout_s`."""
+                        timeout_s: float = SIBLING_TIMEOUT_S) -> list[bytes | None]:
+    """The metrics texts of the siblings, in order (None: no answer within `timeout_s`)."""
 
     async def one(path: Path) -> bytes | None:
         try:
@@ -79,16 +86,110 @@ async def read_siblings(paths: Sequence[Path],
         except (OSError, TimeoutError):
             return None  # not started yet, restarting, or stuck: not in this scrape
 
-    answers = await asyncio.gather(*(one(path) for path in paths))
-    return [text for text in answers if text is not None]
+    return list(await asyncio.gather(*(one(path) for path in paths)))
 
 
-def merge(own: bytes, siblings: Sequence[bytes], configured: int) -> bytes:
-    """`own` with `siblings` merged in (see the module doc), in Prometheus' text format."""
+class Kept:
+    """The counts each process of the machine last answered, and the counts of the
+    processes a slot had before its current one (see the module doc), as files in the
+    supervisor's private directory: `counts-<slot>-<start>.prom`, and
+    `base-<slot>-<up to start>.prom`."""
+
+    def __init__(self, directory: Path, index: int, count: int, starts: int) -> None:
+        self._directory = directory
+        self._index = index
+        self._count = count
+        self._starts = starts
+
+    def note(self, text: bytes) -> bytes:
+        """Keep `text`, this process's metrics as it answers them; returns it."""
+        path = self._directory / f"counts-{self._index}-{self._starts}.prom"
+        _write(path, text)
+        return text
+
+    def fold(self) -> None:
+        """At this process's start: fold the slot's predecessors' last counts into its
+        base (a new file, then the old ones go: a scrape meanwhile reads one or the
+        other, never both)."""
+        upto, base = self._base(self._index)
+        earlier = {start: path for start, path in self._counts(self._index).items()
+                   if upto < start < self._starts}
+        if not earlier:
+            return
+        texts = [path.read_bytes() for _, path in sorted(earlier.items())]
+        _write(self._directory / f"base-{self._index}-{max(earlier)}.prom",
+               _counters_text([*([base] if base else []), *texts]))
+        for path in [*earlier.values(), *self._bases(self._index).values()]:
+            if path.name != f"base-{self._index}-{max(earlier)}.prom":
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+    def missing(self, answered: Sequence[bool]) -> list[bytes]:
+        """What a scrape adds for every slot: its base, and for a sibling that did not
+        answer (`answered[i]`: slot i's, this process's own included), the counts it
+        last answered."""
+        texts: list[bytes] = []
+        for index in range(self._count):
+            upto, base = self._base(index)
+            if base:
+                texts.append(base)
+            if not answered[index]:
+                later = {start: path for start, path in self._counts(index).items()
+                         if start > upto}
+                if later:
+                    with contextlib.suppress(FileNotFoundError):
+                        texts.append(later[max(later)].read_bytes())
+        return texts
+
+    def _bases(self, index: int) -> dict[int, Path]:
+        return _numbered(self._directory, f"base-{index}-")
+
+    def _base(self, index: int) -> tuple[int, bytes]:
+        bases = self._bases(index)
+        if not bases:
+            return 0, b""
+        upto = max(bases)
+        try:
+            return upto, bases[upto].read_bytes()
+        except FileNotFoundError:  # (folded away meanwhile: the next scrape has it)
+            return 0, b""
+
+    def _counts(self, index: int) -> dict[int, Path]:
+        return _numbered(self._directory, f"counts-{index}-")
+
+
+def _numbered(directory: Path, prefix: str) -> dict[int, Path]:
+    found: dict[int, Path] = {}
+    for path in directory.glob(f"{prefix}*.prom"):
+        number = path.name[len(prefix):-len(".prom")]
+        if number.isdigit():
+            found[int(number)] = path
+    return found
+
+
+def _write(path: Path, text: bytes) -> None:
+    """`text` to `path`, whole or not at all (readers never see half of it)."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_bytes(text)
+    os.replace(partial, path)
+
+
+def _counters_text(texts: Sequence[bytes]) -> bytes:
+    """The counters, histograms and summaries of `texts`, summed."""
+    return merge(b"", [], 0, texts, processes=False)
+
+
+def merge(own: bytes, siblings: Sequence[bytes], configured: int,
+          kept: Sequence[bytes] = (), *, processes: bool = True) -> bytes:
+    """`own` with `siblings` merged in (see the module doc), and the counters of `kept`
+    (`Kept.missing`), in Prometheus' text format."""
     families = {family.name: family for family in _parse(own)}
     order = list(families)
-    for text in siblings:
+    for text, only_counts in [*((text, False) for text in siblings),
+                              *((text, True) for text in kept)]:
         for family in _parse(text):
+            if only_counts and family.type == "gauge":
+                continue
             mine = families.get(family.name)
             if mine is None:
                 if family.type != "gauge":  # a series only a sibling has yet
@@ -96,12 +197,15 @@ def merge(own: bytes, siblings: Sequence[bytes], configured: int) -> bytes:
                     order.append(family.name)
                 continue
             mine.samples = list(_merged(mine, family))
-    processes = GaugeMetricFamily(
-        "globalpool_router_processes", "Processes of this router replica on its port: "
-        "configured, and answering this scrape.", labels=["state"])
-    processes.add_metric(["configured"], configured)
-    processes.add_metric(["answered"], 1 + len(siblings))
-    return generate_latest(_Families([*(families[name] for name in order), processes]))
+    merged = [families[name] for name in order]
+    if processes:
+        gauge = GaugeMetricFamily(
+            "globalpool_router_processes", "Processes of this router replica on its port: "
+            "configured, and answering this scrape.", labels=["state"])
+        gauge.add_metric(["configured"], configured)
+        gauge.add_metric(["answered"], 1 + len(siblings))
+        merged.append(gauge)
+    return generate_latest(_Families(merged))
 
 
 def _parse(text: bytes) -> Iterable[Metric]:

@@ -96,6 +96,37 @@ async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: st
         await asyncio.sleep(0.1)
 
 
+
+async def spawn_machine(config: Path, port: int, log: Path, processes: int, *,
+                        wait: bool = True) -> Machine:
+    """`globalpool router --config CONFIG --processes N` on `port`, logging to `log`;
+    returned once every process listens (`wait`)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GLOBALPOOL_") and k != "REDIS_URL"}  # (the config's)
+    env["GLOBALPOOL_ADMIN_TOKEN"] = TOKEN
+    supervisor = _spawn(["router", "--config", str(config), "--processes", str(processes)],
+                        log, env)
+    found = Machine(supervisor, f"http://127.0.0.1:{port}", config, log)
+    deadline = time.monotonic() + 60
+    while wait and (text := await asyncio.to_thread(log.read_text)).count(
+            "router listening on") < processes:
+        assert supervisor.poll() is None, text
+        assert time.monotonic() < deadline, text
+        await asyncio.sleep(0.05)
+    return found
+
+
+async def two_workers(publisher: HeartbeatPublisher, start_sim: StartSim,
+                      **sim_changes: object) -> None:
+    """Simulators `a` and `b` in us-east, 64 slots each, published ready."""
+    for index, worker_id in enumerate(("a", "b")):
+        sim = await start_sim(served_model_names=("m",), seed=index, **sim_changes)
+        await publisher.publish(Heartbeat(
+            worker_id=worker_id, region="us-east", endpoint=sim.url, models=("m",),
+            state=LifecycleState.READY, capacity=Capacity(max_num_seqs=64),
+            load=Load(running=0, waiting=0, kv_cache_usage=0.0), seq=1,
+            sent_at_s=time.time(), ttl_s=600.0))
+
 @pytest.fixture
 async def machine(redis_url: str, tmp_path: Path, start_sim: StartSim
                   ) -> AsyncIterator[Callable[..., Awaitable[Machine]]]:
@@ -104,13 +135,7 @@ async def machine(redis_url: str, tmp_path: Path, start_sim: StartSim
         prefix := f"gptest-{uuid.uuid4().hex[:10]}"))
 
     async def start(processes: int = 2, **sim_changes: object) -> Machine:
-        for index, worker_id in enumerate(("a", "b")):
-            sim = await start_sim(served_model_names=("m",), seed=index, **sim_changes)
-            await publisher.publish(Heartbeat(
-                worker_id=worker_id, region="us-east", endpoint=sim.url, models=("m",),
-                state=LifecycleState.READY, capacity=Capacity(max_num_seqs=64),
-                load=Load(running=0, waiting=0, kv_cache_usage=0.0), seq=1,
-                sent_at_s=time.time(), ttl_s=600.0))
+        await two_workers(publisher, start_sim, **sim_changes)
         port = free_port()
         config = tmp_path / "regions.yaml"
         config.write_text(yaml.safe_dump({
@@ -121,18 +146,8 @@ async def machine(redis_url: str, tmp_path: Path, start_sim: StartSim
             "heartbeat": {"insecure": True},  # the test publishes unsigned heartbeats
             "regions": {"us-east": {"models": ["m"]}},
         }))
-        log = tmp_path / "router.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GLOBALPOOL_")}
-        env["GLOBALPOOL_ADMIN_TOKEN"] = TOKEN
-        supervisor = _spawn(["router", "--config", str(config), "--processes",
-                             str(processes)], log, env)
-        found = Machine(supervisor, f"http://127.0.0.1:{port}", config, log)
+        found = await spawn_machine(config, port, tmp_path / "router.log", processes)
         started.append(found)
-        deadline = time.monotonic() + 60
-        while log.read_text().count("router listening on") < processes:
-            assert supervisor.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            await asyncio.sleep(0.05)
         return found
 
     yield start

@@ -16,9 +16,10 @@ backend's own error is logged for the operator.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -109,9 +110,8 @@ class BlobStore:
 
     async def put(self, key: str, data: bytes) -> None:
         """Write `data` to `key` (replacing what was there)."""
-        await self._call("write", key, obstore.put_async(self._store, key, data,
-                                                         chunk_size=PART_BYTES,
-                                                         max_concurrency=PARTS_AT_ONCE))
+        await self._call("write", key, lambda: obstore.put_async(
+            self._store, key, data, chunk_size=PART_BYTES, max_concurrency=PARTS_AT_ONCE))
 
     async def get(self, key: str) -> bytes:
         """The whole blob at `key`. Raises BlobNotFound, BlobStoreError."""
@@ -121,24 +121,26 @@ class BlobStore:
         """The blob at `key` in chunks of READ_RANGE_BYTES, found before this returns (so
         that a missing blob raises BlobNotFound here, before an answer has started); a
         failure later raises BlobStoreError from the iterator."""
-        meta = await self._call("read", key, obstore.head_async(self._store, key))
+        meta = await self._call("read", key, lambda: obstore.head_async(self._store, key))
         return self._ranges(key, meta["size"])
 
     async def _ranges(self, key: str, size_bytes: int) -> AsyncIterator[bytes]:
         for start in range(0, size_bytes, READ_RANGE_BYTES):
             end = min(start + READ_RANGE_BYTES, size_bytes)
-            piece = await self._call("read", key, obstore.get_range_async(
-                self._store, key, start=start, end=end))
+            piece = await self._call("read", key, functools.partial(
+                obstore.get_range_async, self._store, key, start=start, end=end))
             yield bytes(piece)
 
     async def delete(self, key: str) -> None:
         """Remove the blob at `key`; one that is not there is no error."""
         with contextlib.suppress(BlobNotFound):
-            await self._call("delete", key, obstore.delete_async(self._store, key))
+            await self._call("delete", key, lambda: obstore.delete_async(self._store, key))
 
-    async def _call(self, action: str, key: str, call: Awaitable[T]) -> T:
+    async def _call(self, action: str, key: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()` awaited, its failure raised as BlobStoreError (or BlobNotFound); made
+        inside the `try`: obstore checks a key as the call is made (a `..` segment)."""
         try:
-            return await call
+            return await call()
         except Exception as exc:
             raise self._failure(action, key, exc) from None
 

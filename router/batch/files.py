@@ -30,7 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from router.batch.blobs import BlobStore, BlobStoreError
+from router.batch.blobs import BlobNotFound, BlobStore, BlobStoreError
 from worker.redis_client import raise_if_cancelling
 
 log = logging.getLogger("globalpool.files")
@@ -158,6 +158,11 @@ def clean_filename(filename: str | None) -> str:
 
 
 def blob_key(file_id: str) -> str:
+    """Where a file's bytes are in the blob store. Raises BlobNotFound for an id that is
+    not one this router makes (one read from Redis, which anyone who can write there can
+    forge: never a path handed to the store)."""
+    if not valid_file_id(file_id):
+        raise BlobNotFound("no such file")
     return f"files/{file_id}"
 
 

@@ -84,5 +84,36 @@ class Batch:
         return answer
 
 
+_COUNTS = ("total", "completed", "failed", "reruns", "takeovers")
+
+
+def well_formed(doc: object, fields: Mapping[str, str]) -> bool:
+    """Whether a batch record read from Redis has every part `Batch` reads, of its type:
+    one written by this router always does; one that does not was damaged or forged by
+    someone who can write to Redis, and is left out rather than trusted."""
+    if not isinstance(doc, dict):
+        return False
+    if not all(isinstance(doc.get(name), str)
+               for name in ("endpoint", "input_file_id", "completion_window")):
+        return False
+    if not all(type(doc.get(name)) is int for name in ("created_at", "expires_at")):
+        return False
+    if not isinstance(doc.get("owner"), str | None) or not isinstance(
+            doc.get("metadata"), dict | None):
+        return False
+    for name in (*_COUNTS, *TIMESTAMPS):
+        value = fields.get(name)
+        if value is not None and not (value.isdigit() and len(value) <= 19):  # (int64)
+            return False
+    errors = fields.get("errors")
+    if errors:
+        try:
+            if not isinstance(json.loads(errors), list):
+                return False
+        except (ValueError, RecursionError):
+            return False
+    return True
+
+
 def new_batch_id() -> str:
     return "batch_" + secrets.token_hex(16)

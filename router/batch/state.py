@@ -25,6 +25,7 @@ at the next claim, counted in `takeovers`.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -36,11 +37,15 @@ from redis.exceptions import RedisError, WatchError
 from router.batch import scripts
 from router.batch.entries import error_line
 from router.batch.lines import CheckedInput, LineFault
-from router.batch.record import Batch
+from router.batch.record import Batch, well_formed
 from worker.redis_client import raise_if_cancelling
+
+log = logging.getLogger("globalpool.batch")
 
 CHUNK_LINES = 16  # lines per lease: small enough that replicas share a batch evenly
 T = TypeVar("T")
+
+
 class BatchesUnavailable(Exception):
     """Redis could not be asked."""
 
@@ -114,7 +119,16 @@ class BatchStore:
         if not raw or b"doc" not in raw:
             return None
         fields = {_text(key): _text(value) for key, value in raw.items()}
-        doc = json.loads(fields.pop("doc"))
+        try:
+            doc = json.loads(fields.pop("doc"))
+        except (ValueError, RecursionError):
+            doc = None
+        if not well_formed(doc, fields):
+            # Damaged or forged (anyone who can write to Redis can): one such record costs
+            # its own batch, never every tenant's (the runner drops it from its scan).
+            log.warning("batch %s: its record in Redis is malformed; left out",
+                        batch_id[:80])
+            return None
         batch = Batch(batch_id, doc, fields.get("status", ""), fields)
         if not any_owner and batch.owner != owner:
             return None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -74,7 +75,7 @@ class DrainRecord:
             return None
         try:
             document = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):  # (JSON nested deeper than Python recurses)
             document = {}
         if not isinstance(document, dict):
             document = {}
@@ -82,7 +83,9 @@ class DrainRecord:
         return cls(
             kind="region" if kind == "region" else "worker",
             name=name,
-            since_unix_s=float(since) if isinstance(since, int | float) else 0.0,
+            # (NaN or infinity would make /admin/status's JSON invalid)
+            since_unix_s=float(since) if isinstance(since, int | float)
+            and math.isfinite(since) else 0.0,
             reason=str(document.get("reason") or ""),
             by=str(document.get("by") or ""),
         )

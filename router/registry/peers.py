@@ -34,25 +34,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import os
 import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
-from typing import TypeGuard
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from router.core.stats import SecurityStats
 from router.registry.inflight import InFlight
-from router.registry.shared_sends import MAX_SHARED_SERVED, SharedAffinity, SharedSends
+from router.registry.peer_reports import (
+    MAX_REPORT_AGE_S,
+    PeerReport,
+    ReportError,
+    decode_report_from,
+    encode_report,
+)
+from router.registry.shared_sends import SharedAffinity, SharedSends
 from router.registry.subscriber import Subscription
 from worker.redis_client import is_cluster, publish, raise_if_cancelling
-from worker.signing import hmac_sha256_hex
 
 log = logging.getLogger("globalpool.peers")
 
@@ -64,131 +67,16 @@ KEEPALIVE_S = 0.5
 APPLY_S_PER_ENTRY = 1e-6
 RECEIVER_CPU_SHARE = 0.05
 PEER_TTL_S = 2.0
-MAX_REPORT_BYTES = 1 << 20
 # Each own request counts at most this many times again for sibling replicas (of this
 # region): unsigned reports could otherwise claim siblings enough to push every request
 # of this replica away from its region.
 MAX_ECHO = 8
-MAX_OPEN_PER_WORKER = 100_000
-MAX_PREFILL_PER_WORKER = 100_000_000  # tokens: a report claiming more is not believed
-MAX_WROTE_PER_WORKER = 1_000_000_000  # tokens sent to a worker's KV cache in one interval
-MAX_PREFIX_KEYS = 32  # a prompt's prefix keys (router.core.parse.prefix_keys_of: CRC-32s)
-MAX_WORKER_ID = 256  # characters
-_VERSION = b"v1"
-_UNSIGNED = b"-"
+MAX_PEERS_REMEMBERED = 1024  # senders' last `seq` kept (pruned by age past 4x this)
 
 
 def router_id() -> str:
     """Unique per process: host, pid and a random part (a restarted replica is a new peer)."""
     return f"{socket.gethostname()[:64]}:{os.getpid()}:{secrets.token_hex(4)}"
-
-
-def encode_report(router: str, open_: Mapping[str, int],
-                  key: tuple[str, bytes] | None = None, region: str | None = None,
-                  prefill: Mapping[str, int] | None = None,
-                  affinity: SharedSends | None = None) -> bytes:
-    document: dict[str, object] = {"router": router, "open": open_}
-    if region is not None:
-        document["region"] = region
-    if prefill:
-        document["prefill"] = prefill
-    if affinity:
-        document["affinity"] = {"wrote": affinity.wrote, "served": affinity.served}
-    body = json.dumps(document, separators=(",", ":")).encode()
-    if key is None:
-        return b"v1 - - " + body
-    key_id, secret = key
-    signature = hmac_sha256_hex(secret, body)
-    return b" ".join((_VERSION, key_id.encode(), signature.encode(), body))
-
-
-class ReportError(ValueError):
-    """A peer report that is not believed: `reason` is a metrics label ("too_large",
-    "malformed", "unsigned", "unknown_key", "bad_signature"), the message says more."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def decode_report(payload: bytes, keys: Mapping[str, bytes]) -> tuple[str, dict[str, int]]:
-    """(router id, open requests per worker). Raises ReportError. With `keys`, the report
-    must be signed by one of them."""
-    router, open_, _, _, _ = decode_report_from(payload, keys)
-    return router, open_
-
-
-def decode_report_from(payload: bytes, keys: Mapping[str, bytes]
-                       ) -> tuple[str, dict[str, int], str | None, dict[str, int],
-                                  SharedSends | None]:
-    """`decode_report`, the region the sender serves (None: it does not say, as replicas
-    before it did not), its prompt tokens not yet prefilled per worker (empty: none, or a
-    replica from before they were reported), and what it sent since its last report
-    (None: nothing, or a replica from before it was reported)."""
-    if len(payload) > MAX_REPORT_BYTES:
-        raise ReportError("too_large", f"larger than {MAX_REPORT_BYTES} bytes")
-    parts = payload.split(b" ", 3)
-    if len(parts) != 4 or parts[0] != _VERSION:
-        raise ReportError("malformed", "not a v1 report")
-    _, key_id, signature, body = parts
-    if keys:
-        secret = keys.get(key_id.decode(errors="replace"))
-        if secret is None:
-            if key_id == _UNSIGNED:
-                raise ReportError("unsigned", "unsigned")
-            raise ReportError("unknown_key", "unknown key id")
-        expected = hmac_sha256_hex(secret, body).encode()
-        if not hmac.compare_digest(expected, signature):
-            raise ReportError("bad_signature", "bad signature")
-    try:
-        document = json.loads(body)
-    except ValueError:
-        raise ReportError("malformed", "body is not JSON") from None
-    if not isinstance(document, dict):
-        raise ReportError("malformed", "body is not an object")
-    router, open_ = document.get("router"), document.get("open")
-    if not isinstance(router, str) or not 0 < len(router) <= 200:
-        raise ReportError("malformed", "no router id")
-    if not _per_worker(open_, MAX_OPEN_PER_WORKER):
-        raise ReportError("malformed", "`open` is not {worker id: count}")
-    prefill = document.get("prefill", {})
-    if not _per_worker(prefill, MAX_PREFILL_PER_WORKER) or not prefill.keys() <= open_.keys():
-        raise ReportError("malformed", "`prefill` is not {worker id with open requests: "
-                                       "tokens}")
-    region = document.get("region")
-    region = region if isinstance(region, str) and len(region) <= 64 else None
-    return router, open_, region, prefill, _shared_sends(document.get("affinity"))
-
-
-def _shared_sends(affinity: object) -> SharedSends | None:
-    """A report's `affinity`, checked (see the module doc); raises ReportError."""
-    if affinity is None:
-        return None
-    wrote = affinity.get("wrote") if isinstance(affinity, dict) else None
-    served = affinity.get("served") if isinstance(affinity, dict) else None
-    if (not _per_worker(wrote, MAX_WROTE_PER_WORKER) or not isinstance(served, list)
-            or len(served) > MAX_SHARED_SERVED):
-        raise ReportError("malformed", "`affinity` is not {wrote: {worker id: tokens}, "
-                                       "served: [...]}")
-    sends = SharedSends()
-    sends.wrote = wrote
-    for item in served:
-        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
-                and 0 < len(item[0]) <= MAX_WORKER_ID and isinstance(item[1], list)
-                and 0 < len(item[1]) <= MAX_PREFIX_KEYS
-                and all(type(key) is int and 0 <= key <= 0xFFFFFFFF for key in item[1])
-                and type(item[2]) is int and 0 <= item[2] <= MAX_WROTE_PER_WORKER):
-            raise ReportError("malformed", "`affinity.served` is not [[worker id, [prefix "
-                                           "keys], tokens], ...]")
-        sends.served.append((item[0], tuple(item[1]), item[2]))
-    return sends
-
-
-def _per_worker(figures: object, limit: int) -> TypeGuard[dict[str, int]]:
-    """Whether `figures` is {worker id: an int from 0 to `limit`}."""
-    return isinstance(figures, dict) and all(
-        isinstance(worker, str) and type(figure) is int and 0 <= figure <= limit
-        for worker, figure in figures.items())
 
 
 class PeerExchange:
@@ -232,6 +120,10 @@ class PeerExchange:
         self._max_backoff_s = max_backoff_s
         self._sent: tuple[dict[str, int], dict[str, int]] | None = None
         self._shared = 0  # entries of the last report's `affinity`
+        self._seq = 0  # reports published
+        self._wall_clock = time.time
+        # Per sender: the `seq` of its last report taken, and when (signed reports only).
+        self._last_seq: dict[str, tuple[int, float]] = {}
         self._sent_at_s = -float("inf")
         self.rejected_reports = 0
         self.connected = False
@@ -312,13 +204,16 @@ class PeerExchange:
     async def _publish(self, counts: Mapping[str, int],
                        prefill: Mapping[str, int] | None = None,
                        shared: SharedSends | None = None) -> None:
+        self._seq += 1
         report = encode_report(self.router, counts, self._signing_key, self._region, prefill,
-                               shared)
+                               shared, self._wall_clock(), self._seq)
         await publish(self._redis, self._channel, report, sharded=is_cluster(self._redis))
 
     def _apply(self, payload: bytes) -> None:
         try:
-            peer, open_, region, prefill, shared = decode_report_from(payload, self._keys)
+            report = decode_report_from(payload, self._keys)
+            if self._keys:
+                self._check_fresh(report)
         except ReportError as exc:
             self.rejected_reports += 1
             if self._stats is not None:
@@ -327,17 +222,35 @@ class PeerExchange:
             if count & (count - 1) == 0:  # 1st, 2nd, 4th, 8th...: garbage cannot flood logs
                 log.warning("dropped peer report (%d so far): %s", count, exc)
             return
+        peer = report.router
         if peer == self.router:
             return
-        if self._region is not None and region == self._region:
+        if self._region is not None and report.region == self._region:
             self._siblings[peer] = self._clock()
             self._inflight.echo = min(MAX_ECHO, len(self._siblings))
-        if open_:
-            self._inflight.apply_peer(peer, open_, self._clock(), prefill)
+        if report.open:
+            self._inflight.apply_peer(peer, report.open, self._clock(), report.prefill)
         else:
             self._inflight.forget_peer(peer)  # it left, or has nothing open
-        if shared is not None and self.affinity is not None:
-            self.affinity.apply_peer(shared)
+        if report.shared is not None and self.affinity is not None:
+            self.affinity.apply_peer(report.shared)
+
+    def _check_fresh(self, report: PeerReport) -> None:
+        """Raise ReportError ("replayed") unless a signed report is recent and newer than
+        the last one taken from its sender (MAX_REPORT_AGE_S)."""
+        now_s = self._wall_clock()
+        sent_at_s, seq = report.sent_at_s, report.seq
+        if sent_at_s is None or seq is None or not (
+                now_s - MAX_REPORT_AGE_S <= sent_at_s <= now_s + MAX_REPORT_AGE_S):
+            raise ReportError("replayed", "not sent within the last "
+                                          f"{MAX_REPORT_AGE_S:g} s (a replay?)")
+        last = self._last_seq.get(report.router)
+        if last is not None and seq <= last[0]:
+            raise ReportError("replayed", "not newer than the last report of its sender")
+        self._last_seq[report.router] = (seq, now_s)
+        if len(self._last_seq) > 4 * MAX_PEERS_REMEMBERED:  # (senders come and go)
+            self._last_seq = {router: last for router, last in self._last_seq.items()
+                              if last[1] >= now_s - 2 * MAX_REPORT_AGE_S}
 
     def _expire(self) -> None:
         silent_since_s = self._clock() - PEER_TTL_S

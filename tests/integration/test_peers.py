@@ -14,7 +14,8 @@ from lab.devstack.valkey import EmbeddedValkey
 from router.core.stats import SecurityStats
 from router.policy import RouteRequest, RoutingContext, create_policy
 from router.registry.inflight import InFlight
-from router.registry.peers import PEER_TTL_S, PeerExchange, encode_report
+from router.registry.peer_reports import encode_report
+from router.registry.peers import PEER_TTL_S, PeerExchange
 from router.registry.snapshot import Snapshot
 from router.registry.worker_view import WorkerView
 from worker.redis_client import connect, connect_pubsub

@@ -8,17 +8,16 @@ import pytest
 from router.core.outcome import Attempt
 from router.policy.affinity import AffinityTable
 from router.registry.inflight import InFlight
-from router.registry.peers import (
-    KEEPALIVE_S,
+from router.registry.peer_reports import (
     MAX_OPEN_PER_WORKER,
     MAX_PREFILL_PER_WORKER,
     MAX_REPORT_BYTES,
-    PeerExchange,
     ReportError,
     decode_report,
     decode_report_from,
     encode_report,
 )
+from router.registry.peers import KEEPALIVE_S, PeerExchange
 from router.registry.shared_sends import MAX_SHARED_SERVED, SharedSends
 
 KEYS = {"k1": b"0123456789abcdef0123", "k2": b"fedcba9876543210fedc"}
@@ -204,14 +203,14 @@ def test_peers_prompts_not_yet_prefilled_count_until_their_next_report() -> None
     own = attempt("w1")
     inflight.commit(own, 0, 1000, 0.0)
     report = encode_report("r2", {"w1": 2, "w2": 1}, prefill={"w1": 5000})
-    peer, open_, _, prefill, _ = decode_report_from(report, {})
+    peer, open_, _, prefill, *_ = decode_report_from(report, {})
     inflight.apply_peer(peer, open_, 1.0, prefill)
     assert inflight.prefilling == {"w1": 6000} and inflight.own_prefill() == {"w1": 1000}
     inflight.apply_peer("r2", {"w1": 2, "w2": 1}, 1.05, {"w2": 300})
     assert inflight.prefilling == {"w1": 1000, "w2": 300}
     older = decode_report_from(encode_report("r3", {"w2": 4}), {})
-    assert older[3] == {}
-    inflight.apply_peer("r3", older[1], 1.1, older[3])
+    assert older.prefill == {}
+    inflight.apply_peer("r3", older.open, 1.1, older.prefill)
     own.first_byte(1.2)
     inflight.forget_peer("r2")
     assert inflight.prefilling == {} and inflight.own_prefill() == {}
@@ -230,7 +229,7 @@ def test_what_a_replica_sent_reaches_its_peers_tables() -> None:
     shared = sender.take_shared()
     assert sender.take_shared() is None  # taken once
     report = encode_report("r2", {}, affinity=shared)
-    _, _, _, _, received = decode_report_from(report, {})
+    received = decode_report_from(report, {}).shared
     assert received is not None
     peer.apply_peer(received)
     assert peer.lookup(None, (11, 12)) == {"w1": 512}
@@ -240,7 +239,7 @@ def test_what_a_replica_sent_reaches_its_peers_tables() -> None:
     peer.wrote("w1", 1, 1000)  # more: evicted by now
     assert peer.lookup(None, (11, 12)) == {}
     older = decode_report_from(encode_report("r3", {"w1": 1}), {})
-    assert older[4] is None  # a replica from before: nothing shared
+    assert older.shared is None  # a replica from before: nothing shared
 
 
 def test_a_replica_keeps_at_most_a_bounded_batch_of_sends_for_its_peers() -> None:

@@ -91,8 +91,8 @@ UPSTREAM_KEEPALIVE_S = 4.0
 ADMISSION = web.AppKey("admission", Admission)
 # Auth, rate-limit, residency and heartbeat-verification counters (for /metrics).
 SECURITY_STATS = web.AppKey("security_stats", SecurityStats)
-# Whether this router has heartbeat signing keys (the status page says how it verifies).
-HEARTBEAT_KEYS = web.AppKey("heartbeat_keys", bool)
+# This router's heartbeat signing keys ({}: none; the status page says how it verifies).
+HEARTBEAT_KEYS = web.AppKey("heartbeat_keys", dict)
 # Which worker holds each stored response of the Responses API (shared through Redis).
 RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
 # The Files and Batch APIs and this replica's runner of its share of every batch.
@@ -188,7 +188,7 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
     pubsub_redis = redis_client.connect_pubsub(settings.redis_url)
     keys = (keys_from_environ(os.environ) if settings.heartbeat_keys is None
             else settings.heartbeat_keys)
-    app[HEARTBEAT_KEYS] = bool(keys)
+    app[HEARTBEAT_KEYS] = dict(keys)
     app[RESPONSE_STORE] = ResponseStore(
         redis, settings.config.redis.key_prefix,
         ttl_s=settings.config.router.responses.ttl_s, keys=keys,
@@ -295,7 +295,7 @@ async def _batches(app: web.Application) -> AsyncIterator[None]:
     """Files, batches and this replica's batch runner (supervised: a crash restarts it; a
     replica that stops leaves its leases to end, and other replicas take its lines)."""
     async with batch_service.opened(app[SETTINGS].redis_url, app[PROXY], app[ADMISSION],
-                                    app[OPERATIONS].configs) as service:
+                                    app[OPERATIONS].configs, app[HEARTBEAT_KEYS]) as service:
         app[BATCHES] = service
         running = app[BACKGROUND]["batch-runner"] = Supervised(
             "batch-runner", service.runner.run).start()

@@ -126,7 +126,7 @@ class Operations:
                     heartbeat_counts: Callable[[], Mapping[str, int]] | None = None,
                     heartbeat_upkeep: Callable[[], Mapping[str, float]] | None = None,
                     background: Callable[[], Mapping[str, tuple[bool, int]]] | None = None,
-                    heartbeat_keys: bool | None = None,
+                    heartbeat_keys: Mapping[str, bytes] | None = None,
                     batches: BatchRunner | None = None) -> None:
         """Begin following drain flags and the config file; expose the admin context."""
         config = self.configs.current
@@ -134,7 +134,7 @@ class Operations:
         redis = self._redis = redis_client.connect(redis_url, max_connections=4)
         store = DrainStore(redis, DrainKeys(redis_client.one_slot_prefix(
                                config.redis.key_prefix, redis_url)), self.drains,
-                           on_restored=self._drains_restored)
+                           on_restored=self._drains_restored, signing_keys=heartbeat_keys)
         self._store = store
         await store.refresh()
         self.supervised["drain-flags"] = Supervised("drain-flags", store.run).start()
@@ -169,7 +169,7 @@ class Operations:
             reload_siblings=(self.process.tell_siblings_to_reload
                              if self.process is not None else None),
             queue=proxy.queue.backlog if proxy.queue is not None else None,
-            heartbeat_keys=heartbeat_keys,
+            heartbeat_keys=None if heartbeat_keys is None else bool(heartbeat_keys),
             batches=batches.status if batches is not None else None)
         if self.process is not None:
             registry = self.registry

@@ -238,7 +238,10 @@ async def fleet_status(context: AdminContext, max_workers: int | None = None
             "requests": unrouted.requests, "errors": unrouted.errors, "share": unrouted.share},
         "drains": _drains(context),
         "events": _events(context, now_s, now_unix_s),
-        "security": {"heartbeat_signing": _signing(context)},
+        "security": {"heartbeat_signing": _signing(context),
+                     # drain flags read that no heartbeat key signed (forged, or older)
+                     "drain_flags_not_signed": (context.drains.forged_total
+                                                if context.drains is not None else 0)},
         "batches": context.batches() if context.batches is not None else None,
     }
 

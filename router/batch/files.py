@@ -17,12 +17,13 @@ store failing raises `router.batch.blobs.BlobStoreError`.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypeVar, cast
 
@@ -32,6 +33,7 @@ from redis.exceptions import RedisError
 
 from router.batch.blobs import BlobNotFound, BlobStore, BlobStoreError
 from worker.redis_client import raise_if_cancelling
+from worker.signing import hmac_sha256_hex
 
 log = logging.getLogger("globalpool.files")
 
@@ -87,18 +89,53 @@ class FileRecord:
                 "purpose": self.purpose, "status": "processed", "expires_at": None,
                 "status_details": None}
 
-    def encode(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+    def encode(self, key: tuple[str, bytes] | None = None) -> bytes:
+        """The record as Redis keeps it; signed with `key` (id, secret) when given: its
+        id and every field, owner included, under an HMAC-SHA256."""
+        document: dict[str, Any] = asdict(self)
+        if key is not None:
+            document["key_id"] = key[0]
+            document["signature"] = hmac_sha256_hex(key[1], _signed_bytes(document))
+        return json.dumps(document, separators=(",", ":")).encode()
 
     @staticmethod
-    def decode(raw: bytes | str) -> FileRecord | None:
-        """The record in `raw`, or None if it is not one of ours, well formed."""
+    def decode(raw: bytes | str, keys: Mapping[str, bytes] | None = None
+               ) -> FileRecord | None:
+        """The record in `raw`, or None if it is not one of ours, well formed; with
+        `keys` (heartbeat signing on), also signed by one of them: whoever can write to
+        Redis could otherwise give a file another owner, who could then read it."""
         if len(raw) > _MAX_RECORD_BYTES:
             return None
         try:
-            return _RECORDS.validate_json(raw, strict=True)
+            document = json.loads(raw)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(document, dict):
+            return None
+        if keys and not _signed_by(document, keys):
+            return None
+        document.pop("key_id", None)
+        document.pop("signature", None)
+        try:  # (strict: JSON's types as they are, none coerced)
+            return _RECORDS.validate_json(json.dumps(document), strict=True)
         except ValidationError:
             return None
+
+
+def _signed_bytes(document: Mapping[str, Any]) -> bytes:
+    """What a file record's signature covers: every field but the signature, as
+    canonical JSON."""
+    signed = {name: value for name, value in document.items() if name != "signature"}
+    return json.dumps(signed, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _signed_by(document: Mapping[str, Any], keys: Mapping[str, bytes]) -> bool:
+    key_id, signature = document.get("key_id"), document.get("signature")
+    secret = keys.get(key_id) if isinstance(key_id, str) else None
+    if secret is None or not isinstance(signature, str):
+        return False
+    expected = hmac_sha256_hex(secret, _signed_bytes(document))
+    return hmac.compare_digest(expected.encode(), signature.encode())
 
 
 _RECORDS = TypeAdapter(FileRecord)
@@ -196,8 +233,13 @@ class FileStore:
     """Files by id and by owner (see the module doc). `clock`: Unix seconds."""
 
     def __init__(self, redis: Redis, prefix: str, blobs: BlobStore, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 keys: Mapping[str, bytes] | None = None) -> None:
+        """`keys`: the heartbeat keys, when heartbeats are signed: records are signed with
+        the first, and one none of them signed is not found (FileRecord.decode)."""
         self._redis = redis
+        self._keys = dict(keys or {})
+        self._signing_key = next(iter(self._keys.items()), None)
         self._prefix = prefix
         self.blobs = blobs
         self._clock = clock
@@ -242,7 +284,7 @@ class FileStore:
                             staged.size_bytes, int(now_s), staged.lines)
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.set(self.record_key(record.id), record.encode())
+                pipe.set(self.record_key(record.id), record.encode(self._signing_key))
                 pipe.zadd(self.owner_key(owner), {record.id: int(now_s * 1_000_000)})
                 await pipe.execute()
         except (RedisError, OSError) as exc:
@@ -265,7 +307,7 @@ class FileStore:
         if not valid_file_id(file_id):
             return None
         raw = await self._redis_call(self._redis.get(self.record_key(file_id)))
-        record = None if raw is None else FileRecord.decode(raw)
+        record = None if raw is None else FileRecord.decode(raw, self._keys)
         return record if record is not None and record.owner == owner else None
 
     async def read(self, file_id: str) -> bytes:
@@ -326,7 +368,7 @@ class FileStore:
     async def _records(self, ids: Sequence[bytes]) -> tuple[FileRecord, ...]:
         raws = await self._redis_call(self._redis.mget(
             [self.record_key(file_id.decode()) for file_id in ids]))
-        records = (FileRecord.decode(raw) for raw in raws if raw is not None)
+        records = (FileRecord.decode(raw, self._keys) for raw in raws if raw is not None)
         return tuple(record for record in records if record is not None)
 
     async def _redis_call(self, call: Awaitable[T]) -> T:

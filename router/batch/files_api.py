@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar, get_args
@@ -288,15 +288,16 @@ class FilesApi:
 
 
 @asynccontextmanager
-async def opened(redis_url: str, admission: Admission | None, configs: ConfigHolder
-                 ) -> AsyncIterator[FilesApi]:
+async def opened(redis_url: str, admission: Admission | None, configs: ConfigHolder,
+                 keys: Mapping[str, bytes] | None = None) -> AsyncIterator[FilesApi]:
     """The Files API with a Redis pool of its own and the blob store that `batch.storage`
-    names (read here only: changing it takes a restart); the pool closed after."""
+    names (read here only: changing it takes a restart); the pool closed after. `keys`:
+    the heartbeat keys, which sign its records (FileStore)."""
     config = configs.current
     redis = redis_client.connect(redis_url)
     try:
         store = FileStore(redis, redis_client.one_slot_prefix(config.redis.key_prefix, redis_url),
-                          open_blob_store(config.batch.storage))
+                          open_blob_store(config.batch.storage), keys=keys)
         yield FilesApi(store, admission, configs)
     finally:
         await redis.aclose()

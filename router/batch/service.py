@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -29,10 +29,12 @@ class BatchService:
 
 @contextlib.asynccontextmanager
 async def opened(redis_url: str, proxy: Proxy, admission: Admission | None,
-                 configs: ConfigHolder) -> AsyncIterator[BatchService]:
+                 configs: ConfigHolder, keys: Mapping[str, bytes] | None = None
+                 ) -> AsyncIterator[BatchService]:
     """The service, with Redis pools of its own (closed after) and the blob store that
-    `batch.storage` names (read here only: changing it takes a restart)."""
-    async with files_api.opened(redis_url, admission, configs) as files:
+    `batch.storage` names (read here only: changing it takes a restart); `keys`: the
+    heartbeat keys, which sign its file records."""
+    async with files_api.opened(redis_url, admission, configs, keys) as files:
         redis = redis_client.connect(redis_url)
         try:
             store = BatchStore(redis, redis_client.one_slot_prefix(

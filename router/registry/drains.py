@@ -21,6 +21,7 @@ answering again. An operator who wants them gone undrains.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -36,6 +37,7 @@ from redis.exceptions import RedisError
 
 from router.registry.drained import NOTHING_DRAINED, Drained
 from worker.redis_client import raise_if_cancelling
+from worker.signing import hmac_sha256_hex
 
 log = logging.getLogger("globalpool.admin")
 
@@ -64,12 +66,22 @@ class DrainRecord:
     reason: str = ""
     by: str = ""
 
-    def to_json(self) -> str:
-        return json.dumps({"kind": self.kind, "name": self.name, "since_unix_s": self.since_unix_s,
-                           "reason": self.reason, "by": self.by})
+    def to_json(self, key: tuple[str, bytes] | None = None) -> str:
+        """The record as Redis keeps it; signed with `key` (id, secret) when given."""
+        document: dict[str, object] = {"kind": self.kind, "name": self.name,
+                                       "since_unix_s": self.since_unix_s,
+                                       "reason": self.reason, "by": self.by}
+        if key is not None:
+            document["key_id"] = key[0]
+            document["signature"] = hmac_sha256_hex(key[1], _signed_bytes(document))
+        return json.dumps(document)
 
     @classmethod
-    def from_json(cls, field: str, payload: bytes | str) -> DrainRecord | None:
+    def from_json(cls, field: str, payload: bytes | str,
+                  keys: Mapping[str, bytes] | None = None) -> DrainRecord | None:
+        """The record in a hash field, or None when the field is not a drain's; with
+        `keys` (heartbeat signing on), also None when it is not signed by one of them
+        (`DrainStore` counts those as forged)."""
         kind, _, name = field.partition(":")
         if kind not in ("region", "worker") or not name:
             return None
@@ -79,6 +91,8 @@ class DrainRecord:
             document = {}
         if not isinstance(document, dict):
             document = {}
+        if keys and not _signed_by(document, field, keys):
+            return None
         since = document.get("since_unix_s")
         return cls(
             kind="region" if kind == "region" else "worker",
@@ -89,6 +103,26 @@ class DrainRecord:
             reason=str(document.get("reason") or ""),
             by=str(document.get("by") or ""),
         )
+
+
+def _signed_bytes(document: Mapping[str, object]) -> bytes:
+    """What a drain record's signature covers: every field but the signature, as
+    canonical JSON (the target's kind and name included: a signature cannot be moved to
+    another field of the hash)."""
+    signed = {name: value for name, value in document.items() if name != "signature"}
+    return json.dumps(signed, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _signed_by(document: Mapping[str, object], field: str,
+               keys: Mapping[str, bytes]) -> bool:
+    key_id, signature = document.get("key_id"), document.get("signature")
+    secret = keys.get(key_id) if isinstance(key_id, str) else None
+    if secret is None or not isinstance(signature, str):
+        return False
+    if field != f"{document.get('kind')}:{document.get('name')}":
+        return False
+    expected = hmac_sha256_hex(secret, _signed_bytes(document))
+    return hmac.compare_digest(expected.encode(), signature.encode())
 
 
 class DrainHolder:
@@ -132,9 +166,17 @@ class DrainStore:
 
     def __init__(self, redis: Redis, keys: DrainKeys, holder: DrainHolder,
                  *, poll_s: float = 0.5,
-                 on_restored: Callable[[list[DrainRecord]], None] | None = None) -> None:
-        """`on_restored(records)`: this replica wrote back flags that Redis had lost."""
+                 on_restored: Callable[[list[DrainRecord]], None] | None = None,
+                 signing_keys: Mapping[str, bytes] | None = None) -> None:
+        """`on_restored(records)`: this replica wrote back flags that Redis had lost.
+        `signing_keys`: the heartbeat keys, when heartbeats are signed: flags are signed
+        with the first, and a flag none of them signed is not believed (whoever can
+        write to Redis could otherwise drain a region and move its traffic)."""
         self._redis = redis
+        self._keys_signing = dict(signing_keys or {})
+        self._signing_key = next(iter(self._keys_signing.items()), None)
+        self.forged_total = 0  # flags read that no key signed (each counted once)
+        self._forged: dict[str, bytes] = {}
         self._keys = keys
         self.holder = holder
         self._poll_s = poll_s
@@ -145,7 +187,8 @@ class DrainStore:
         record = DrainRecord(kind, name, time.time(), reason, by)
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(self._keys.hash, DrainKeys.field(kind, name), record.to_json())
+                pipe.hset(self._keys.hash, DrainKeys.field(kind, name),
+                          record.to_json(self._signing_key))
                 pipe.set(self._keys.epoch, _new_epoch(), nx=True)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
@@ -180,14 +223,28 @@ class DrainStore:
             log.debug("drain flags not refreshed (keeping the last read): %s", exc)
             return
         records: dict[str, DrainRecord] = {}
+        forged: dict[str, bytes] = {}
         for key, payload in raw.items():
-            field = key.decode() if isinstance(key, bytes) else str(key)
-            record = DrainRecord.from_json(field, payload)
+            field = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+            record = DrainRecord.from_json(field, payload, self._keys_signing)
             if record is not None:
                 records[field] = record
+            elif self._keys_signing and DrainRecord.from_json(field, payload) is not None:
+                forged[field] = payload if isinstance(payload, bytes) else str(payload).encode()
+        self._count_forged(forged)
         if records != dict(self.holder.records):
             self.holder.replace(records)
         self.holder.last_read_unix_s = time.time()
+
+    def _count_forged(self, forged: dict[str, bytes]) -> None:
+        """Count and log the unsigned or forged flags read, each once."""
+        new = [field for field, payload in forged.items() if self._forged.get(field) != payload]
+        self._forged = forged
+        if new:
+            self.forged_total += len(new)
+            log.warning("ignoring %d drain flag(s) not signed by a heartbeat key (forged, or "
+                        "written before drains were signed: drain again to keep them): %s",
+                        len(new), ", ".join(sorted(field[:80] for field in new))[:500])
 
     async def _restore(self) -> None:
         """Write back the flags this replica knows (Redis came back without them)."""
@@ -195,7 +252,7 @@ class DrainStore:
         async with self._redis.pipeline(transaction=True) as pipe:
             for record in known:
                 pipe.hsetnx(self._keys.hash, DrainKeys.field(record.kind, record.name),
-                            record.to_json())
+                            record.to_json(self._signing_key))
             pipe.set(self._keys.epoch, _new_epoch(), nx=True)
             await pipe.execute()
         self.restored_total += len(known)

@@ -88,3 +88,19 @@ def test_the_openai_shapes() -> None:
         "first_id": "file-a", "last_id": "file-b", "has_more": True}
     assert FilePage((), has_more=False).to_openai() == {
         "object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+
+
+def test_with_keys_only_a_record_signed_by_one_is_believed() -> None:
+    keys = {"k1": b"0123456789abcdef0123", "k2": b"fedcba9876543210fedc"}
+    record = FileRecord("file-a", "acme", "in.jsonl", "batch", 12, 1_700_000_000, 3)
+    signed = record.encode(("k2", keys["k2"]))
+    assert FileRecord.decode(signed, keys) == record
+    assert FileRecord.decode(signed) == record  # (no keys: signatures are not asked for)
+    assert FileRecord.decode(record.encode(), keys) is None  # unsigned
+    fields = json.loads(signed)
+    fields["owner"] = "other"  # another tenant's now, says whoever wrote to Redis
+    assert FileRecord.decode(json.dumps(fields), keys) is None
+    fields = json.loads(signed)
+    fields["key_id"] = "k1"  # a signature of one key passed off as another's
+    assert FileRecord.decode(json.dumps(fields), keys) is None
+    assert FileRecord.decode(record.encode(("k9", b"x" * 20)), keys) is None  # unknown key

@@ -36,6 +36,7 @@ from router.processes import ProcessSlot
 from router.proxy import catalog
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
 from router.proxy.handlers import Proxy
+from router.proxy.request_id import answer_with_request_id
 from router.proxy.responses import RESPONSES_PATH, ResponsesApi
 from router.proxy.shares import ConnectionShares
 from router.proxy.site import FrontSite
@@ -108,10 +109,9 @@ def build_app(settings: RouterSettings) -> web.Application:
         policy_override=settings.policy, tracer_provider=settings.tracer_provider,
         process=settings.process,
     )
-    app = web.Application(
-        middlewares=[openai_errors],
-        client_max_size=config.router.max_body_bytes,
-    )
+    app = web.Application(middlewares=[openai_errors],
+                          client_max_size=config.router.max_body_bytes)
+    app.on_response_prepare.append(answer_with_request_id)
     app[SETTINGS] = settings
     app[HOLDER] = SnapshotHolder()
     app[SECURITY_STATS] = SecurityStats()

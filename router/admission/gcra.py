@@ -97,26 +97,29 @@ class LocalLimiter:
     Each replica enforces the full limit on its own, so during an outage N replicas admit
     at most N times the limit. While Redis answers, `sync` copies the global state in, so
     the fallback starts from what was already used instead of from a full bucket. The
-    table holds one float per configured bucket that has been used: it is bounded by the
-    configuration, not by traffic.
+    table holds one float per tenant and configured bucket that has been used: it is
+    bounded by the configuration (its tenants), not by traffic.
     """
 
     __slots__ = ("_clock", "_tat_us")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._tat_us: dict[str, float] = {}
+        # (tenant, bucket name) -> its theoretical arrival time (a bucket's name, such as
+        # "tenant:requests", is the same for every tenant)
+        self._tat_us: dict[tuple[str, str], float] = {}
 
     def _now_us(self) -> float:
         return self._clock() * 1e6
 
-    def check(self, buckets: Sequence[Bucket]) -> RateDecision:
+    def check(self, tenant: str, buckets: Sequence[Bucket]) -> RateDecision:
+        """Admit one request of `tenant` against its `buckets`, or refuse it."""
         now = self._now_us()
         tats = self._tat_us
         planned: list[tuple[Bucket, float, float]] = []  # bucket, base tat, new tat
         allowed = True
         for bucket in buckets:
-            base = max(tats.get(bucket.name, now), now)
+            base = max(tats.get((tenant, bucket.name), now), now)
             new_tat = base + bucket.cost * bucket.interval_us
             if new_tat - bucket.capacity_us > now or not bucket.fits_at_all:
                 allowed = False
@@ -124,13 +127,14 @@ class LocalLimiter:
         states: list[BucketState] = []
         for bucket, base, new_tat in planned:
             if allowed:
-                tats[bucket.name] = new_tat
+                tats[tenant, bucket.name] = new_tat
                 states.append(state_after(bucket, new_tat - now, 0.0))
             else:
                 wait = new_tat - bucket.capacity_us - now
                 states.append(state_after(bucket, base - now, wait))
         return RateDecision(allowed=allowed, states=tuple(states), source="local")
 
-    def sync(self, bucket: Bucket, ahead_us: float) -> None:
-        """Adopt the global state of `bucket` (its `tat` is `ahead_us` past now)."""
-        self._tat_us[bucket.name] = self._now_us() + max(0.0, ahead_us)
+    def sync(self, tenant: str, bucket: Bucket, ahead_us: float) -> None:
+        """Adopt the global state of `tenant`'s `bucket` (its `tat` is `ahead_us` past
+        now)."""
+        self._tat_us[tenant, bucket.name] = self._now_us() + max(0.0, ahead_us)

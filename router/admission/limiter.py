@@ -76,11 +76,11 @@ class RateLimiter:
             else:
                 self._on_redis_ok()
                 for state in decision.states:
-                    self._local.sync(state.bucket, state.reset_s * 1e6)
+                    self._local.sync(tenant, state.bucket, state.reset_s * 1e6)
                 self._stats.rate_limit_source["redis"] += 1
                 return decision
         self._stats.rate_limit_source["local"] += 1
-        return self._local.check(buckets)
+        return self._local.check(tenant, buckets)
 
     def _on_redis_failure(self, exc: BaseException) -> None:
         self._stats.rate_limit_redis_errors += 1

@@ -18,7 +18,9 @@ from router.admission.gcra import Bucket, BucketState, RateDecision, state_after
 
 # KEYS[i]: bucket i. ARGV: per bucket (interval_us, capacity_us, cost).
 # Returns {allowed, ahead_us_1, retry_after_us_1, ahead_us_2, ...}: `ahead` is tat - now
-# after the decision (the bucket's fill), `retry_after` when that bucket would fit.
+# after the decision (the bucket's fill), `retry_after` when that bucket would fit. A
+# stored value that is not a number, or not a string (a hash where the bucket should be),
+# is an empty bucket; one past the bucket's capacity, a full one.
 GCRA_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -29,8 +31,17 @@ for i = 1, #KEYS do
   local interval = tonumber(ARGV[i * 3 - 2])
   local capacity = tonumber(ARGV[i * 3 - 1])
   local cost = tonumber(ARGV[i * 3])
-  local tat = tonumber(redis.call('GET', KEYS[i]) or now)
-  if tat < now then tat = now end
+  local stored = redis.pcall('GET', KEYS[i])
+  local tat = now
+  if type(stored) == 'string' then tat = tonumber(stored) or now end
+  if tat ~= tat or tat < now then tat = now end
+  -- A bucket is never further ahead than its capacity: a value beyond it (written by
+  -- someone else) is taken as full and rewritten, so it costs one refill, not forever.
+  if tat > now + capacity then
+    tat = now + capacity
+    redis.call('SET', KEYS[i], string.format('%.0f', tat), 'PX',
+               math.ceil(capacity / 1000) + 1000)
+  end
   base[i] = tat
   new_tat[i] = tat + cost * interval
   if new_tat[i] - capacity > now then allowed = 0 end

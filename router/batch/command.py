@@ -55,7 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "follow", help="show a batch's progress until it ends, then fetch its results")
     results = actions.add_parser("results", help="fetch a batch's output and error files")
     cancel = actions.add_parser("cancel", help="cancel a batch")
-    actions.add_parser("list", help="your batches, newest first")
+    listing = actions.add_parser("list", help="your batches, newest first")
+    for action in (submit, follow, results, cancel, listing):
+        # (after the action too: `globalpool batch list --router URL`, as `status` takes
+        # it; given there, it stands over the one before the action)
+        action.add_argument("--router", default=argparse.SUPPRESS,
+                            help="the router's URL (as before the action)")
     for action in (follow, results, cancel):
         action.add_argument("batch_id", help="the batch's id (batch_...)")
     for action in (submit, follow, results):
@@ -113,7 +118,10 @@ class _Api:
                                             f"{_message(body)}")
                 return body
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise BatchCommandError(f"cannot reach the router: {exc!r}") from None
+            # (the router's URL the user gave; never the exception's repr of its internals)
+            why = ("timed out" if isinstance(exc, TimeoutError)
+                   else str(getattr(exc, "os_error", None) or exc).split(" [", 1)[0][:200])
+            raise BatchCommandError(f"cannot reach the router: {why}") from None
 
 
 async def _submit(api: _Api, args: argparse.Namespace) -> str:

@@ -143,14 +143,19 @@ class BatchJobs:
     async def _write_results(self, batch: Batch) -> None:
         status = "cancelled" if batch.status == "cancelling" else batch.end
         results = await self.store.results(batch.id)
-        unfinished = batch.total - len(results)
+        total = batch.total
+        # Cancelled (or expired) before its validation ended: its lines are in its file.
+        unvalidated = total == 0 and not batch.fields.get("in_progress_at")
         checked = None
-        if unfinished:
+        if total > len(results) or unvalidated:
             with contextlib.suppress(BlobNotFound):  # (deleted: the custom_ids are unknown)
                 checked = await self.input(batch)
+        if unvalidated and checked is not None and not checked.faults:
+            total = checked.total
+        unfinished = total - len(results)
         output: list[str] = []
         errors: list[str] = []
-        for index in range(batch.total):
+        for index in range(total):
             entry = results.get(index)
             if entry is None:
                 custom_id = (checked.lines[index].custom_id

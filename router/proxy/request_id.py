@@ -14,6 +14,8 @@ import itertools
 import secrets
 from collections.abc import Mapping
 
+from aiohttp import web
+
 MAX_CLIENT_ID_CHARS = 128
 _ALLOWED = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._:")
 _PREFIX = f"gp-{secrets.token_hex(4)}-"
@@ -30,3 +32,11 @@ def request_id_of(headers: Mapping[str, str]) -> str:
 
 def new_request_id() -> str:
     return f"{_PREFIX}{next(_COUNTER):x}"
+
+
+async def answer_with_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer the aiohttp side serves (the Files, Batch and admin APIs, aiohttp's
+    own 404 and 405, errors included) carries `x-request-id`, as the request path's do
+    (an `on_response_prepare` signal: before the head goes out, streams too)."""
+    if "x-request-id" not in response.headers:
+        response.headers["x-request-id"] = request_id_of(request.headers)

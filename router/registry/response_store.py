@@ -152,7 +152,7 @@ class ResponseStore:
             return None
         try:
             fields = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # (JSON nested deeper than Python recurses)
             return None
         if not isinstance(fields, dict):
             return None

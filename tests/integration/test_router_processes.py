@@ -356,20 +356,45 @@ def _gone(pid: int) -> bool:
         return True
 
 
-async def test_a_process_that_keeps_dying_at_start_stops_the_supervisor(
-        machine: Callable[..., Awaitable[Machine]]) -> None:
-    # Process 0 killed each time within 10 s of its start: after 5 such exits (~7.5 s of
-    # backoff between them) the supervisor gives up, stops the other, and says why.
-    m = await machine(processes=2)
+async def kill_at_start(m: Machine, slots: set[int], until: Callable[[], bool],
+                        timeout_s: float = 60) -> set[int]:
+    """SIGKILL every process of `slots` as soon as it appears, until `until()`; the pids
+    killed."""
     killed: set[int] = set()
-    deadline = time.monotonic() + 60
-    while m.supervisor.poll() is None:
+    deadline = time.monotonic() + timeout_s
+    while not until():
         assert time.monotonic() < deadline, m.log.read_text()
-        pid = m.children().get(0)
-        if pid is not None and pid not in killed:
-            os.kill(pid, signal.SIGKILL)
-            killed.add(pid)
+        for slot, pid in m.children().items():
+            if slot in slots and pid not in killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
         await asyncio.sleep(0.05)
+    return killed
+
+
+async def test_a_process_that_keeps_dying_at_start_while_another_serves_is_retried(
+        machine: Callable[..., Awaitable[Machine]]) -> None:
+    # Process 0 killed each time within 10 s of its start, process 1 serving: after 5 such
+    # exits the replica stays up on process 1, says so, and tries process 0 every 10 s.
+    m = await machine(processes=2)
+    message = "router process 0 cannot start (exited 5 times in a row); the other"
+    killed = await kill_at_start(m, {0}, lambda: message in m.log.read_text())
+    assert len(killed) == 5 and m.supervisor.poll() is None
+    async with aiohttp.ClientSession() as http:
+        assert [await chat(http, m.url) for _ in range(5)] == [200] * 5
+    deadline = time.monotonic() + 15  # started again within 10 s
+    while m.children().get(0) in (None, *killed):
+        assert time.monotonic() < deadline, m.log.read_text()
+        await asyncio.sleep(0.1)
+
+
+async def test_processes_that_all_keep_dying_at_start_stop_the_supervisor(
+        machine: Callable[..., Awaitable[Machine]]) -> None:
+    # Every process killed each time within 10 s of its start: none serves, so after 5
+    # such exits of one the supervisor gives up, stops the other, and says why (a
+    # broken deployment is not left holding the port with nothing behind it).
+    m = await machine(processes=2)
+    await kill_at_start(m, {0, 1}, lambda: m.supervisor.poll() is not None)
     assert m.supervisor.returncode == 1
-    assert len(killed) == 5
-    assert "router process 0 exited 5 times within 10 s of its start" in m.log.read_text()
+    assert "exited 5 times within 10 s of its start" in m.log.read_text()
+    assert "and no other serves" in m.log.read_text()

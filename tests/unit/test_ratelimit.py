@@ -34,36 +34,36 @@ def bucket(name: str = "key:k:requests", limit: int = 6, burst: int | None = Non
 def test_a_burst_is_allowed_then_the_rate_holds() -> None:
     clock = Clock()
     limiter = LocalLimiter(clock)
-    decisions = [limiter.check([bucket()]) for _ in range(7)]
+    decisions = [limiter.check("t", [bucket()]) for _ in range(7)]
     assert [d.allowed for d in decisions] == [True] * 6 + [False]
     assert [d.states[0].remaining for d in decisions[:6]] == [5, 4, 3, 2, 1, 0]
     assert decisions[6].retry_after_s == pytest.approx(10.0)  # 60 s / 6 per minute
     assert decisions[5].states[0].reset_s == pytest.approx(60.0)
     clock.now += 9.9
-    assert not limiter.check([bucket()]).allowed
+    assert not limiter.check("t", [bucket()]).allowed
     clock.now += 0.1
-    assert limiter.check([bucket()]).allowed
+    assert limiter.check("t", [bucket()]).allowed
 
 
 def test_buckets_are_charged_all_or_nothing() -> None:
     limiter = LocalLimiter(Clock())
     key = bucket("key:k:requests", limit=100)
     tenant = bucket("tenant:requests", limit=2, scope="tenant")
-    assert limiter.check([key, tenant]).allowed
-    assert limiter.check([key, tenant]).allowed
-    refused = limiter.check([key, tenant])
+    assert limiter.check("t", [key, tenant]).allowed
+    assert limiter.check("t", [key, tenant]).allowed
+    refused = limiter.check("t", [key, tenant])
     assert not refused.allowed
     # The refused request did not use up the key's own budget.
     assert refused.states[0].remaining == 98
-    assert limiter.check([key]).states[0].remaining == 97
+    assert limiter.check("t", [key]).states[0].remaining == 97
 
 
 def test_tokens_cost_their_count() -> None:
     limiter = LocalLimiter(Clock())
     tokens = bucket("key:k:tokens", limit=1000, unit="tokens", cost=400)
-    assert limiter.check([tokens]).allowed
-    assert limiter.check([tokens]).allowed
-    refused = limiter.check([tokens])
+    assert limiter.check("t", [tokens]).allowed
+    assert limiter.check("t", [tokens]).allowed
+    refused = limiter.check("t", [tokens])
     assert not refused.allowed
     assert refused.retry_after_s == pytest.approx(60 * 200 / 1000)
 
@@ -71,9 +71,9 @@ def test_tokens_cost_their_count() -> None:
 def test_sync_adopts_the_global_state() -> None:
     clock = Clock()
     limiter = LocalLimiter(clock)
-    limiter.sync(bucket(), ahead_us=45e6)  # one request left in the global bucket
-    assert limiter.check([bucket()]).allowed
-    assert not limiter.check([bucket()]).allowed
+    limiter.sync("t", bucket(), ahead_us=45e6)  # one request left in the global bucket
+    assert limiter.check("t", [bucket()]).allowed
+    assert not limiter.check("t", [bucket()]).allowed
 
 
 def test_headers_report_the_tightest_bucket_per_unit() -> None:
@@ -83,7 +83,7 @@ def test_headers_report_the_tightest_bucket_per_unit() -> None:
                           RateLimits(requests_per_min=4))
     buckets = buckets_for(principal, tokens=100)
     assert [b.name for b in buckets] == ["key:k:requests", "key:k:tokens", "tenant:requests"]
-    headers = rate_limit_headers(limiter.check(buckets).states)
+    headers = rate_limit_headers(limiter.check("t", buckets).states)
     assert headers == {
         "x-ratelimit-limit-requests": "4", "x-ratelimit-remaining-requests": "3",
         "x-ratelimit-reset-requests": "15s",
@@ -139,3 +139,12 @@ async def test_a_redis_that_never_answers_costs_one_bounded_wait() -> None:
         await redis.aclose()
         server.close()
         await server.wait_closed()
+
+
+def test_each_tenant_has_its_own_local_buckets() -> None:
+    """While Redis is out of reach, one tenant's use of its limit refuses no other tenant
+    (the buckets' names are the same for every tenant)."""
+    limiter = LocalLimiter(Clock())
+    assert [limiter.check("globex", [bucket(limit=2)]).allowed for _ in range(3)] == [
+        True, True, False]
+    assert limiter.check("acme", [bucket(limit=2)]).allowed

@@ -26,6 +26,7 @@ import yaml
 from lab.devstack.cluster import ValkeyCluster, key_slot
 from lab.devstack.sentinel import SentinelGroup
 from lab.devstack.valkey import EmbeddedValkey, free_port
+from tests.conftest import skip_unless_slow_tests_are_asked_for
 from tests.integration.conftest import StartSim
 from tests.integration.test_router_processes import (
     TOKEN,
@@ -38,7 +39,15 @@ from worker.heartbeat_keys import HeartbeatKeys
 from worker.publisher import HeartbeatPublisher
 from worker.redis_client import connect
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+# The slow tier (`pytest -m slow`): ~100 s of supervisors started and stopped, which the
+# default run's 15 minutes cannot spare.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(autouse=True)
+def _slow_tier(request: pytest.FixtureRequest) -> None:
+    skip_unless_slow_tests_are_asked_for(request.config, "supervisors started and stopped, "
+                                                         "~100 s in all")
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}  # (the machines' admin token)

@@ -25,9 +25,12 @@ its last report: the prompts with prefix keys each worker got, in order, with th
 they write to its KV cache, and the tokens the others wrote (router.policy.affinity
 `take_shared` / `apply_peer`), so that every replica knows which worker holds a long
 shared prompt, whoever sent it there.
-When heartbeat signing keys are configured (worker.signing), reports are signed with
-the first key and unsigned or unverifiable reports are dropped: otherwise anyone who can
-PUBLISH could steer traffic away from any worker.
+Every report also says when it was sent (`"sent_at"`, Unix s) and the how-manyth of its
+sender's it is (`"seq"`). When heartbeat signing keys are configured (worker.signing),
+reports are signed with the first key and unsigned or unverifiable reports are dropped:
+otherwise anyone who can PUBLISH could steer traffic away from any worker; and a signed
+report is taken only if it is recent and newer than the last one taken from its sender
+(`MAX_REPORT_AGE_S`): a captured report published again is a replay.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from worker.load_records import LoadRecord
 from worker.schema import Heartbeat
@@ -107,6 +108,29 @@ def hmac_sha256_hex(secret: bytes, message: bytes) -> str:
 # How `HeartbeatSigner.signed_payload` appends the signature to the canonical bytes.
 SIGNATURE_FIELD = b',"signature":"'
 
+
+
+def sign_document(document: dict[str, Any], key: tuple[str, bytes]) -> None:
+    """Sign a JSON record in place with `key` (id, secret): its `key_id`, then its
+    `signature`, an HMAC over every other field as canonical JSON (the router's drain
+    flags and file records)."""
+    document["key_id"] = key[0]
+    document["signature"] = hmac_sha256_hex(key[1], _document_bytes(document))
+
+
+def document_signed_by(document: Mapping[str, Any], keys: Mapping[str, bytes]) -> bool:
+    """Whether `sign_document` signed `document` with one of `keys`, as it is now."""
+    key_id, signature = document.get("key_id"), document.get("signature")
+    secret = keys.get(key_id) if isinstance(key_id, str) else None
+    if secret is None or not isinstance(signature, str):
+        return False
+    expected = hmac_sha256_hex(secret, _document_bytes(document))
+    return hmac.compare_digest(expected.encode(), signature.encode())
+
+
+def _document_bytes(document: Mapping[str, Any]) -> bytes:
+    signed = {name: value for name, value in document.items() if name != "signature"}
+    return json.dumps(signed, sort_keys=True, separators=(",", ":")).encode()
 
 def canonical_bytes(heartbeat: Heartbeat) -> bytes:
     """What is signed: the heartbeat without `signature`, as compact JSON with sorted keys."""

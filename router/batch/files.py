@@ -17,7 +17,6 @@ store failing raises `router.batch.blobs.BlobStoreError`.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import re
@@ -33,7 +32,7 @@ from redis.exceptions import RedisError
 
 from router.batch.blobs import BlobNotFound, BlobStore, BlobStoreError
 from worker.redis_client import raise_if_cancelling
-from worker.signing import hmac_sha256_hex
+from worker.signing import document_signed_by, sign_document
 
 log = logging.getLogger("globalpool.files")
 
@@ -94,8 +93,7 @@ class FileRecord:
         id and every field, owner included, under an HMAC-SHA256."""
         document: dict[str, Any] = asdict(self)
         if key is not None:
-            document["key_id"] = key[0]
-            document["signature"] = hmac_sha256_hex(key[1], _signed_bytes(document))
+            sign_document(document, key)
         return json.dumps(document, separators=(",", ":")).encode()
 
     @staticmethod
@@ -112,7 +110,7 @@ class FileRecord:
             return None
         if not isinstance(document, dict):
             return None
-        if keys and not _signed_by(document, keys):
+        if keys and not document_signed_by(document, keys):
             return None
         document.pop("key_id", None)
         document.pop("signature", None)
@@ -120,22 +118,6 @@ class FileRecord:
             return _RECORDS.validate_json(json.dumps(document), strict=True)
         except ValidationError:
             return None
-
-
-def _signed_bytes(document: Mapping[str, Any]) -> bytes:
-    """What a file record's signature covers: every field but the signature, as
-    canonical JSON."""
-    signed = {name: value for name, value in document.items() if name != "signature"}
-    return json.dumps(signed, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _signed_by(document: Mapping[str, Any], keys: Mapping[str, bytes]) -> bool:
-    key_id, signature = document.get("key_id"), document.get("signature")
-    secret = keys.get(key_id) if isinstance(key_id, str) else None
-    if secret is None or not isinstance(signature, str):
-        return False
-    expected = hmac_sha256_hex(secret, _signed_bytes(document))
-    return hmac.compare_digest(expected.encode(), signature.encode())
 
 
 _RECORDS = TypeAdapter(FileRecord)

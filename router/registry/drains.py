@@ -21,7 +21,6 @@ answering again. An operator who wants them gone undrains.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -37,7 +36,7 @@ from redis.exceptions import RedisError
 
 from router.registry.drained import NOTHING_DRAINED, Drained
 from worker.redis_client import raise_if_cancelling
-from worker.signing import hmac_sha256_hex
+from worker.signing import document_signed_by, sign_document
 
 log = logging.getLogger("globalpool.admin")
 
@@ -72,8 +71,7 @@ class DrainRecord:
                                        "since_unix_s": self.since_unix_s,
                                        "reason": self.reason, "by": self.by}
         if key is not None:
-            document["key_id"] = key[0]
-            document["signature"] = hmac_sha256_hex(key[1], _signed_bytes(document))
+            sign_document(document, key)
         return json.dumps(document)
 
     @classmethod
@@ -105,24 +103,12 @@ class DrainRecord:
         )
 
 
-def _signed_bytes(document: Mapping[str, object]) -> bytes:
-    """What a drain record's signature covers: every field but the signature, as
-    canonical JSON (the target's kind and name included: a signature cannot be moved to
-    another field of the hash)."""
-    signed = {name: value for name, value in document.items() if name != "signature"}
-    return json.dumps(signed, sort_keys=True, separators=(",", ":")).encode()
-
-
 def _signed_by(document: Mapping[str, object], field: str,
                keys: Mapping[str, bytes]) -> bool:
-    key_id, signature = document.get("key_id"), document.get("signature")
-    secret = keys.get(key_id) if isinstance(key_id, str) else None
-    if secret is None or not isinstance(signature, str):
-        return False
-    if field != f"{document.get('kind')}:{document.get('name')}":
-        return False
-    expected = hmac_sha256_hex(secret, _signed_bytes(document))
-    return hmac.compare_digest(expected.encode(), signature.encode())
+    """Signed by one of `keys`, for the hash field it is in (a signature moved to another
+    field does not drain that target)."""
+    return (field == f"{document.get('kind')}:{document.get('name')}"
+            and document_signed_by(document, keys))
 
 
 class DrainHolder:

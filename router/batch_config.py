@@ -6,6 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# The most lines `max_lines` may allow: a batch record that claims more was not written by
+# a router (router.batch.record.well_formed).
+MAX_LINES = 1_000_000
+
 
 class BatchConfig(BaseModel):
     """The Files and Batch APIs (router.batch): where files are kept, and the limits."""
@@ -26,7 +30,7 @@ class BatchConfig(BaseModel):
         default=200 * 1024 * 1024, ge=1024, le=8 * 1024 * 1024 * 1024,
         description="largest file a client may upload (413 beyond it)")
     max_lines: int = Field(
-        default=50_000, ge=1, le=1_000_000,
+        default=50_000, ge=1, le=MAX_LINES,
         description="most requests in one batch's input file (400 beyond it)")
     max_unfinished_per_tenant: int = Field(
         default=100, ge=1, le=100_000,

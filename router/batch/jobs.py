@@ -147,12 +147,13 @@ class BatchJobs:
         # Cancelled (or expired) before its validation ended: its lines are in its file.
         unvalidated = total == 0 and not batch.fields.get("in_progress_at")
         checked = None
-        if total > len(results) or unvalidated:
+        unanswered = sum(results.get(index) is None for index in range(total))
+        if unanswered or unvalidated:
             with contextlib.suppress(BlobNotFound):  # (deleted: the custom_ids are unknown)
                 checked = await self.input(batch)
         if unvalidated and checked is not None and not checked.faults:
             total = checked.total
-        unfinished = total - len(results)
+        unfinished = sum(index not in results for index in range(total))
         output: list[str] = []
         errors: list[str] = []
         for index in range(total):
@@ -161,7 +162,11 @@ class BatchJobs:
                 custom_id = (checked.lines[index].custom_id
                              if checked is not None and index < checked.total else None)
                 errors.append(error_line(batch.id, index, custom_id, f"batch_{status}",
-                                         f"the batch was {status} before this request ran"))
+                                         f"the batch was {status} before this request ran")
+                              if index not in results else
+                              error_line(batch.id, index, custom_id, "result_not_signed",
+                                         "this request's result in Redis was not written "
+                                         "by a router (not signed by a heartbeat key)"))
             elif '"status_code":200,' in entry:
                 output.append(entry)
             else:

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from router.batch_config import MAX_LINES
+
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
               "cancelling_at", "cancelled_at")
 
@@ -105,6 +107,8 @@ def well_formed(doc: object, fields: Mapping[str, str]) -> bool:
         value = fields.get(name)
         if value is not None and not (value.isdigit() and len(value) <= 19):  # (int64)
             return False
+    if int(fields.get("total", 0)) > MAX_LINES:  # finalizing would walk every line
+        return False
     errors = fields.get("errors")
     if errors:
         try:

@@ -33,12 +33,12 @@ async def opened(redis_url: str, proxy: Proxy, admission: Admission | None,
                  ) -> AsyncIterator[BatchService]:
     """The service, with Redis pools of its own (closed after) and the blob store that
     `batch.storage` names (read here only: changing it takes a restart); `keys`: the
-    heartbeat keys, which sign its file records."""
+    heartbeat keys, which sign its file and batch records."""
     async with files_api.opened(redis_url, admission, configs, keys) as files:
         redis = redis_client.connect(redis_url)
         try:
             store = BatchStore(redis, redis_client.one_slot_prefix(
-                configs.current.redis.key_prefix, redis_url))
+                configs.current.redis.key_prefix, redis_url), keys)
             yield BatchService(
                 files, BatchesApi(store, files.store, admission, configs),
                 BatchRunner(store, files.store, proxy, admission, configs))

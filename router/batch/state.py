@@ -3,14 +3,15 @@
 One batch's keys share a hash tag (`{batch_...}`: one slot in a Redis Cluster), so each
 step below is one atomic script or transaction:
 
-    <p>:batch:{B}            hash: `doc` (what never changes, JSON), status, model, total,
+    <p>:batch:{B}            hash: `doc` (what never changes, JSON) and its
+                             `doc_signature` (router.batch.seal), status, model, total,
                              counts (completed, failed, reruns, takeovers), timestamps,
                              output/error file ids, errors (JSON), `end` (what finalizing
                              makes it: completed, cancelled or expired)
     <p>:batch:{B}:todo       list: chunks (of CHUNK_LINES lines) no replica holds yet
     <p>:batch:{B}:leases     sorted set: chunk -> when its lease ends (Redis's clock, ms)
     <p>:batch:{B}:holders    hash: chunk -> the replica holding it
-    <p>:batch:{B}:results    hash: line index -> its output or error line (JSON)
+    <p>:batch:{B}:results    hash: line index -> its output or error line (JSON), sealed
     <p>:batch:{B}:lock:<job> validation and finalization locks (SET NX PX)
     <p>:batches:active       set: batches that are not finished yet (runners scan it)
     <p>:batches:owner:<o>    sorted set: a tenant's batches by creation time (listing)
@@ -38,11 +39,13 @@ from router.batch import scripts
 from router.batch.entries import error_line
 from router.batch.lines import CheckedInput, LineFault
 from router.batch.record import Batch, well_formed
+from router.batch.seal import Seal
 from worker.redis_client import raise_if_cancelling
 
 log = logging.getLogger("globalpool.batch")
 
 CHUNK_LINES = 16  # lines per lease: small enough that replicas share a batch evenly
+FORGED_REMEMBERED = 1_000  # batches whose forged record was logged (each once)
 T = TypeVar("T")
 
 
@@ -54,9 +57,14 @@ class BatchStore:
     """Reads and changes batches in Redis (see the module doc). Every method raises
     BatchesUnavailable when Redis cannot be reached."""
 
-    def __init__(self, redis: Redis, prefix: str) -> None:
+    def __init__(self, redis: Redis, prefix: str,
+                 keys: Mapping[str, bytes] | None = None) -> None:
+        """`keys`: the heartbeat keys, when heartbeats are signed: records are sealed
+        with the first, and one none of them sealed is not found (router.batch.seal)."""
         self._redis = redis
         self._prefix = prefix
+        self._seal = Seal(keys)
+        self._forged: set[str] = set()
         self._claim = redis.register_script(scripts.CLAIM)
         self._renew = redis.register_script(scripts.RENEW)
         self._release = redis.register_script(scripts.RELEASE)
@@ -97,8 +105,9 @@ class BatchStore:
     async def create(self, doc: Mapping[str, Any]) -> Batch:
         """A new batch, `validating`; `doc` as Batch.doc has it, with its `id`."""
         batch_id = str(doc["id"])
+        text = json.dumps(dict(doc), separators=(",", ":"))
         fields: dict[Any, str] = {
-            "doc": json.dumps(dict(doc), separators=(",", ":")), "status": "validating",
+            "doc": text, "doc_signature": self._seal.of(batch_id, text), "status": "validating",
             "total": "0", "completed": "0", "failed": "0"}
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -119,8 +128,12 @@ class BatchStore:
         if not raw or b"doc" not in raw:
             return None
         fields = {_text(key): _text(value) for key, value in raw.items()}
+        text = fields.pop("doc")
+        if not self._seal.holds(fields.get("doc_signature"), batch_id, text):
+            self._log_forged(batch_id, "its record is not sealed by any heartbeat key")
+            return None
         try:
-            doc = json.loads(fields.pop("doc"))
+            doc = json.loads(text)
         except (ValueError, RecursionError):
             doc = None
         if not well_formed(doc, fields):
@@ -190,8 +203,8 @@ class BatchStore:
             faults = [line for line in checked.lines if isinstance(line, LineFault)]
             if faults:
                 pipe.hset(self.key(batch.id, "results"), mapping={
-                    fault.index: error_line(batch.id, fault.index, fault.custom_id,
-                                            fault.code, fault.message)
+                    fault.index: self._seal.wrap(batch.id, fault.index, error_line(
+                        batch.id, fault.index, fault.custom_id, fault.code, fault.message))
                     for fault in faults})
             chunks = range((checked.total + CHUNK_LINES - 1) // CHUNK_LINES)
             if chunks:
@@ -234,7 +247,7 @@ class BatchStore:
         """Record line `index`'s result; False when it already had one (a rerun)."""
         return bool(await self._script(
             self._record, [self.key(batch_id), self.key(batch_id, "results")],
-            [index, line, "completed" if ok else "failed"]))
+            [index, self._seal.wrap(batch_id, index, line), "completed" if ok else "failed"]))
 
     async def begin_finalizing(self, batch_id: str, now_s: int, end: str = "") -> bool:
         """in_progress -> finalizing (`end`: "expired" also from validating, dropping what
@@ -242,12 +255,23 @@ class BatchStore:
         sources = ("in_progress",) if not end else ("in_progress", "validating")
         return await self._moved(batch_id, "finalizing", end, sources, now_s)
 
-    async def results(self, batch_id: str) -> dict[int, str]:
+    async def results(self, batch_id: str) -> dict[int, str | None]:
         """Every line's result, the batch sealed first: a line that ends later (on a
-        replica that stalled past its lease) is not recorded, but counted as a rerun."""
+        replica that stalled past its lease) is not recorded, but counted as a rerun.
+        None for a result whose seal is not valid (router.batch.seal); indexes that are
+        not numbers are left out (neither was written by a router)."""
         await self._call(self._redis.hset(self.key(batch_id), "sealed", 1))
         raw = await self._call(self._redis.hgetall(self.key(batch_id, "results")))
-        return {int(index): _text(value) for index, value in raw.items()}
+        results: dict[int, str | None] = {}
+        for index, value in raw.items():
+            number = _text(index)
+            if number.isdigit() and len(number) <= 9:
+                results[int(number)] = self._seal.unwrap(batch_id, int(number), _text(value))
+        forged = sum(result is None for result in results.values())
+        if forged:
+            self._log_forged(batch_id, f"{forged} result(s) not sealed by any heartbeat key "
+                                       "are replaced by errors (result_not_signed)")
+        return results
 
     async def leases_held(self, batch_id: str) -> int:
         """Leases that have not ended (one that has ended holds nothing: its replica died),
@@ -276,6 +300,17 @@ class BatchStore:
         await self._call(self._redis.srem(self._active, batch_id))
 
     # --- helpers ------------------------------------------------------------------------
+    def _log_forged(self, batch_id: str, what: str) -> None:
+        """Say once per batch (of the last FORGED_REMEMBERED) that its record was forged:
+        the runners scan every active batch every second."""
+        if batch_id in self._forged:
+            return
+        if len(self._forged) >= FORGED_REMEMBERED:
+            self._forged.clear()
+        self._forged.add(batch_id)
+        log.warning("batch %s: %s; written by someone without the keys (router.batch."
+                    "seal)", batch_id[:80], what)
+
     async def _if_status(self, key: str, statuses: tuple[bytes, ...],
                          write: Callable[[Pipeline], None]) -> bool:
         """Run `write`'s commands in one transaction if the batch's status is one of

@@ -10,8 +10,10 @@ of the project mocked.
 
 What should hold for each (README, "Bad input"): a clear refusal, counted or logged,
 nothing lost, nothing crashes, no other tenant's data, no internal address, no file
-outside the blob directory, no traffic steered. Batch records are not signed (README,
-"Beyond heartbeats"): what a forged one may do is bounded here, not prevented.
+outside the blob directory, no traffic steered. With heartbeat keys, batch records are
+signed too (router.batch.seal): their `doc` (owner, API key, input file) and every line's
+result; their status and counts are not (README, "Beyond heartbeats"), so what a forged
+status may do is bounded here, not prevented.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, cast
 
 import aiohttp
 import pytest
+from openai import NotFoundError
 from redis.asyncio import Redis
 
 from tests.integration.operators_fleet import (
@@ -38,7 +41,15 @@ from tests.integration.operators_fleet import (
     scrape,
     value,
 )
-from tests.integration.test_batches import KEYS, client, config, jsonl, submit, until_status
+from tests.integration.test_batches import (
+    KEYS,
+    client,
+    config,
+    jsonl,
+    lines_of,
+    submit,
+    until_status,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -94,6 +105,9 @@ def batch_doc(batch_id: str, input_file_id: str, **changes: Any) -> str:
 POISON = {
     "doc_not_json": {"doc": "{not json", "status": "in_progress", "total": "1"},
     "doc_without_expiry": {"doc": json.dumps({"owner": None}), "status": "validating"},
+    # Finalizing would walk a line at a time through 10^15 of them: the runner hangs.
+    "total_absurd": {"doc": batch_doc("batch_forged_total_absurd", "file-" + "C" * 24),
+                     "status": "finalizing", "total": "1" + "0" * 15},
 }
 
 
@@ -196,6 +210,82 @@ async def test_a_forged_input_file_id_that_names_no_blob_ends_its_batch(
     assert value(samples, "globalpool_batch_lines_total") == 4
     assert value(samples, "globalpool_background_task_crashes_total",
                  task="batch-runner") == 0
+
+
+async def test_a_rewritten_batch_owner_or_key_is_not_found_by_anyone(
+        fleet: OpsFleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With heartbeat keys, a batch's doc is signed (router.batch.seal): an attacker who
+    moves acme's batch to tenant `other` (owner rewritten, filed in other's listing) or
+    makes it run as `other`'s API key shows `other` nothing, and the batch is not run
+    under the forged record; the doc copied onto another batch id is refused too."""
+    await fleet.start(TWO_REGIONS, config=signed(monkeypatch, config(fleet, keys=True)))
+    async with client(fleet.url, KEYS["acme"]) as acme:
+        created = await submit(acme, jsonl(2), project="acme-secret-metadata")
+        await until_status(acme, created.id, ENDED, timeout_s=20)
+        kept = await submit(acme, jsonl(2))  # untouched: still acme's
+    prefix = fleet.key_prefix
+    async with attacker(fleet) as redis:
+        key = f"{prefix}:batch:{{{created.id}}}"
+        record = {str(k, "utf-8"): str(v, "utf-8")
+                  for k, v in cast(dict[bytes, bytes], await redis.hgetall(key)).items()}
+        assert record["doc_signature"], "the batch's doc is not signed"
+        doc = json.loads(record["doc"])
+        for forged_id, changes in (("owner", {"owner": "other"}),
+                                   ("key", {"owner": "other", "key_id": "other-key"})):
+            forged = f"batch_forged_{forged_id}"
+            await forge_batch(redis, prefix, forged, {
+                **record, "doc": json.dumps({**doc, "id": forged, **changes}),
+                "status": "in_progress", "total": "2"}, owner="other", todo=1)
+        copy = "batch_forged_copy"  # the doc and its signature as they are, another id
+        await forge_batch(redis, prefix, copy, {**record, "status": "completed"},
+                          owner="acme")
+    async with client(fleet.url, KEYS["other"]) as other:
+        listed = [batch.id async for batch in other.batches.list()]
+        assert listed == [], listed
+        for forged in ("batch_forged_owner", "batch_forged_key"):
+            with pytest.raises(NotFoundError):
+                await other.batches.retrieve(forged)
+    async with client(fleet.url, KEYS["acme"]) as acme:
+        with pytest.raises(NotFoundError):
+            await acme.batches.retrieve(copy)
+        assert (await acme.batches.retrieve(created.id)).metadata == {
+            "project": "acme-secret-metadata"}
+        assert (await until_status(acme, kept.id, ENDED, timeout_s=20)).status == "completed"
+    samples = await scrape(fleet.url)
+    assert value(samples, "globalpool_batch_lines_total") == 4, "a forged batch ran"
+    assert value(samples, "globalpool_background_task_crashes_total",
+                 task="batch-runner") == 0
+
+
+async def test_forged_results_never_reach_the_output_file(
+        fleet: OpsFleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With heartbeat keys every line's result is signed with the batch id and its index:
+    answers an attacker writes into a batch's results (before its lines run, so that the
+    runner's write-once keeps them, or over results already there) are replaced by
+    `result_not_signed` errors when the batch is finalized; garbage indexes are ignored.
+    (A signed result moved to another index or batch: tests/unit/test_batch_seal.py.)"""
+    await fleet.start(TWO_REGIONS, config=signed(monkeypatch, config(fleet, keys=True)))
+    async with client(fleet.url, KEYS["acme"]) as acme:
+        created = await submit(acme, jsonl(6))
+        results = f"{fleet.key_prefix}:batch:{{{created.id}}}:results"
+        forged_line = json.dumps({"id": "x", "custom_id": "req-0", "error": None,
+                                  "response": {"status_code": 200, "request_id": "x",
+                                               "body": {"text": "ATTACKER"}}},
+                                 separators=(",", ":"))
+        async with attacker(fleet) as redis:
+            await redis.hset(results, mapping={"0": forged_line, "1": forged_line,
+                                               "not-a-number": forged_line,
+                                               "999999999999": forged_line})
+        done = await until_status(acme, created.id, ENDED, timeout_s=20)
+        output = await lines_of(acme, done.output_file_id)
+        errors = await lines_of(acme, done.error_file_id)
+    everything = json.dumps([output, errors])
+    assert "ATTACKER" not in everything
+    assert sorted(line["custom_id"] for line in output + errors) == [
+        f"req-{i}" for i in range(6)]
+    refused = sorted(line["custom_id"] for line in errors
+                     if line["error"] and line["error"]["code"] == "result_not_signed")
+    assert refused == ["req-0", "req-1"], errors
 
 
 # --- file records --------------------------------------------------------------------------

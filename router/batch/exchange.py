@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from router.proxy.exchange import Reply
 from router.proxy.routing_hints import CLASS_HEADER
 from router.proxy.transcript import Transcript
 from router.proxy.upstream.connection import UpstreamConnection
@@ -64,3 +65,11 @@ class LineExchange:
 
     def abort_client(self) -> None:
         """Nothing to cut: the runner waits for the whole answer."""
+
+
+def retry_after(reply: Reply) -> float:
+    """The seconds a 429 asks to wait (Retry-After), within 0.1 to 60 (1 when unsaid)."""
+    try:
+        return min(60.0, max(0.1, float(reply.headers.get("Retry-After", "1"))))
+    except ValueError:
+        return 1.0

@@ -41,6 +41,12 @@ class BatchStats:
     # the region's cost_per_gpu_hour, shared by the worker's max_num_seqs slots.
     cost: dict[str, float] = field(default_factory=dict)
 
+    def add_cost(self, region: str, seconds: float, price_per_gpu_hour: float,
+                 slots: int) -> None:
+        """A line's share of its worker (one of `slots`) for `seconds`, at the price."""
+        self.cost[region] = (self.cost.get(region, 0.0)
+                             + seconds / 3600.0 * price_per_gpu_hour / max(1, slots))
+
 
 class Warnings:
     """A warning at most every WARN_EVERY_S: a Redis outage is said, not repeated for

@@ -42,7 +42,7 @@ from router.admission.gate import Admission
 from router.auth.keys import Principal
 from router.batch.blobs import BlobNotFound
 from router.batch.entries import error_line, output_line
-from router.batch.exchange import LineExchange
+from router.batch.exchange import LineExchange, retry_after
 from router.batch.files import FileStore
 from router.batch.jobs import UNAVAILABLE, BatchJobs, BatchStats, Warnings
 from router.batch.lines import Line
@@ -50,7 +50,6 @@ from router.batch.record import Batch
 from router.batch.room import LineRoom
 from router.batch.state import CHUNK_LINES, BatchesUnavailable, BatchStore
 from router.config_reload import ConfigHolder
-from router.proxy.exchange import Reply
 from router.proxy.handlers import Proxy
 from router.proxy.replies import REGION_HEADER, WORKER_HEADER
 
@@ -63,6 +62,8 @@ MAX_TRIES = 6  # a line answered 408/429/5xx or not routed: tries before its err
 RETRY_AFTER_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 RETRYABLE = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_CHUNKS_PER_SCAN = 8
+RECORD_PATIENCE_S = 120.0  # an answer Redis cannot take is kept and written again so long
+RECORD_BACKOFF_MAX_S = 1.0
 
 
 @dataclass(eq=False)
@@ -96,6 +97,7 @@ class BatchRunner:
         self._held: list[_Held] = []
         self.seen: dict[str, Batch] = {}  # the unfinished batches, as the last scan saw them
         self._tasks: set[asyncio.Task[None]] = set()
+        self._running: set[tuple[str, int]] = set()  # (batch, line) sent or being recorded
         self._rng = random.Random()
         self.capped = False  # the last dispatch left spare slots unused for max_in_flight
 
@@ -212,8 +214,10 @@ class BatchRunner:
             indexes = list(range(chunk * CHUNK_LINES,
                                  min(batch.total, (chunk + 1) * CHUNK_LINES)))
             missing = await self.store.missing(batch.id, indexes)
+            # (Not those still being recorded here: its lease ended and it was claimed again.)
             lines = [line for index in missing if index < checked.total
-                     and isinstance(line := checked.lines[index], Line)]
+                     and isinstance(line := checked.lines[index], Line)
+                     and (batch.id, index) not in self._running]
             held = _Held(batch, chunk, principal,
                          collections.deque((line, 0, 0.0) for line in lines))
             self._held.append(held)
@@ -254,41 +258,68 @@ class BatchRunner:
 
     async def _run_line(self, held: _Held, line: Line, tries: int) -> None:
         batch = held.batch
-        request_id = f"{batch.id}-{line.index}-{tries}"
+        self._running.add((batch.id, line.index))
         try:
-            started_s = time.monotonic()
-            reply = await self.proxy.inference(
-                LineExchange(batch.endpoint, line.body, request_id), caller=held.principal)
-            region = reply.headers.get(REGION_HEADER, "")
-            if reply.status == 429 and not held.stopped:
-                # Over the tenant's rate limit: a pace to keep, not a failure.
-                self.stats.lines["retried", region] += 1
-                held.pending.append((line, tries, time.monotonic() + _retry_after(reply)))
-                return
-            if reply.status in RETRYABLE and tries + 1 < MAX_TRIES and not held.stopped:
-                self.stats.lines["retried", region] += 1
-                delay = RETRY_AFTER_S[min(tries, len(RETRY_AFTER_S) - 1)]
-                held.pending.append((line, tries + 1, time.monotonic() + delay))
-                return
-            try:
-                body = json.loads(reply.body)
-            except (ValueError, RecursionError):
-                body = {"error": {"message": "the answer was not JSON",
-                                  "type": "server_error"}}
-            ok = reply.status == 200
-            if ok:
-                self._count_cost(reply.headers.get(WORKER_HEADER, ""), region,
-                                 time.monotonic() - started_s)
-            entry = output_line(batch.id, line.index, line.custom_id, reply.status,
-                                reply.headers.get("x-request-id", request_id), body)
-            await self._record(held, line, entry, ok, region)
+            answer = await self._answer(held, line, tries)
+            if answer is not None:
+                await self._keep_recording(held, line, *answer)
         except (BatchesUnavailable, ConnectionError) as exc:
             # Not recorded: the line runs again (here, or after the lease, elsewhere).
             self._warn(f"batch {batch.id}: line {line.index} not recorded: {exc}")
             held.pending.append((line, tries, time.monotonic() + 1.0))
         finally:
+            self._running.discard((batch.id, line.index))
             held.running -= 1
             self._check_done(held)
+
+    async def _answer(self, held: _Held, line: Line, tries: int
+                      ) -> tuple[str, bool, str] | None:
+        """Send the line; its result entry, whether it was answered 200, and the region
+        that answered. None when it was put back to be tried again later."""
+        batch = held.batch
+        request_id = f"{batch.id}-{line.index}-{tries}"
+        started_s = time.monotonic()
+        reply = await self.proxy.inference(
+            LineExchange(batch.endpoint, line.body, request_id), caller=held.principal)
+        region = reply.headers.get(REGION_HEADER, "")
+        if reply.status == 429 and not held.stopped:
+            # Over the tenant's rate limit: a pace to keep, not a failure.
+            self.stats.lines["retried", region] += 1
+            held.pending.append((line, tries, time.monotonic() + retry_after(reply)))
+            return None
+        if reply.status in RETRYABLE and tries + 1 < MAX_TRIES and not held.stopped:
+            self.stats.lines["retried", region] += 1
+            delay = RETRY_AFTER_S[min(tries, len(RETRY_AFTER_S) - 1)]
+            held.pending.append((line, tries + 1, time.monotonic() + delay))
+            return None
+        try:
+            body = json.loads(reply.body)
+        except (ValueError, RecursionError):
+            body = {"error": {"message": "the answer was not JSON", "type": "server_error"}}
+        if ok := reply.status == 200:
+            self._count_cost(reply.headers.get(WORKER_HEADER, ""), region,
+                             time.monotonic() - started_s)
+        return (output_line(batch.id, line.index, line.custom_id, reply.status,
+                            reply.headers.get("x-request-id", request_id), body), ok, region)
+
+    async def _keep_recording(self, held: _Held, line: Line, entry: str, ok: bool,
+                              region: str) -> None:
+        """Record an answer, again while Redis cannot take it (up to RECORD_PATIENCE_S),
+        rather than run the line again (the first result written wins). Then raises
+        BatchesUnavailable: the line runs again."""
+        gives_up_at = time.monotonic() + RECORD_PATIENCE_S
+        delay_s = 0.25
+        while True:
+            try:
+                await self._record(held, line, entry, ok, region)
+                return
+            except BatchesUnavailable as exc:
+                if time.monotonic() + delay_s > gives_up_at:
+                    raise
+                self._warn(f"batch {held.batch.id}: answers not recorded yet (kept, tried "
+                           f"again): {exc}")
+            await asyncio.sleep(delay_s)
+            delay_s = min(RECORD_BACKOFF_MAX_S, delay_s * 2)
 
     async def _record_error(self, held: _Held, line: Line, code: str, message: str) -> None:
         await self._record(held, line, error_line(held.batch.id, line.index, line.custom_id,
@@ -297,16 +328,19 @@ class BatchRunner:
     async def _record(self, held: _Held, line: Line, entry: str, ok: bool,
                       region: str = "") -> None:
         first = await self.store.record(held.batch.id, line.index, entry, ok)
+        if first is None:  # the batch is gone (Redis lost it): nothing more to run
+            if not held.stopped:
+                log.warning("batch %s: gone from Redis while its lines ran", held.batch.id)
+                self._stop(held)
+            return
         self.stats.lines["ok" if ok else "error", region] += 1
         if not first:
             self.stats.lines["rerun", region] += 1
 
     def _count_cost(self, worker_id: str, region: str, seconds: float) -> None:
         view = self.proxy.holder.current.workers.get(worker_id)
-        slots = view.heartbeat.capacity.max_num_seqs if view is not None else 1
-        price = self.configs.current.cost_per_gpu_hour(region)
-        cost = self.stats.cost
-        cost[region] = cost.get(region, 0.0) + seconds / 3600.0 * price / max(1, slots)
+        self.stats.add_cost(region, seconds, self.configs.current.cost_per_gpu_hour(region),
+                            view.heartbeat.capacity.max_num_seqs if view is not None else 1)
 
     def status(self) -> dict[str, Any]:
         """For /admin/status: the unfinished batches as the last scan saw them, and what
@@ -363,13 +397,3 @@ class BatchRunner:
         if principal is None or principal.tenant != batch.owner:
             return None, "the API key that created this batch is no longer configured"
         return principal, None
-
-    # --- validation and finalization ----------------------------------------------------
-
-
-def _retry_after(reply: Reply) -> float:
-    """The seconds a 429 asks to wait (Retry-After), within 0.1 to 60 (1 when unsaid)."""
-    try:
-        return min(60.0, max(0.1, float(reply.headers.get("Retry-After", "1"))))
-    except ValueError:
-        return 1.0

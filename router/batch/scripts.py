@@ -55,8 +55,13 @@ return 0
 """
 
 # Record a line's result, once, unless the finalizer has sealed the batch (it read the
-# results already). KEYS: batch, results. ARGV: index, line, count field.
+# results already), or the batch is gone (-1: Redis lost it, or it was emptied; nothing
+# is written, which would leave keys no scan finds). KEYS: batch, results. ARGV: index,
+# line, count field.
 RECORD = """
+if redis.call('HEXISTS', KEYS[1], 'doc') == 0 then
+  return -1
+end
 if redis.call('HEXISTS', KEYS[1], 'sealed') == 1 then
   redis.call('HINCRBY', KEYS[1], 'reruns', 1)
   return 0

@@ -243,11 +243,13 @@ class BatchStore:
         present = await self._call(self._redis.hmget(self.key(batch_id, "results"), indexes))
         return [index for index, value in zip(indexes, present, strict=True) if value is None]
 
-    async def record(self, batch_id: str, index: int, line: str, ok: bool) -> bool:
-        """Record line `index`'s result; False when it already had one (a rerun)."""
-        return bool(await self._script(
+    async def record(self, batch_id: str, index: int, line: str, ok: bool) -> bool | None:
+        """Record line `index`'s result; False when it already had one (a rerun), None
+        when the batch is gone (nothing written)."""
+        recorded = int(await self._script(
             self._record, [self.key(batch_id), self.key(batch_id, "results")],
             [index, self._seal.wrap(batch_id, index, line), "completed" if ok else "failed"]))
+        return None if recorded < 0 else bool(recorded)
 
     async def begin_finalizing(self, batch_id: str, now_s: int, end: str = "") -> bool:
         """in_progress -> finalizing (`end`: "expired" also from validating, dropping what

@@ -194,8 +194,7 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         ttl_s=settings.config.router.responses.ttl_s, keys=keys,
         signing_key_id=os.environ.get(KEY_ID_ENV) or None)
     collector = HeartbeatCollector(
-        redis=redis,
-        pubsub_redis=pubsub_redis,
+        redis=redis, pubsub_redis=pubsub_redis,
         keys=HeartbeatKeys(settings.config.redis.key_prefix,
                            sharded=redis_client.is_cluster_url(settings.redis_url)),
         regions=lambda: app[OPERATIONS].configs.current.regions.keys(),
@@ -210,6 +209,7 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         agent_interval_s=lambda: app[OPERATIONS].configs.current.heartbeat.interval_s,
     )
     app[COLLECTOR] = collector
+    app[OPERATIONS].configs.on_swap(lambda _old, _new: collector.recheck())  # at once
     # A crash marks the view as not kept (readiness fails) until the restart reads Redis.
     background["heartbeat-collector"] = Supervised(
         "heartbeat-collector", collector.run, on_down=lambda _exc: collector.mark_down()

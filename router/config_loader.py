@@ -4,11 +4,15 @@ and the reason.
     regions.yaml: regions.eu-west.rtt_ms.us-east: must be >= 0
 
 `load_config(path)` returns a frozen `GlobalConfig` or raises `ConfigError` carrying every
-problem found, so an operator fixes the file in one pass.
+problem found, so an operator fixes the file in one pass. A file is refused before it is
+parsed when it is larger than `MAX_CONFIG_BYTES`, and while parsed when a mapping repeats a
+key (plain YAML keeps the last one silently: a region pasted twice would lose its first
+definition) or when it is nested too deeply for the parser.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,10 @@ from pydantic import ValidationError
 
 from router.auth.config import KeysFileError, merge_keys_file
 from router.config import API_VERSION, GlobalConfig, ReferenceErrors
+
+# A regions.yaml for hundreds of regions is a few hundred KB. Pure-Python YAML parses about
+# 100 KB a second, so a bigger file is a mistake (or an attack), refused before reading.
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
 
 class ConfigError(Exception):
@@ -78,23 +86,78 @@ def parse_config(document: Any, source: str = "regions.yaml") -> GlobalConfig:
         raise ConfigError(source, problems) from None
 
 
-def load_config(path: str | Path) -> GlobalConfig:
-    """Read and validate a regions.yaml. Raises ConfigError on any problem."""
+def read_config_bytes(path: str | Path) -> bytes:
+    """The bytes of a config file, refused (ConfigError) if it cannot be read or is larger
+    than MAX_CONFIG_BYTES; the size is checked before reading, and again on what was read
+    (the file may grow in between)."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with Path(path).open("rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            text = b"" if size > MAX_CONFIG_BYTES else file.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(source, [f"(file): cannot read: {exc.strerror or exc}"]) from None
-    return parse_config_text(text, source)
+    if size > MAX_CONFIG_BYTES or len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(source, [
+            f"(file): {max(size, len(text)):,} bytes is larger than the "
+            f"{MAX_CONFIG_BYTES:,}-byte limit for a config file"])
+    return text
+
+
+def load_config(path: str | Path) -> GlobalConfig:
+    """Read and validate a regions.yaml. Raises ConfigError on any problem."""
+    return parse_config_text(read_config_bytes(path), str(path))
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping repeating a key (SafeLoader keeps the last).
+
+    The check runs on a mapping's own keys before `<<` merges are flattened into it, so a
+    key that overrides a merged one is not a duplicate."""
+
+    def __init__(self, stream: str | bytes) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()  # mappings checked, by id (flattened in place)
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            _refuse_repeated_keys(self, node)
+        super().flatten_mapping(node)
+
+
+def _refuse_repeated_keys(loader: _StrictLoader, node: yaml.MappingNode) -> None:
+    first_line: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
+            continue
+        key = loader.construct_object(key_node)
+        try:
+            line = first_line.get(key)
+        except TypeError:  # unhashable: SafeLoader itself refuses it
+            continue
+        if line is None:
+            first_line[key] = key_node.start_mark.line + 1
+        else:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark,
+                f"duplicate key {str(key)[:100]!r} (first on line {line}; a key may appear "
+                "only once in a mapping)", key_node.start_mark)
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 def parse_config_text(text: str | bytes, source: str = "regions.yaml") -> GlobalConfig:
     """Parse and validate the YAML text of a regions.yaml. Raises ConfigError naming `source`."""
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(document)"
         reason = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(source, [f"{where}: invalid YAML: {reason}"]) from None
+    except RecursionError:  # e.g. thousands of '[': the parser recurses once per level
+        raise ConfigError(source, ["(document): nested too deeply to parse (lists or "
+                                   "mappings thousands of levels deep)"]) from None
     return parse_config(document, source)

@@ -4,7 +4,13 @@ The request path reads `ConfigHolder.current` once per request, so a swap never 
 a request that is already in flight; the next request sees the new file. A file that does
 not validate is refused: the last good config stays in force and the refusal (file, path
 in the document, reason) is kept in `ConfigHolder.last_error` for the log, /admin/status
-and the `globalpool_config_reload_errors_total` metric.
+and the `globalpool_config_reload_errors_total` metric: the first MAX_PROBLEMS problems,
+each cut to MAX_PROBLEM_CHARS, and a count of the rest (a file with 5,000 unknown keys
+must not make every status poll megabytes long).
+
+The file is read and parsed in a thread (pure-Python YAML parses ~100 KB a second), so
+the event loop keeps serving meanwhile, and a file larger than
+`config_loader.MAX_CONFIG_BYTES` is refused before it is read.
 
 Some settings are bound when the router starts (its listening address, Redis, the request
 body limit, the connect timeout of the upstream connection pool). A reload still takes the
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router.config import GlobalConfig
-from router.config_loader import ConfigError, parse_config_text
+from router.config_loader import ConfigError, parse_config_text, read_config_bytes
 
 log = logging.getLogger("globalpool.config")
 
@@ -56,6 +62,23 @@ class ReloadError:
 
     at_unix_s: float
     problems: tuple[str, ...]
+
+
+# What a refusal keeps of its problems (see bounded_problems).
+MAX_PROBLEMS = 50
+MAX_PROBLEM_CHARS = 300
+
+
+def bounded_problems(problems: list[str], source: str) -> list[str]:
+    """The first MAX_PROBLEMS problems, each cut to MAX_PROBLEM_CHARS, then one line
+    `source: ... and N more problems` if there were more."""
+    kept = [p if len(p) <= MAX_PROBLEM_CHARS else p[:MAX_PROBLEM_CHARS - 1] + "…"
+            for p in problems[:MAX_PROBLEMS]]
+    if len(problems) > MAX_PROBLEMS:
+        more = len(problems) - MAX_PROBLEMS
+        kept.append(f"{source}: ... and {more:,} more problem{'s' if more > 1 else ''} "
+                    "(not shown)")
+    return kept
 
 
 def config_version(text: bytes) -> str:
@@ -173,6 +196,7 @@ class ConfigWatcher:
         self._extra_checks = extra_checks
         self._started_with = holder.current
         self._seen = _signature(path)
+        self._reloading = asyncio.Lock()  # one reload at a time (poll, API, SIGHUP)
 
     async def run(self) -> None:
         """Check every `interval_s()` seconds until cancelled; never raises for a bad file."""
@@ -195,22 +219,34 @@ class ConfigWatcher:
                 break
             signature = settled
         self._seen = signature
-        return self.reload()
+        return await self.reload()
 
-    def reload(self) -> bool:
-        """Read, validate and swap in the file now. Returns True if it was taken."""
+    async def reload(self) -> bool:
+        """Read, validate and swap in the file now. Returns True if it was taken.
+
+        Reading and parsing run in a thread; the swap happens back on the event loop."""
+        async with self._reloading:
+            try:
+                text, config = await asyncio.to_thread(self._read, self._holder.version,
+                                                       self._holder.last_error is None)
+            except ConfigError as exc:
+                return self._refuse(exc.problems)
+            if config is None:
+                return False  # touched, not changed
+            return self._take(config, config_version(text))
+
+    def _read(self, version_in_force: str, in_force_ok: bool) -> tuple[bytes, GlobalConfig | None]:
+        """(In a thread.) The file's bytes and its config; None for the config when the
+        bytes are those in force and nothing was refused since. Raises ConfigError."""
         source = str(self._path)
-        try:
-            text = self._path.read_bytes()
-        except OSError as exc:
-            return self._refuse([f"{source}: (file): cannot read: {exc.strerror or exc}"])
-        version = config_version(text)
-        if version == self._holder.version and self._holder.last_error is None:
-            return False  # touched, not changed
-        try:
-            config = parse_config_text(text, source)
-        except ConfigError as exc:
-            return self._refuse(exc.problems)
+        text = read_config_bytes(self._path)
+        if config_version(text) == version_in_force and in_force_ok:
+            return text, None
+        return text, parse_config_text(text, source)
+
+    def _take(self, config: GlobalConfig, version: str) -> bool:
+        """Swap in `config` unless a check beyond the schema objects to it."""
+        source = str(self._path)
         problems = [f"{source}: {problem}" for problem in self._extra_checks(config)]
         if self._region is not None and self._region not in config.regions:
             problems.append(f"{source}: regions: this router's region {self._region!r} is "
@@ -226,6 +262,7 @@ class ConfigWatcher:
         return True
 
     def _refuse(self, problems: list[str]) -> bool:
+        problems = bounded_problems(problems, str(self._path))
         self._holder.refuse(problems)
         log.error("config reload refused; keeping version %s in force:\n  %s",
                   self._holder.version, "\n  ".join(problems))

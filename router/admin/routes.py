@@ -3,6 +3,7 @@
     GET  /admin/status            the fleet as this router sees it (JSON; ?workers=N lists
                                   at most N workers, problems first)
     POST /admin/drain             {"region": "eu-west"} or {"worker": "id"}, "reason" optional
+                                  (no other field: a drain lasts until undrained)
     POST /admin/undrain           the same body
     POST /admin/reload            check regions.yaml now (it is also checked every second)
     GET  /status                  the status page (HTML; its data comes from /admin/status)
@@ -22,8 +23,9 @@ from aiohttp import web
 
 from router.admin.auth import AdminAuth
 from router.admin.status import AdminContext, status_json
+from router.admin.terminal import first_unsafe
 from router.core.errors import ApiError
-from router.registry.drains import DrainError, TargetKind
+from router.registry.drains import UNREACHABLE, DrainError, TargetKind
 
 audit = logging.getLogger("globalpool.audit")
 
@@ -32,6 +34,11 @@ AUTH = web.AppKey("admin_auth", AdminAuth)
 _PAGE = web.AppKey("status_page", bytes)
 
 MAX_REASON_CHARS = 500
+BODY_FIELDS = ("region", "worker", "reason")  # of a drain or undrain
+# A 404 for an unknown target echoes at most this much of the name and lists at most
+# this many known names (a fleet may have thousands of workers).
+MAX_ECHOED_CHARS = 100
+MAX_KNOWN_LISTED = 20
 
 
 def add_admin_routes(app: web.Application, auth: AdminAuth) -> None:
@@ -86,8 +93,16 @@ async def _target(request: web.Request, context: AdminContext) -> tuple[TargetKi
         document: Any = json.loads(await request.read() or b"{}")
     except ValueError as exc:
         raise ApiError(400, f"body is not valid JSON: {exc}") from None
+    except RecursionError:  # json.loads recurses once per '[' or '{'
+        raise ApiError(400, "body is not valid JSON: nested too deeply") from None
     if not isinstance(document, dict):
         raise ApiError(400, 'body must be {"region": NAME} or {"worker": ID}')
+    unknown = sorted(name for name in document if name not in BODY_FIELDS)
+    if unknown:  # e.g. "duration_s": the drain would silently last until undrained
+        names = ", ".join(repr(name[:40]) for name in unknown[:5])
+        raise ApiError(400, f"unknown field(s) {names}: the body takes 'region' or 'worker', "
+                            "and 'reason' (a drain has no duration: it lasts until undrained)",
+                       param=unknown[0][:40])
     targets = [(kind, document[kind]) for kind in ("region", "worker") if kind in document]
     if len(targets) != 1 or not isinstance(targets[0][1], str) or not targets[0][1]:
         raise ApiError(400, 'body must name exactly one target: {"region": NAME} or '
@@ -96,6 +111,10 @@ async def _target(request: web.Request, context: AdminContext) -> tuple[TargetKi
     if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS:
         raise ApiError(400, f"'reason' must be a string of at most {MAX_REASON_CHARS} chars",
                        param="reason")
+    unsafe = first_unsafe(reason)
+    if unsafe is not None:  # it is shown in operators' terminals (router.admin.terminal)
+        raise ApiError(400, f"'reason' must not contain control or bidi characters "
+                            f"(found U+{ord(unsafe):04X})", param="reason")
     kind: TargetKind = "region" if targets[0][0] == "region" else "worker"
     return kind, targets[0][1], reason
 
@@ -107,7 +126,10 @@ def _check_known(context: AdminContext, kind: TargetKind, name: str) -> None:
     else:
         known = set(context.snapshots.current.workers)
     if name not in known:
-        raise ApiError(404, f"no {kind} named {name!r} (known: {', '.join(sorted(known))})",
+        echoed = repr(name[:MAX_ECHOED_CHARS]) + ("..." if len(name) > MAX_ECHOED_CHARS else "")
+        listed = [n[:MAX_ECHOED_CHARS] for n in sorted(known)[:MAX_KNOWN_LISTED]]
+        more = f", and {len(known) - len(listed)} more" if len(known) > len(listed) else ""
+        raise ApiError(404, f"no {kind} named {echoed} (known: {', '.join(listed)}{more})",
                        code=f"unknown_{kind}")
 
 
@@ -126,7 +148,8 @@ async def _drain(request: web.Request) -> web.Response:
         record = await _store(context).drain(kind, name, reason=reason, by=by)
     except DrainError as exc:
         _audit(request, "drain", kind, name, f"failed: {exc}", reason)
-        raise ApiError(503, str(exc), code="redis_unavailable") from None
+        raise ApiError(503, f"the drain could not be stored: {UNREACHABLE}",
+                       code="redis_unavailable") from None
     context.events.record("drain", f"{kind} {name}", reason)
     _audit(request, "drain", kind, name, "ok", reason)
     return web.json_response({"drained": {"kind": kind, "name": name, "reason": reason,
@@ -140,7 +163,8 @@ async def _undrain(request: web.Request) -> web.Response:
         was_drained = await _store(context).undrain(kind, name)
     except DrainError as exc:
         _audit(request, "undrain", kind, name, f"failed: {exc}", reason)
-        raise ApiError(503, str(exc), code="redis_unavailable") from None
+        raise ApiError(503, f"the undrain could not be stored: {UNREACHABLE}",
+                       code="redis_unavailable") from None
     if was_drained:
         context.events.record("undrain", f"{kind} {name}", reason)
     _audit(request, "undrain", kind, name, "ok" if was_drained else "ok (was not drained)",
@@ -153,7 +177,7 @@ async def _reload(request: web.Request) -> web.Response:
     context = _authorized(request)
     if context.reload is None:
         raise ApiError(409, "this router was not started from a config file: nothing to reload")
-    taken = context.reload()
+    taken = await context.reload()
     if context.reload_siblings is not None:
         context.reload_siblings()
     configs = context.configs

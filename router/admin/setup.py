@@ -51,6 +51,8 @@ from worker import redis_client
 
 log = logging.getLogger("globalpool.admin")
 
+EVENT_PROBLEMS = 10  # a config_refused event's detail: its first problems
+
 
 @dataclass
 class Operations:
@@ -76,6 +78,7 @@ class Operations:
     _own_metrics: asyncio.AbstractServer | None = None
     _kept: Kept | None = None  # (several processes: router.telemetry.machine)
     _watcher: ConfigWatcher | None = None
+    _signal_reloads: set[asyncio.Task[None]] = field(default_factory=set)  # SIGHUP's, running
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.registry, lambda: self.configs.current.models)
@@ -182,13 +185,22 @@ class Operations:
 
     def reload_on_signal(self) -> None:
         """SIGHUP: read regions.yaml again now, as POST /admin/reload does (in this process
-        only: the supervisor sends it to each, router.processes)."""
-        if self._watcher is None:
+        only: the supervisor sends it to each, router.processes). The reload runs as a task:
+        the file is parsed in a thread while the loop serves."""
+        watcher = self._watcher
+        if watcher is None:
             log.warning("SIGHUP: this router was not started from a config file (or is "
                         "still starting): nothing to reload")
             return
-        taken = self._watcher.reload()
-        log.info("SIGHUP: regions.yaml %s", "reloaded" if taken else "not changed or refused")
+
+        async def reload() -> None:
+            taken = await watcher.reload()
+            log.info("SIGHUP: regions.yaml %s",
+                     "reloaded" if taken else "not changed or refused")
+
+        task = asyncio.get_running_loop().create_task(reload(), name="sighup-reload")
+        self._signal_reloads.add(task)
+        task.add_done_callback(self._signal_reloads.discard)
 
     async def _machine_metrics(self, own: bytes) -> bytes:
         """`own` metrics merged with the sibling processes' (router.telemetry.machine)."""
@@ -213,6 +225,8 @@ class Operations:
                                "it back")
 
     async def stop(self) -> None:
+        for task in list(self._signal_reloads):
+            task.cancel()
         if self._own_metrics is not None:
             self._own_metrics.close()
         await asyncio.gather(*(task.stop() for task in self.supervised.values()))
@@ -255,8 +269,13 @@ class Operations:
         return runtime_problems(config, policy_override=self.policy_override)
 
     def _refused(self, error: ReloadError) -> None:
+        # The problems are already bounded (router.config_reload.bounded_problems); the
+        # event keeps the first few, as the status keeps its last 50 events.
+        shown = error.problems[:EVENT_PROBLEMS]
+        more = len(error.problems) - len(shown)
         self.events.record("config_refused", str(self.configs.path or "regions.yaml"),
-                           "; ".join(error.problems))
+                           "; ".join(shown) + (f"; ... {more} more in config.last_error"
+                                               if more else ""))
 
 
 def _configured_drains(config: GlobalConfig) -> frozenset[str]:

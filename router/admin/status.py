@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping, Sized
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -72,7 +72,7 @@ class AdminContext:
     events: EventLog
     drains: DrainStore | None = None
     health: HealthStatusView | None = None
-    reload: Callable[[], bool] | None = None
+    reload: Callable[[], Awaitable[bool]] | None = None
     # Asks this replica's other processes to reload too (router.processes); None: none.
     reload_siblings: Callable[[], None] | None = None
     queue: Sized | None = None  # requests waiting at this router (router.admission.queue)

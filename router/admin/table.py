@@ -18,6 +18,8 @@ import urllib.request
 from datetime import datetime
 from typing import Any
 
+from router.admin.terminal import escape_all
+
 DEFAULT_ROUTER = "http://127.0.0.1:8080"
 
 
@@ -75,7 +77,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render(status: dict[str, Any]) -> str:
-    """The status document as text: a header, regions, workers, drains and problems."""
+    """The status document as text: a header, regions, workers, drains and problems.
+    Control and bidi characters in its strings are printed as escapes (router.admin.terminal):
+    a worker's id, a drain's reason or a refused file's key must not drive the terminal."""
+    status = escape_all(status)
     router = status["router"]
     config = status["config"]
     redis = status["redis"]

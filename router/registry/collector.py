@@ -223,6 +223,14 @@ class HeartbeatCollector:
             if table.connected:
                 unreachable_logged_s = None
 
+    def recheck(self) -> None:
+        """regions.yaml was reloaded: drop the known workers its rules now refuse (their
+        region, model or address taken out) and publish the view without them at once,
+        so that the next request already routes by the new file (the loop also notices
+        the change by itself, within EXPIRY_CHECK_S)."""
+        if self._table.recheck():
+            self._publisher.publish()
+
     def inject_fault(self, exc: Exception, times: int = 1) -> None:
         """Make the loop raise `exc` at its next turn and at the start of its next
         `times - 1` runs: a fault hook, for tests and drills that show a crash is noticed,
@@ -320,6 +328,7 @@ class HeartbeatCollector:
             due.dirty = True
         if now >= due.expiry_check:
             started = time.thread_time()
+            due.dirty |= self._table.recheck()  # (after a reload of regions.yaml)
             due.dirty |= self._table.expire(self._messages.queued)
             pace.spent(started)
             due.expiry_check = now + max(EXPIRY_CHECK_S, pace.rebuild_every_s)

@@ -144,7 +144,11 @@ class DrainHolder:
 
 
 class DrainError(Exception):
-    """A drain or undrain that could not be stored (Redis unreachable)."""
+    """A drain or undrain that could not be stored (Redis unreachable). Its message is
+    fixed, fit for the client; redis-py's detail (Redis' address) goes to the log only."""
+
+
+UNREACHABLE = "Redis is unreachable; retry when it answers"
 
 
 class DrainStore:
@@ -179,7 +183,9 @@ class DrainStore:
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             raise_if_cancelling()
-            raise DrainError(f"cannot store the drain flag in Redis: {exc}") from None
+            log.error("cannot store the drain flag %s in Redis: %s", DrainKeys.field(kind, name),
+                      exc)  # the detail (it may name Redis' address) only in the log
+            raise DrainError(f"the drain could not be stored: {UNREACHABLE}") from None
         await self.refresh()
         return record
 
@@ -189,7 +195,9 @@ class DrainStore:
             removed = await self._redis.hdel(self._keys.hash, DrainKeys.field(kind, name))
         except (RedisError, OSError) as exc:
             raise_if_cancelling()
-            raise DrainError(f"cannot remove the drain flag in Redis: {exc}") from None
+            log.error("cannot remove the drain flag %s in Redis: %s",
+                      DrainKeys.field(kind, name), exc)
+            raise DrainError(f"the undrain could not be stored: {UNREACHABLE}") from None
         await self.refresh()
         return bool(removed)
 

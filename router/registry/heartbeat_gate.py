@@ -86,6 +86,19 @@ class HeartbeatGate:
     def signing(self) -> bool:
         return bool(self._keys)
 
+    @property
+    def rules(self) -> HeartbeatRules:
+        """The rules in force: another object once regions.yaml is reloaded, when the
+        workers already known are judged again (`refused_by_rules`)."""
+        return self._rules()
+
+    def refused_by_rules(self, heartbeat: Heartbeat) -> str | None:
+        """Why regions.yaml's rules in force refuse `heartbeat` (its region, its endpoint
+        or its models), or None: asked again of every known worker after a reload, so
+        that a region, model or address taken out of regions.yaml gets no new request
+        (its last heartbeat may otherwise live for its `ttl_s`). Not counted."""
+        return _refused_by(self._rules(), heartbeat)
+
     def check(self, heartbeat: Heartbeat, *, via_pubsub: bool,
               payload: bytes | None = None) -> str | None:
         """None to accept `heartbeat`, else the reason it is dropped (also counted/logged).
@@ -141,15 +154,9 @@ class HeartbeatGate:
     def _reason(self, heartbeat: Heartbeat, via_pubsub: bool,
                 payload: bytes | None) -> str | None:
         rules = self._rules()
-        if rules.allow_lists:
-            allow = rules.allow_lists.get(heartbeat.region)
-            if heartbeat.region not in rules.known_regions:
-                return "unknown_region"
-            if allow is not None and not allow.allows(heartbeat.endpoint):
-                return "endpoint_not_allowed"
-        listed = rules.models.get(heartbeat.region)
-        if listed is not None and not listed.issuperset(heartbeat.models):
-            return "model_not_listed"
+        refused = _refused_by(rules, heartbeat)
+        if refused is not None:
+            return refused
         if not self._keys:
             return None if rules.insecure else "no_keys"
         verdict = (verify_signature(heartbeat, self._keys) if payload is None
@@ -181,3 +188,17 @@ class HeartbeatGate:
         cutoff = self._clock() - 3600.0
         for worker_id in [w for w, (sent, _) in self._latest.items() if sent < cutoff]:
             del self._latest[worker_id]
+
+
+def _refused_by(rules: HeartbeatRules, heartbeat: Heartbeat) -> str | None:
+    """Why `rules` refuse `heartbeat`'s region, endpoint or models, or None."""
+    if rules.allow_lists:
+        allow = rules.allow_lists.get(heartbeat.region)
+        if heartbeat.region not in rules.known_regions:
+            return "unknown_region"
+        if allow is not None and not allow.allows(heartbeat.endpoint):
+            return "endpoint_not_allowed"
+    listed = rules.models.get(heartbeat.region)
+    if listed is not None and not listed.issuperset(heartbeat.models):
+        return "model_not_listed"
+    return None

@@ -8,6 +8,7 @@ router.registry.collector.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Container
 from typing import Protocol
 
@@ -18,6 +19,7 @@ from worker.load_records import LoadRecord
 from worker.schema import Heartbeat, LifecycleState, Refused, parse_heartbeat
 
 Clock = Callable[[], float]
+log = logging.getLogger("globalpool.registry")
 
 
 class HeartbeatCheck(Protocol):
@@ -37,6 +39,15 @@ class HeartbeatCheck(Protocol):
     @property
     def signing(self) -> bool:
         """Whether heartbeats must be signed (then unsigned `gone:` messages are ignored)."""
+        ...
+
+    @property
+    def rules(self) -> object:
+        """The rules in force (another object after a reload of regions.yaml)."""
+        ...
+
+    def refused_by_rules(self, heartbeat: Heartbeat) -> str | None:
+        """Why the rules in force refuse an accepted heartbeat now, or None."""
         ...
 
 
@@ -64,6 +75,7 @@ class WorkerTable:
         self.connected = False
         self.last_ok_at_s: float | None = None
         self.parsed = 0  # heartbeats parsed and checked (messages and full reads)
+        self._rules_seen = None if gate is None else gate.rules  # see `recheck`
 
     def parse(
         self, payload: str | bytes, now: float, *, via_pubsub: bool = False
@@ -107,6 +119,24 @@ class WorkerTable:
         if view is not None:
             self.records.get(view.region, {}).pop(worker, None)
         return view
+
+    def recheck(self) -> bool:
+        """Judge every known worker's heartbeat again by the gate's rules in force, once
+        after they change (a reload of regions.yaml), dropping those they now refuse.
+        Whether any went."""
+        gate = self._gate
+        if gate is None or gate.rules is self._rules_seen:
+            return False
+        self._rules_seen = gate.rules
+        refused = {worker_id: reason for worker_id, view in self.views.items()
+                   if (reason := gate.refused_by_rules(view.heartbeat)) is not None}
+        for worker_id in refused:
+            self.drop(worker_id, worker_id.encode())
+        if refused:
+            log.warning("regions.yaml reloaded: %d known worker(s) no longer allowed, "
+                        "dropped from the view (%s)", len(refused),
+                        ", ".join(sorted(set(refused.values()))))
+        return bool(refused)
 
     def forgive(self, stalled_s: float) -> bool:
         """No heartbeat could be received for `stalled_s` (this process was not running):

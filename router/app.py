@@ -218,7 +218,7 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         redis=redis, pubsub_redis=pubsub_redis,
         channel=redis_client.one_slot_prefix(settings.config.redis.key_prefix,
                                              settings.redis_url) + ":routers:inflight",
-        inflight=inflight,
+        inflight=inflight, workers=lambda: app[HOLDER].current.workers,
         interval_s=lambda: app[OPERATIONS].configs.current.router.peer_interval_ms / 1000.0,
         keys=keys, stats=app[SECURITY_STATS], region=settings.region)
     background["peer-exchange"] = Supervised("peer-exchange", peers.run).start()

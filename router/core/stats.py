@@ -15,7 +15,8 @@ no locks: one event loop). Readers take `as_dict()` or read the fields. Label me
   "expired", "replayed", "endpoint_not_allowed", "unknown_region";
   `heartbeats_verified`: heartbeats whose signature checked out.
 - `peer_reports_dropped[reason]`: other router replicas' reports of open requests that
-  were not believed: "too_large", "malformed", "unsigned", "unknown_key", "bad_signature"
+  were not believed: "too_large", "malformed", "unsigned", "unknown_key", "bad_signature",
+  "replayed", or "too_many_peers" (from one sender more than MAX_PEERS_COUNTED)
   (router.registry.peers).
 """
 

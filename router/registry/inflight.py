@@ -186,6 +186,12 @@ class InFlight:
             self.forget_peer(peer_id)
         return expired
 
+    def has_peer(self, peer_id: str) -> bool:
+        return peer_id in self._peers
+
+    def peer_count(self) -> int:
+        return len(self._peers)
+
     def peer_ids(self) -> list[str]:
         """The peers counted now (cheaper than `peers` when their totals are not needed)."""
         return list(self._peers)

@@ -31,6 +31,11 @@ reports are signed with the first key and unsigned or unverifiable reports are d
 otherwise anyone who can PUBLISH could steer traffic away from any worker; and a signed
 report is taken only if it is recent and newer than the last one taken from its sender
 (`MAX_REPORT_AGE_S`): a captured report published again is a replay.
+
+What a router keeps of a report is bounded whoever publishes it (unsigned mode believes
+anyone who can PUBLISH): only its entries for workers this router knows (in its fleet
+view), and at most MAX_PEERS_COUNTED senders at once (a report from one more is dropped,
+counted as `too_many_peers`).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -75,6 +80,7 @@ PEER_TTL_S = 2.0
 # of this replica away from its region.
 MAX_ECHO = 8
 MAX_PEERS_REMEMBERED = 1024  # senders' last `seq` kept (pruned by age past 4x this)
+MAX_PEERS_COUNTED = 1024  # senders whose open requests count at once (see the module doc)
 
 
 def router_id() -> str:
@@ -100,8 +106,12 @@ class PeerExchange:
         max_backoff_s: float = 2.0,
         region: str | None = None,
         affinity: SharedAffinity | None = None,
+        workers: Callable[[], Container[str]] | None = None,
     ) -> None:
+        """`workers`: the ids of the workers this router knows now (a report's entries for
+        others are left out); None: every entry is kept."""
         self._redis = redis
+        self._workers = workers
         # This replica's table of who holds which prompt prefixes, shared with the peers
         # (None: not shared; `share`, once the policy has its table).
         self.affinity: SharedAffinity | None = None
@@ -228,15 +238,37 @@ class PeerExchange:
         peer = report.router
         if peer == self.router:
             return
+        if not self._inflight.has_peer(peer) and peer not in self._siblings and (
+                self._inflight.peer_count() >= MAX_PEERS_COUNTED
+                or len(self._siblings) >= MAX_PEERS_COUNTED):
+            self.rejected_reports += 1
+            if self._stats is not None:
+                self._stats.peer_reports_dropped["too_many_peers"] += 1
+            return
         if self._region is not None and report.region == self._region:
             self._siblings[peer] = self._clock()
             self._inflight.echo = min(MAX_ECHO, len(self._siblings))
+        report = self._known_only(report)
         if report.open:
             self._inflight.apply_peer(peer, report.open, self._clock(), report.prefill)
         else:
             self._inflight.forget_peer(peer)  # it left, or has nothing open
         if report.shared is not None and self.affinity is not None:
             self.affinity.apply_peer(report.shared)
+
+    def _known_only(self, report: PeerReport) -> PeerReport:
+        """`report` with only its entries for workers this router knows."""
+        if self._workers is None:
+            return report
+        known = self._workers()
+        shared = None
+        if report.shared is not None:
+            shared = SharedSends()
+            shared.wrote = {w: n for w, n in report.shared.wrote.items() if w in known}
+            shared.served = [sent for sent in report.shared.served if sent[0] in known]
+        return report._replace(
+            open={w: n for w, n in report.open.items() if w in known},
+            prefill={w: n for w, n in report.prefill.items() if w in known}, shared=shared)
 
     def _check_fresh(self, report: PeerReport) -> None:
         """Raise ReportError ("replayed") unless a signed report is recent and newer than

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from router.core.outcome import Attempt
+from router.core.stats import SecurityStats
 from router.policy.affinity import AffinityTable
+from router.registry import peers as peers_module
 from router.registry.inflight import InFlight
 from router.registry.peer_reports import (
     MAX_OPEN_PER_WORKER,
@@ -139,6 +141,27 @@ def test_reports_of_large_fleets_are_spaced_to_bound_the_receivers_cpu() -> None
     for peer in range(9, 200):
         inflight.apply_peer(f"r{peer}", {"w1": 1}, now_s=0.0)
     assert exchange._spacing_s(0.05) == KEEPALIVE_S  # never so rare that peers expire it
+
+
+def test_a_router_keeps_of_peer_reports_only_known_workers_and_so_many_senders(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unsigned reports are believed: what a flood of them can make a router hold is
+    bounded by the workers it knows and MAX_PEERS_COUNTED senders."""
+    monkeypatch.setattr(peers_module, "MAX_PEERS_COUNTED", 3)
+    inflight = InFlight()
+    stats = SecurityStats()
+    exchange = PeerExchange(redis=None, pubsub_redis=None, channel="c",  # type: ignore[arg-type]
+                            inflight=inflight, interval_s=lambda: 0.05, stats=stats,
+                            workers=lambda: {"w1", "w2"})
+    for peer in range(5):
+        exchange._apply(encode_report(f"r{peer}", {"w1": 1, "ghost": 7}))
+    assert inflight.peers() == {"r0": 1, "r1": 1, "r2": 1}  # the ghost left out
+    assert inflight.counts == {"w1": 3}
+    assert stats.peer_reports_dropped["too_many_peers"] == 2
+    exchange._apply(encode_report("r0", {"ghost": 5}))  # a known sender, nothing known
+    assert inflight.peers() == {"r1": 1, "r2": 1}
+    exchange._apply(encode_report("r3", {"w2": 2}))  # room again
+    assert inflight.counts == {"w1": 2, "w2": 2}
 
 
 def test_own_requests_echo_for_siblings_for_two_report_intervals() -> None:

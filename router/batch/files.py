@@ -11,6 +11,11 @@ that does not exist. The bytes live at `files/<id>` in the blob store, written b
 record (a record never names content that is not there yet) and deleted before it (a
 delete that fails halfway can be retried, and leaves no content without its record).
 
+The record is also kept beside the bytes (`records/<id>.json`, signed alike): a Redis
+back empty (no persistence, a failover to an empty replica) lost every record, and a file
+looked up by id is then found there and put back in Redis (`get`; its owner's listing
+regains it then), so that a finished batch's output stays readable.
+
 Redis being unreachable raises `FilesUnavailable` (the client is told to retry); the blob
 store failing raises `router.batch.blobs.BlobStoreError`.
 """
@@ -176,6 +181,11 @@ def clean_filename(filename: str | None) -> str:
     return name if name not in ("", ".", "..") else "upload"
 
 
+def record_blob_key(file_id: str) -> str:
+    """Where a file's record is kept beside its bytes (see the module doc)."""
+    return f"records/{blob_key(file_id).removeprefix('files/')}.json"
+
+
 def blob_key(file_id: str) -> str:
     """Where a file's bytes are in the blob store. Raises BlobNotFound for an id that is
     not one this router makes (one read from Redis, which anyone who can write there can
@@ -264,22 +274,32 @@ class FileStore:
         now_s = self._clock()
         record = FileRecord(staged.id, owner, clean_filename(filename), purpose,
                             staged.size_bytes, int(now_s), staged.lines)
+        encoded = record.encode(self._signing_key)
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.set(self.record_key(record.id), record.encode(self._signing_key))
-                pipe.zadd(self.owner_key(owner), {record.id: int(now_s * 1_000_000)})
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise_if_cancelling()
+            await self.blobs.put(record_blob_key(record.id), encoded)
+        except BlobStoreError:
             await self.discard(staged)
-            raise FilesUnavailable(str(exc)) from None
+            raise
+        try:
+            await self._index(record, encoded, int(now_s * 1_000_000))
+        except FilesUnavailable:
+            await self.discard(staged)
+            raise
         return record
+
+    async def _index(self, record: FileRecord, encoded: bytes, at_us: int) -> None:
+        """Put `record` in Redis: its key, and its place in its owner's listing."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.record_key(record.id), encoded)
+            pipe.zadd(self.owner_key(record.owner), {record.id: at_us})
+            await self._redis_call(pipe.execute())
 
     async def discard(self, staged: StagedFile) -> None:
         """Remove uploaded content that will have no record (a failure is logged: the
         blob is then left behind, named by no record)."""
         try:
             await self.blobs.delete(blob_key(staged.id))
+            await self.blobs.delete(record_blob_key(staged.id))
         except BlobStoreError:
             log.warning("file %s: its content could not be removed after a failed upload",
                         staged.id)
@@ -289,8 +309,24 @@ class FileStore:
         if not valid_file_id(file_id):
             return None
         raw = await self._redis_call(self._redis.get(self.record_key(file_id)))
-        record = None if raw is None else FileRecord.decode(raw, self._keys)
+        record = (await self._restored(file_id) if raw is None
+                  else FileRecord.decode(raw, self._keys))
         return record if record is not None and record.owner == owner else None
+
+    async def _restored(self, file_id: str) -> FileRecord | None:
+        """The record kept beside a file's bytes, put back in Redis (see the module doc);
+        None if none, or not ours. FilesUnavailable: the blob store cannot be read now."""
+        try:
+            raw = await self.blobs.get(record_blob_key(file_id))
+        except BlobNotFound:
+            return None
+        except BlobStoreError as exc:
+            raise FilesUnavailable(str(exc)) from None
+        if (record := FileRecord.decode(raw, self._keys)) is None or record.id != file_id:
+            return None
+        await self._index(record, raw, record.created_at * 1_000_000)
+        log.info("file %s: its record, lost by Redis, restored from the blob store", file_id)
+        return record
 
     async def read(self, file_id: str) -> bytes:
         """A file's whole content (the batch runner's input files, whose owner it has
@@ -310,6 +346,7 @@ class FileStore:
         if record is None:
             return False
         await self.blobs.delete(blob_key(file_id))
+        await self.blobs.delete(record_blob_key(file_id))
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.record_key(file_id))
             pipe.zrem(self.owner_key(owner), file_id)

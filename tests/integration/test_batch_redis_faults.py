@@ -271,11 +271,6 @@ async def test_lines_that_end_after_redis_was_emptied_leave_no_keys_behind(
     assert left == [], f"orphaned keys of the lost batch: {sorted(left)}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a file's record lives only in Redis (router/batch/files.py FileStore.commit); the "
-    "blob store, which keeps the bytes, has nothing to find them by: after Redis restarts "
-    "empty, a completed batch's output file (its bytes still on disk) is 404 for good, "
-    "and its blob is orphaned"))
 async def test_a_finished_batchs_output_survives_redis_restarting_empty(
         batch_fleet: OpsFleet, valkey: Valkey) -> None:
     async with client(batch_fleet.url) as openai:

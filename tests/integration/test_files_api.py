@@ -347,7 +347,7 @@ async def test_files_through_the_router_on_s3(fleet: OpsFleet, s3: S3Bucket) -> 
     await fleet.start({}, config=files_config(fleet, storage=f"s3://{s3.name}/router"))
     async with client(fleet.url) as api:
         made = await api.files.create(file=("in.jsonl", LINES * 10), purpose="batch")
-        assert s3.keys() == [f"router/files/{made.id}"]
+        assert s3.keys() == [f"router/files/{made.id}", f"router/records/{made.id}.json"]
         assert (await api.files.content(made.id)).content == LINES * 10
         await api.files.delete(made.id)
     assert s3.keys() == []

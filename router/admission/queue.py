@@ -5,16 +5,21 @@ engine that frees a batch slot first may be another one, and an interactive requ
 waits behind batch requests that arrived before it. Here, when the worker routing would
 choose has no free batch slot (its load, as heartbeats and the replicas' open requests
 show it, plus ENGINE_QUEUE requests already waiting there), the request waits at the
-router instead: interactive before batch, first come first served within a class, one
-queue per model. Whenever capacity may have freed (a request of this router finished,
-and every POLL_S while anything waits) the head of each queue is routed again, so it
-goes to whichever worker has room first, in any region.
+router instead: interactive before batch, and within a class the tenants (of the API
+keys; all one without keys) take turns, each first come first served (start-time fair
+queueing: a tenant's next request is ranked one turn after its last, or after the
+request now being dispatched, whichever is later), one queue per model. Whenever
+capacity may have freed (a request of this router finished, and every POLL_S while
+anything waits) the head of each queue is routed again, so it goes to whichever worker
+has room first, in any region.
 
 A request waits at most until its deadline: `max_wait_ms` (regions.yaml
 `router.queue`), or less when its TTFT budget leaves less time; then it goes to the
 best worker as if there were no queue (its engine queues it). Past `max_requests`
-waiting, a request is refused at once (503 with Retry-After: nothing is lost silently).
-A client that disconnects while waiting leaves the queue.
+waiting, a request is refused at once (503 with Retry-After: nothing is lost silently),
+unless another tenant holds more of the queue than its own tenant: then that tenant's
+newest waiting request is refused instead, so that one tenant filling the queue cannot
+get every other tenant refused. A client that disconnects while waiting leaves the queue.
 
 On the routing benchmark's twin (lab.bench.twin) this raised predicted_ttft's mean
 interactive SLO attainment over six traces of skewed-3region by 1.1-1.7 points; batch
@@ -27,6 +32,7 @@ is the asyncio front the proxy awaits.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import heapq
 import itertools
@@ -70,12 +76,13 @@ class QueueFull(Exception):
 
 @dataclass(order=True)
 class Waiting(Generic[T]):
-    """One request waiting for room; ordered by class, then arrival."""
+    """One request waiting for room; ordered by class, its tenant's turn, then arrival."""
 
-    rank: tuple[int, int]
+    rank: tuple[int, float, int]
     deadline_s: float = field(compare=False)
     pick: Callable[[], Decision] = field(compare=False)  # routes it again (may raise NoRoute)
     payload: T = field(compare=False)
+    tenant: str = field(default="", compare=False)
     gone: bool = field(default=False, compare=False)  # left the queue (or its client did)
 
 
@@ -90,6 +97,11 @@ class Backlog(Generic[T]):
         self._queues: dict[str, list[Waiting[T]]] = {}
         self._count = 0
         self._order = itertools.count()
+        self._turn = 0.0  # the turn of the request dispatched last (see the module doc)
+        self._tenants: dict[str, _Tenant[T]] = {}  # those with requests waiting
+        # Requests refused to make room for another tenant's (see `push`): the caller
+        # answers them (RouterQueue: 503), then clears the list.
+        self.evicted: list[Waiting[T]] = []
         self.dispatched = 0  # left the queue because a worker had room
         self.expired = 0  # left at their deadline, to the best worker anyway
         self.refused = 0  # found the queue full
@@ -117,26 +129,39 @@ class Backlog(Generic[T]):
 
     def admit(self, model: str, traffic_class: str, first: Decision,
               pick: Callable[[], Decision], payload: Callable[[], T], *, arrived_s: float,
-              max_wait_s: float, budget_ms: float | None) -> Waiting[T] | None:
+              max_wait_s: float, budget_ms: float | None,
+              tenant: str = "") -> Waiting[T] | None:
         """For a request that routing just sent to `first`: None when it goes there now
         (then it is counted in the open requests), else its place in the queue, holding
         `payload()`. Raises QueueFull."""
         if self.must_wait(model, first):
             deadline_s = wait_deadline_s(arrived_s, max_wait_s, first, budget_ms)
             if deadline_s > self._clock():
-                return self.push(model, traffic_class, deadline_s, pick, payload())
+                return self.push(model, traffic_class, deadline_s, pick, payload(), tenant)
         self._inflight.started(first.worker.worker_id)
         return None
 
     def push(self, model: str, traffic_class: str, deadline_s: float,
-             pick: Callable[[], Decision], payload: T) -> Waiting[T]:
-        """Raises QueueFull."""
+             pick: Callable[[], Decision], payload: T, tenant: str = "") -> Waiting[T]:
+        """Raises QueueFull: the queue is full, and no other tenant holds more of it than
+        `tenant` (else that tenant's newest request leaves it, into `evicted`)."""
         if self._count >= self.max_requests:
+            victim = self._victim_for(tenant)
+            if victim is None:
+                self.refused += 1
+                raise QueueFull(f"{self._count} requests are waiting for capacity")
+            self._left(victim)
             self.refused += 1
-            raise QueueFull(f"{self._count} requests are waiting for capacity")
-        item = Waiting((_CLASS_ORDER.get(traffic_class, 1), next(self._order)),
-                       deadline_s, pick, payload)
+            self.evicted.append(victim)
+        held = self._tenants.get(tenant)
+        if held is None:
+            held = self._tenants[tenant] = _Tenant()
+        held.turn = max(self._turn, held.turn) + 1.0
+        item = Waiting((_CLASS_ORDER.get(traffic_class, 1), held.turn, next(self._order)),
+                       deadline_s, pick, payload, tenant)
         heapq.heappush(self._queues.setdefault(model, []), item)
+        held.waiting.append(item)
+        held.count += 1
         self._count += 1
         return item
 
@@ -144,8 +169,32 @@ class Backlog(Generic[T]):
         """The request's client went away: it is skipped (and dropped) when reached.
         Nothing happens for a request that already left the queue."""
         if not item.gone:
-            item.gone = True
-            self._count -= 1
+            self._left(item)
+
+    def _victim_for(self, tenant: str) -> Waiting[T] | None:
+        """The newest waiting request of the tenant that holds the most of the queue, if
+        it holds more than one request more than `tenant` does; else None."""
+        mine = self._tenants.get(tenant)
+        biggest = max(self._tenants.values(), key=_held, default=None)
+        if biggest is None or biggest.count <= (mine.count if mine else 0) + 1:
+            return None
+        while biggest.waiting and biggest.waiting[-1].gone:
+            biggest.waiting.pop()
+        return biggest.waiting[-1] if biggest.waiting else None
+
+    def _left(self, item: Waiting[T]) -> None:
+        """`item` is out of the queue (dispatched, expired, its client gone, evicted)."""
+        item.gone = True
+        self._count -= 1
+        held = self._tenants.get(item.tenant)
+        if held is not None:
+            held.count -= 1
+            while held.waiting and held.waiting[0].gone:
+                held.waiting.popleft()
+            if held.count <= 0:
+                del self._tenants[item.tenant]
+        if not self._count:
+            self._turn = 0.0  # (turns count from here again)
 
     def due(self) -> list[tuple[Waiting[T], Decision | BaseException]]:
         """Pop every head that may go now, routed again: (item, decision), or (item,
@@ -179,9 +228,23 @@ class Backlog(Generic[T]):
 
     def _pop(self, queue: list[Waiting[T]]) -> Waiting[T]:
         item = heapq.heappop(queue)
-        item.gone = True  # out of the queue: a later `leave` changes nothing
-        self._count -= 1
+        self._turn = max(self._turn, item.rank[1])
+        self._left(item)  # out of the queue: a later `leave` changes nothing
         return item
+
+
+@dataclass(eq=False)
+class _Tenant(Generic[T]):
+    """A tenant's requests in the queue: how many, the turn of its last one queued, and
+    them in the order queued (with some that left already, dropped as they are reached)."""
+
+    count: int = 0
+    turn: float = 0.0
+    waiting: collections.deque[Waiting[T]] = field(default_factory=collections.deque)
+
+
+def _held(tenant: _Tenant[T]) -> int:
+    return tenant.count
 
 
 class RouterQueue:
@@ -213,14 +276,21 @@ class RouterQueue:
         return True
 
     async def turn(self, first: Decision, pick: Callable[[], Decision], *, model: str,
-                   traffic_class: str, arrived_s: float,
-                   budget_ms: float | None) -> tuple[Decision, float]:
+                   traffic_class: str, arrived_s: float, budget_ms: float | None,
+                   tenant: str = "") -> tuple[Decision, float]:
         """(decision, seconds waited) for a request that routing sent to `first` on
-        arrival; `pick` routes it again. Raises NoRoute (from `pick`) and QueueFull."""
+        arrival; `pick` routes it again. Raises NoRoute (from `pick`) and QueueFull (also
+        when another tenant's request takes its place: Backlog.push)."""
         backlog = self.backlog
         item = backlog.admit(model, traffic_class, first, pick,
                              asyncio.get_running_loop().create_future, arrived_s=arrived_s,
-                             max_wait_s=self.max_wait_s, budget_ms=budget_ms)
+                             max_wait_s=self.max_wait_s, budget_ms=budget_ms, tenant=tenant)
+        for evicted in backlog.evicted:
+            if not evicted.payload.done():
+                evicted.payload.set_exception(QueueFull(
+                    "its tenant holds more of the queue than the others; refused to make "
+                    "room for another tenant's request"))
+        backlog.evicted.clear()
         if item is None:
             return first, 0.0
         waiter = item.payload

@@ -182,7 +182,7 @@ class Proxy:
             try:
                 decision = self.policy.pick(self.holder.current, route)
                 if queue is not None and not queue.goes_now(route.model, decision):
-                    decision = await self._wait_turn(queue, decision, route, record)
+                    decision = await self._wait_turn(queue, decision, route, record, principal)
             except NoRoute as no_route:
                 if retries is not None:
                     log.warning("no retry for %s: %s", parsed.model, no_route.reason)
@@ -227,13 +227,13 @@ class Proxy:
         return await gave_up(exchange, failover, retries, record)
 
     async def _wait_turn(self, queue: RouterQueue, decision: Decision, route: RouteRequest,
-                         record: RequestRecord) -> Decision:
+                         record: RequestRecord, principal: Principal | None) -> Decision:
         """Wait in the queue for a worker with room (counted in flight there), routed again
-        when its turn comes."""
+        when its turn comes (the tenants take turns)."""
         decision, record.queued_s = await queue.turn(
             decision, functools.partial(self._pick, route),
-            model=route.model, traffic_class=route.traffic_class,
-            arrived_s=record.received_s, budget_ms=route.ttft_budget_ms)
+            model=route.model, traffic_class=route.traffic_class, arrived_s=record.received_s,
+            budget_ms=route.ttft_budget_ms, tenant=principal.tenant if principal else "")
         return decision
 
     def _pick(self, route: RouteRequest) -> Decision:

@@ -67,6 +67,50 @@ def test_interactive_goes_first_then_arrival_order_and_nothing_overtakes() -> No
     assert len(backlog) == 1
 
 
+def test_tenants_take_turns_within_a_class() -> None:
+    inflight, clock = InFlight(), Clock()
+    backlog: Backlog[str] = Backlog(inflight, max_requests=100, clock=clock)
+    full = to(view("w", running=SLOTS + ENGINE_QUEUE))
+    for n in range(5):  # a tenant with five waiting, then two others
+        backlog.push("m", "interactive", 200.0, lambda: full, f"noisy{n}", "noisy")
+    backlog.push("m", "interactive", 200.0, lambda: full, "quiet0", "quiet")
+    backlog.push("m", "batch", 200.0, lambda: full, "batch0", "other")
+    backlog.push("m", "interactive", 200.0, lambda: full, "quiet1", "quiet")
+    def order() -> list[str]:
+        return [item.payload for item in sorted(backlog._queues["m"])]
+
+    # noisy0 and quiet0 share the first turn (arrival decides), then one each; batch last.
+    assert order() == ["noisy0", "quiet0", "noisy1", "quiet1", "noisy2", "noisy3", "noisy4",
+                       "batch0"]
+    room = to(view("w", running=0))
+    for item in backlog._queues["m"]:
+        item.pick = lambda: room
+    assert [item.payload for item, _ in backlog.due()] == [
+        "noisy0", "quiet0", "noisy1", "quiet1", "noisy2"]  # room for SLOTS + ENGINE_QUEUE
+    # A tenant arriving now starts at the turn being served (3), not at turn 1 ahead of
+    # everyone: after noisy3 (turn 4, queued first), before noisy4 (turn 5).
+    backlog.push("m", "interactive", 200.0, lambda: full, "late", "late")
+    assert order() == ["noisy3", "late", "noisy4", "batch0"]
+
+
+def test_a_full_queue_refuses_the_tenant_that_holds_most_of_it() -> None:
+    inflight, clock = InFlight(), Clock()
+    backlog: Backlog[str] = Backlog(inflight, max_requests=4, clock=clock)
+    full = to(view("w", running=SLOTS + ENGINE_QUEUE))
+    for n in range(4):
+        backlog.push("m", "interactive", 200.0, lambda: full, f"noisy{n}", "noisy")
+    with pytest.raises(QueueFull):  # its own tenant holds the most: refused
+        backlog.push("m", "interactive", 200.0, lambda: full, "noisy4", "noisy")
+    backlog.push("m", "interactive", 200.0, lambda: full, "quiet0", "quiet")
+    assert [item.payload for item in backlog.evicted] == ["noisy3"]  # its newest
+    backlog.evicted.clear()
+    backlog.push("m", "interactive", 200.0, lambda: full, "quiet1", "quiet")
+    assert [item.payload for item in backlog.evicted] == ["noisy2"]
+    with pytest.raises(QueueFull):  # two each: nobody holds more than quiet would
+        backlog.push("m", "interactive", 200.0, lambda: full, "quiet2", "quiet")
+    assert len(backlog) == 4 and backlog.refused == 4
+
+
 def test_a_wait_ends_at_its_deadline_and_a_full_queue_refuses() -> None:
     backlog, inflight, clock, full = setup()
     backlog.push("m", "interactive", 101.0, lambda: full, "a")

@@ -29,6 +29,11 @@ class BatchConfig(BaseModel):
     max_file_bytes: int = Field(
         default=200 * 1024 * 1024, ge=1024, le=8 * 1024 * 1024 * 1024,
         description="largest file a client may upload (413 beyond it)")
+    max_files_per_tenant: int = Field(
+        default=10_000, ge=1, le=10_000_000,
+        description="most files one tenant (one owner, without API keys) may keep stored, "
+        "batch output and error files included; an upload beyond it is refused (429 "
+        "file_limit_reached) until files are deleted")
     max_lines: int = Field(
         default=50_000, ge=1, le=MAX_LINES,
         description="most requests in one batch's input file (400 beyond it)")

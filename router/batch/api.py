@@ -4,18 +4,25 @@
 
 A tenant (the API key's) sees only its own batches and files; another tenant's batch is
 answered as an unknown one (404). Without API keys configured everything belongs to one
-anonymous owner.
+anonymous owner. Each call (and each Files API call) is one request against the key's and
+the tenant's `requests_per_min` (`admitted`): 429 with Retry-After beyond them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import Any
+from collections.abc import Awaitable
+from dataclasses import replace
+from typing import Any, TypeVar
 
-from aiohttp import web
+from aiohttp import StreamReader, web
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from router.admission.gate import Admission
+from router.auth.config import AuthConfig
 from router.auth.keys import Principal
 from router.batch.files import FileStore, FilesUnavailable
 from router.batch.lines import BATCH_ENDPOINTS
@@ -23,6 +30,8 @@ from router.batch.record import Batch, new_batch_id
 from router.batch.state import BatchesUnavailable, BatchStore
 from router.config_reload import ConfigHolder
 from router.core.errors import ApiError
+from router.core.parse import ParsedRequest
+from worker.redis_client import raise_if_cancelling
 
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_METADATA_PAIRS = 16
@@ -31,11 +40,72 @@ MAX_METADATA_VALUE_CHARS = 512
 MAX_CREATE_BODY_BYTES = 64 * 1024
 DEFAULT_PAGE = 20
 MAX_PAGE = 100
+T = TypeVar("T")
+# What a Files or Batch API call is charged: one request, no tokens.
+_ONE_REQUEST = ParsedRequest(model="", stream=False, prompt_tokens=0, completion_tokens=0)
 
 
 def _unavailable() -> ApiError:
     return ApiError(503, "batches cannot be reached right now; retry shortly",
                     code="store_unavailable", headers={"Retry-After": "1"})
+
+
+class UploadStalled(Exception):
+    """The client sent nothing of its request's body for `router.client_timeouts.body_s`."""
+
+
+class ClientReads:
+    """Reads of a request's body, each cut off (`UploadStalled`) when no byte of it
+    arrives for `idle_s`: a long upload may take as long as it needs while it sends."""
+
+    def __init__(self, content: StreamReader, idle_s: float) -> None:
+        self._content = content
+        self._idle_s = idle_s
+
+    async def __call__(self, read: Awaitable[T]) -> T:
+        # Never cancelled while bytes still come (that would lose what it read): waited
+        # for again as long as the body grew meanwhile, also by bytes that came while the
+        # host stalled this process (fed before the timer fires).
+        reading = asyncio.ensure_future(read)
+        content = self._content
+        try:
+            seen = -1
+            while seen != content.total_bytes:
+                seen = content.total_bytes
+                await asyncio.wait((reading,), timeout=self._idle_s)
+                if reading.done():
+                    return reading.result()
+        finally:
+            if not reading.done():  # ended before the body may be read on (aiohttp drains it)
+                reading.cancel()
+                await asyncio.wait((reading,))
+        raise UploadStalled
+
+
+async def admitted(admission: Admission | None, request: web.Request, auth: AuthConfig
+                   ) -> tuple[Principal | None, dict[str, str] | None]:
+    """The caller of a Files or Batch API call (None without API keys; 401) and the
+    x-ratelimit-* headers for its answer, once the call is charged as one request against
+    the key's and the tenant's request limits (429 with Retry-After beyond them, as for
+    inference). Token limits do not apply, nor the key's list of models."""
+    if admission is None:
+        return None, None
+    principal = admission.authenticate(request.headers, auth)
+    if principal is None:
+        return None, None
+    rate_headers = await admission.admit(replace(principal, allowed_models=None),
+                                         _ONE_REQUEST, auth)
+    return principal, rate_headers
+
+
+async def files_kept(redis: Redis, owner_key: str) -> int:
+    """How many files the owner whose listing is `owner_key` (FileStore.owner_key) keeps,
+    batch output included. Raises FilesUnavailable."""
+    try:
+        return int(await redis.zcard(owner_key))
+    except (RedisError, OSError) as exc:
+        raise_if_cancelling()
+        raise FilesUnavailable(str(exc)) from None
 
 
 def _not_found(batch_id: str) -> ApiError:
@@ -52,19 +122,18 @@ class BatchesApi:
         self.admission = admission
         self.configs = configs
 
-    def _caller(self, request: web.Request) -> Principal | None:
-        """The caller's principal (401 without a valid key when keys are configured);
+    async def _caller(self, request: web.Request
+                      ) -> tuple[Principal | None, dict[str, str] | None]:
+        """The caller's principal and its x-ratelimit-* headers (`admitted`: 401, 429);
         404 when the Batch API is switched off."""
         config = self.configs.current
         if not config.batch.enabled:
             raise ApiError(404, "the Batch API is not enabled on this router")
-        if self.admission is None:
-            return None
-        return self.admission.authenticate(request.headers, config.auth)
+        return await admitted(self.admission, request, config.auth)
 
     async def create(self, request: web.Request) -> web.Response:
-        principal = self._caller(request)
-        body = await _json_body(request)
+        principal, rate_headers = await self._caller(request)
+        body = await _json_body(request, self.configs.current.router.client_timeouts.body_s)
         endpoint = body.get("endpoint")
         if not isinstance(endpoint, str) or endpoint not in BATCH_ENDPOINTS:
             raise ApiError(400, f"'endpoint' must be one of {', '.join(BATCH_ENDPOINTS)}",
@@ -112,13 +181,14 @@ class BatchesApi:
             batch = await self.store.create(doc)
         except BatchesUnavailable:
             raise _unavailable() from None
-        return web.json_response(batch.to_openai())
+        return web.json_response(batch.to_openai(), headers=rate_headers)
 
     async def retrieve(self, request: web.Request) -> web.Response:
-        return web.json_response((await self._batch(request)).to_openai())
+        batch, rate_headers = await self._batch(request)
+        return web.json_response(batch.to_openai(), headers=rate_headers)
 
     async def cancel(self, request: web.Request) -> web.Response:
-        batch = await self._batch(request)
+        batch, rate_headers = await self._batch(request)
         try:
             if not await self.store.cancel(batch.id):
                 raise ApiError(409, f"Cannot cancel a batch with status '{batch.status}'.",
@@ -126,10 +196,10 @@ class BatchesApi:
             cancelled = await self.store.get(batch.id, batch.owner)
         except BatchesUnavailable:
             raise _unavailable() from None
-        return web.json_response((cancelled or batch).to_openai())
+        return web.json_response((cancelled or batch).to_openai(), headers=rate_headers)
 
     async def list(self, request: web.Request) -> web.Response:
-        principal = self._caller(request)
+        principal, rate_headers = await self._caller(request)
         query = request.query
         try:
             limit = int(query.get("limit", DEFAULT_PAGE))
@@ -148,10 +218,12 @@ class BatchesApi:
         return web.json_response({
             "object": "list", "data": data,
             "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": more})
+            "last_id": data[-1]["id"] if data else None, "has_more": more},
+            headers=rate_headers)
 
-    async def _batch(self, request: web.Request) -> Batch:
-        principal = self._caller(request)
+    async def _batch(self, request: web.Request
+                     ) -> tuple[Batch, dict[str, str] | None]:
+        principal, rate_headers = await self._caller(request)
         batch_id = request.match_info["batch_id"]
         if not batch_id.startswith("batch_") or len(batch_id) > 64:
             raise _not_found(batch_id)
@@ -162,15 +234,16 @@ class BatchesApi:
             raise _unavailable() from None
         if batch is None:
             raise _not_found(batch_id)
-        return batch
+        return batch, rate_headers
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+async def _json_body(request: web.Request, idle_s: float) -> dict[str, Any]:
     if (request.content_length or 0) > MAX_CREATE_BODY_BYTES:
         raise ApiError(413, f"request body is too large (limit {MAX_CREATE_BODY_BYTES} bytes)")
     parts: list[bytes] = []
     size = 0
-    while chunk := await request.content.readany():
+    reads = ClientReads(request.content, idle_s)
+    while chunk := await _within(reads, request.content.readany(), idle_s):
         size += len(chunk)
         if size > MAX_CREATE_BODY_BYTES:
             raise ApiError(413, f"request body is too large (limit {MAX_CREATE_BODY_BYTES} "
@@ -186,6 +259,14 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return body
+
+
+async def _within(reads: ClientReads, read: Awaitable[bytes], idle_s: float) -> bytes:
+    try:
+        return await reads(read)
+    except UploadStalled:
+        raise ApiError(408, f"the request body stopped: nothing of it arrived for "
+                       f"{idle_s:g} s") from None
 
 
 def _metadata(value: Any) -> dict[str, str] | None:

@@ -13,9 +13,13 @@ order: a `purpose` sent first (as OpenAI's clients do) is checked before any of 
 is read; a `file` sent first is stored, then dropped if the purpose turns out bad.
 
 Each caller sees only its tenant's files (router.batch.files): another tenant's file is
-answered as OpenAI answers an unknown id, `404 No such File object: file-...`. With
-`batch.enabled: false` every path answers 404. Redis or the blob store unreachable: 503
-with Retry-After; an error never names a path, a bucket or a backend's own message.
+answered as OpenAI answers an unknown id, `404 No such File object: file-...`. Each call
+is a request against the key's and tenant's request limits (429; router.batch.api.
+admitted); a tenant keeps at most `batch.max_files_per_tenant` files (429 at upload); an
+upload whose client sends nothing for `router.client_timeouts.body_s` is answered 408,
+nothing of it kept. With `batch.enabled: false` every path answers 404. Redis or the blob
+store unreachable: 503 with Retry-After; an error never names a path, a bucket or a
+backend's own message.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from typing import TypeVar, get_args
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import BadHttpMessage
+from redis.asyncio import Redis
 
 from router.admission.gate import Admission
+from router.batch.api import ClientReads, UploadStalled, admitted, files_kept
 from router.batch.blobs import BlobNotFound, BlobStoreError, open_blob_store
 from router.batch.files import (
     MAX_LIST_LIMIT,
@@ -61,7 +67,7 @@ MAX_FORM_PARTS = 16
 FORM_OVERHEAD_BYTES = 64 * 1024
 
 T = TypeVar("T")
-_OUTCOMES = {400: "bad_request", 404: "not_found", 413: "too_large"}
+_OUTCOMES = {400: "bad_request", 404: "not_found", 408: "stalled", 413: "too_large", 429: "limited"}
 
 
 @dataclass
@@ -70,8 +76,9 @@ class FilesStats:
 
     `requests[(operation, outcome)]`: operation "upload", "retrieve", "list", "content",
     "delete"; outcome "ok"; "bad_request" (400); "not_found" (404: unknown, or another
-    tenant's); "too_large" (413); "unavailable" (503: Redis or the blob store);
-    "content_missing" (a record whose content the blob store does not have);
+    tenant's); "stalled" (408: an upload the client stopped sending); "too_large" (413);
+    "limited" (429: a rate limit, or the tenant's file count); "unavailable" (503: Redis
+    or the blob store); "content_missing" (a record whose content the store has not);
     "cut_short" (a download the store failed in the middle of).
     `transferred_bytes`: "uploaded", "downloaded".
     """
@@ -99,38 +106,39 @@ def not_found(file_id: str) -> ApiError:
 class FilesApi:
     """The Files API's handlers (see the module doc); `add_routes` registers them."""
 
-    def __init__(self, store: FileStore, admission: Admission | None, configs: ConfigHolder,
-                 stats: FilesStats | None = None) -> None:
+    def __init__(self, store: FileStore, redis: Redis, admission: Admission | None,
+                 configs: ConfigHolder, stats: FilesStats | None = None) -> None:
         self.store = store
+        self._redis = redis
         self._admission = admission
         self._configs = configs
         self.stats = stats or FilesStats()
 
     async def upload(self, request: web.Request) -> web.Response:
         """POST /v1/files."""
-        owner = self._caller(request)
+        owner, rate_headers = await self._caller(request, "upload")
         record = await self._counted("upload", self._upload(request, owner))
         self.stats.requests["upload", "ok"] += 1
         self.stats.transferred_bytes["uploaded"] += record.size_bytes
-        return web.json_response(record.to_openai())
+        return web.json_response(record.to_openai(), headers=rate_headers)
 
     async def retrieve(self, request: web.Request) -> web.Response:
         """GET /v1/files/{file_id}."""
-        owner = self._caller(request)
+        owner, rate_headers = await self._caller(request, "retrieve")
         record = await self._counted("retrieve", self._record(request, owner))
         self.stats.requests["retrieve", "ok"] += 1
-        return web.json_response(record.to_openai())
+        return web.json_response(record.to_openai(), headers=rate_headers)
 
     async def list_files(self, request: web.Request) -> web.Response:
         """GET /v1/files: the caller's files, newest first unless `order=asc`."""
-        owner = self._caller(request)
+        owner, rate_headers = await self._caller(request, "list")
         page = await self._counted("list", self._page(request, owner))
         self.stats.requests["list", "ok"] += 1
-        return web.json_response(page.to_openai())
+        return web.json_response(page.to_openai(), headers=rate_headers)
 
     async def content(self, request: web.Request) -> web.StreamResponse:
         """GET /v1/files/{file_id}/content: the bytes as uploaded, streamed."""
-        owner = self._caller(request)
+        owner, rate_headers = await self._caller(request, "content")
         record = await self._counted("content", self._record(request, owner))
         try:
             chunks = await self._counted("content", self.store.open(record.id))
@@ -138,7 +146,8 @@ class FilesApi:
             self.stats.requests["content", "content_missing"] += 1
             raise ApiError(500, f"the content of {record.id} is missing from this router's "
                            "file storage", code="file_content_missing") from None
-        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        response = web.StreamResponse(headers={**(rate_headers or {}),
+                                               "Content-Type": "application/octet-stream"})
         response.content_length = record.size_bytes
         await response.prepare(request)
         try:
@@ -155,25 +164,37 @@ class FilesApi:
 
     async def delete(self, request: web.Request) -> web.Response:
         """DELETE /v1/files/{file_id}."""
-        owner = self._caller(request)
+        owner, rate_headers = await self._caller(request, "delete")
         file_id = request.match_info["file_id"]
         if not await self._counted("delete", self.store.delete(file_id, owner)):
             self.stats.requests["delete", "not_found"] += 1
             raise not_found(file_id)
         self.stats.requests["delete", "ok"] += 1
-        return web.json_response({"id": file_id, "object": "file", "deleted": True})
+        return web.json_response({"id": file_id, "object": "file", "deleted": True},
+                                 headers=rate_headers)
 
     # -- the parts --
-    def _caller(self, request: web.Request) -> str | None:
-        """The caller's tenant (None without API keys). Raises ApiError: 404 when the
-        Files API is off, 401."""
+    async def _caller(self, request: web.Request, operation: str
+                      ) -> tuple[str | None, dict[str, str] | None]:
+        """The caller's tenant (None without API keys) and its x-ratelimit-* headers, the
+        call charged as one request (`admitted`). Raises ApiError: 404 when the Files API
+        is off, 401, 429."""
         config = self._configs.current
         if not config.batch.enabled:
             raise ApiError(404, "the Files API is not enabled on this router")
-        if self._admission is None:
-            return None
-        principal = self._admission.authenticate(request.headers, config.auth)
-        return None if principal is None else principal.tenant
+        principal, rate_headers = await self._counted(
+            operation, admitted(self._admission, request, config.auth))
+        return None if principal is None else principal.tenant, rate_headers
+
+    async def _room_for_one_more(self, owner: str | None) -> None:
+        """ApiError(429) when `owner` has `batch.max_files_per_tenant` files (uploads at
+        the same moment may pass it by a few); FilesUnavailable."""
+        limit = self._configs.current.batch.max_files_per_tenant
+        stored = await files_kept(self._redis, self.store.owner_key(owner))
+        if stored >= limit:
+            raise ApiError(429, f"you have {stored} files stored; at most {limit} may be "
+                           "kept: delete some before uploading more",
+                           code="file_limit_reached", param="file")
 
     async def _record(self, request: web.Request, owner: str | None) -> FileRecord:
         file_id = request.match_info["file_id"]
@@ -207,15 +228,22 @@ class FilesApi:
         length = request.content_length
         if length is not None and length > max_bytes + FORM_OVERHEAD_BYTES:
             raise _too_large(max_bytes)
+        await self._room_for_one_more(owner)
+        idle_s = self._configs.current.router.client_timeouts.body_s
         form = _Form()
         try:
-            await self._read_form(request, owner, max_bytes, form)
+            await self._read_form(request, owner, max_bytes, form,
+                                  ClientReads(request.content, idle_s))
             if form.purpose is None:
                 raise ApiError(400, "missing the 'purpose' field: one of "
                                f"{', '.join(UPLOAD_PURPOSES)}", param="purpose")
         except FileTooLarge as exc:
             await self._discard(form)
             raise _too_large(exc.max_bytes) from None
+        except UploadStalled:
+            await self._discard(form)
+            raise ApiError(408, f"the upload stopped: nothing of it arrived for {idle_s:g} s",
+                           code="upload_timed_out") from None
         except (ValueError, BadHttpMessage):
             await self._discard(form)
             raise ApiError(400, "the multipart/form-data body is malformed") from None
@@ -230,10 +258,10 @@ class FilesApi:
         return await self.store.commit(form.staged, owner, form.filename, form.purpose)
 
     async def _read_form(self, request: web.Request, owner: str | None, max_bytes: int,
-                         form: _Form) -> None:
+                         form: _Form, reads: ClientReads) -> None:
         reader = await request.multipart()
         for _ in range(MAX_FORM_PARTS):
-            part = await reader.next()
+            part = await reads(reader.next())
             if part is None:
                 return
             if not isinstance(part, BodyPartReader):
@@ -241,18 +269,19 @@ class FilesApi:
             if part.name == "file":
                 if form.staged is not None or form.record is not None:
                     raise ApiError(400, "one file per upload", param="file")
+                chunks = _part_chunks(part, reads)
                 if form.purpose is None:  # not known yet: stored, then checked
                     form.filename = part.filename
-                    form.staged = await self.store.upload(_part_chunks(part), max_bytes)
+                    form.staged = await self.store.upload(chunks, max_bytes)
                 else:
                     form.record = await self.store.create(
-                        owner, part.filename, form.purpose, _part_chunks(part), max_bytes)
+                        owner, part.filename, form.purpose, chunks, max_bytes)
             elif part.name == "purpose":
                 if form.purpose is not None:
                     raise ApiError(400, "'purpose' is given twice", param="purpose")
-                form.purpose = _checked_purpose(await _field_text(part, "purpose"))
+                form.purpose = _checked_purpose(await _field_text(part, "purpose", reads))
             else:  # OpenAI's `expires_after[...]`, and the like: not kept here
-                await _field_text(part, part.name or "field")
+                await _field_text(part, part.name or "field", reads)
         raise ApiError(400, f"more than {MAX_FORM_PARTS} fields in the form")
 
     async def _discard(self, form: _Form) -> None:
@@ -298,7 +327,7 @@ async def opened(redis_url: str, admission: Admission | None, configs: ConfigHol
     try:
         store = FileStore(redis, redis_client.one_slot_prefix(config.redis.key_prefix, redis_url),
                           open_blob_store(config.batch.storage), keys=keys)
-        yield FilesApi(store, admission, configs)
+        yield FilesApi(store, redis, admission, configs)
     finally:
         await redis.aclose()
 
@@ -350,10 +379,10 @@ def _checked_purpose(purpose: str) -> str:
     return purpose
 
 
-async def _field_text(part: BodyPartReader, name: str) -> str:
+async def _field_text(part: BodyPartReader, name: str, reads: ClientReads) -> str:
     """A short form field's value. Raises ApiError(400) past MAX_FIELD_BYTES."""
     value = bytearray()
-    while chunk := await part.read_chunk(MAX_FIELD_BYTES + 1):
+    while chunk := await reads(part.read_chunk(MAX_FIELD_BYTES + 1)):
         value += chunk
         if len(value) > MAX_FIELD_BYTES:
             raise ApiError(400, f"the field {name[:40]!r} is longer than {MAX_FIELD_BYTES} "
@@ -364,7 +393,7 @@ async def _field_text(part: BodyPartReader, name: str) -> str:
         raise ApiError(400, f"the field {name[:40]!r} is not UTF-8", param=name[:40]) from None
 
 
-async def _part_chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
+async def _part_chunks(part: BodyPartReader, reads: ClientReads) -> AsyncIterator[bytes]:
     """The file part's bytes as they arrive."""
-    while chunk := await part.read_chunk(UPLOAD_CHUNK_BYTES):
+    while chunk := await reads(part.read_chunk(UPLOAD_CHUNK_BYTES)):
         yield chunk

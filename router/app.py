@@ -25,7 +25,6 @@ from router.batch import service as batch_service
 from router.batch.service import BatchService
 from router.compiled import compiled_modules
 from router.config import GlobalConfig
-from router.core.endpoints import KIND_BY_PATH
 from router.core.errors import openai_errors
 from router.core.stats import SecurityStats
 from router.event_loop import new_event_loop, tune_gc
@@ -34,6 +33,7 @@ from router.policy import RoutingContext, create_policy
 from router.policy.batch_room import BatchRoom
 from router.processes import ProcessSlot
 from router.proxy import catalog
+from router.proxy.aiohttp_server import add_inference_routes
 from router.proxy.exchange import AiohttpExchange, InferenceHandler
 from router.proxy.handlers import Proxy
 from router.proxy.request_id import answer_with_request_id
@@ -122,8 +122,7 @@ def build_app(settings: RouterSettings) -> web.Application:
     app[OPERATIONS] = operations
     app.cleanup_ctx.append(_operations)
     operations.add_routes(app)
-    for path in KIND_BY_PATH:
-        app.router.add_post(path, _inference)
+    add_inference_routes(app, _inference, PROXY)  # (their `Expect` answered first)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model_id:.+}", _model)  # ids may hold '/'
     app.router.add_get("/health", _health)

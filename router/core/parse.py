@@ -6,7 +6,7 @@ import json
 import zlib
 from typing import Any, NamedTuple
 
-from pydantic_core import from_json
+from pydantic_core import SchemaValidator, ValidationError, core_schema, from_json
 
 from router.core.errors import ApiError
 
@@ -104,23 +104,41 @@ def nesting_depth_exceeds(document: Any, limit: int) -> bool:
     return False
 
 
+# vLLM's request models read integer fields with pydantic's lax rules: 2000.0, "2000" and
+# " 2_000 " are 2000 to the engine, so they are to the router's token charges too.
+_LAX_INT = SchemaValidator(core_schema.int_schema())
+
+
+def lax_int(value: Any) -> int | None:
+    """`value` as vLLM's pydantic reads an integer field; None for null or what it refuses
+    (the engine answers that request 400 itself)."""
+    if type(value) is int or value is None:
+        return value
+    try:
+        return int(_LAX_INT.validate_python(value))
+    except ValidationError:
+        return None
+
+
 def _requested_tokens(document: dict[str, Any], choices: int) -> int | None:
-    limit = document.get("max_completion_tokens", _MISSING)
-    if limit is _MISSING:
-        limit = document.get("max_tokens")
-    if type(limit) is not int or limit < 0:  # not a bool either (a subclass of int)
+    # vLLM generates `max_completion_tokens or max_tokens` (a null or 0 falls through).
+    value = document.get("max_completion_tokens")
+    limit: int | None = value if type(value) is int else lax_int(value)
+    if not limit:
+        value = document.get("max_tokens")
+        limit = value if type(value) is int else lax_int(value)
+    if limit is None or limit < 0:
         return None
     return limit * choices
 
 
 def _choices(document: dict[str, Any]) -> int:
-    choices = document.get("n", 1)
-    if type(choices) is not int or not 1 <= choices <= 128:
+    """`n` as the engine reads it; 1 for null or what the engine refuses (n < 1, 2.5)."""
+    value = document.get("n", 1)
+    choices: int | None = value if type(value) is int else lax_int(value)
+    if choices is None or choices < 1:
         return 1
     return choices
-
-
-_MISSING = object()
 
 
 def _text_chars(content: Any) -> int:
@@ -224,10 +242,10 @@ def _parse_messages(document: dict[str, Any], model: str, stream: bool) -> Parse
         raise ApiError(400, "each message must be an object", param="messages")
     contents = [document.get("system"), *(message.get("content") for message in messages)]
     chars = sum(_text_chars(content) for content in contents)
-    limit = document.get("max_tokens")
+    limit = lax_int(document.get("max_tokens"))
     return ParsedRequest(
         model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
-        completion_tokens=limit if type(limit) is int and limit >= 0 else None,
+        completion_tokens=limit if limit is not None and limit >= 0 else None,
         prefix_keys=prefix_keys_of(contents) if chars >= PREFIX_CHARS else ())
 
 
@@ -268,10 +286,10 @@ def _parse_responses(document: dict[str, Any], model: str, stream: bool) -> Pars
     contents = [instructions if isinstance(instructions, str) else ""] + [
         item.get("content") if isinstance(item, dict) else item for item in items]
     chars = sum(_text_chars(content) for content in contents)
-    limit = document.get("max_output_tokens")
+    limit = lax_int(document.get("max_output_tokens"))
     return ParsedRequest(
         model=model, stream=stream, prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
-        completion_tokens=limit if type(limit) is int and limit >= 0 else None,
+        completion_tokens=limit if limit is not None and limit >= 0 else None,
         prefix_keys=prefix_keys_of(contents) if chars >= PREFIX_CHARS else (),
         previous_response_id=previous, store=store)
 

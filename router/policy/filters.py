@@ -58,17 +58,17 @@ def the_only_worker(snapshot: Snapshot, request: RouteRequest, now_s: float) -> 
     view = snapshot.workers.get(request.only_worker or "")
     model = request.model
     if view is None or not view.fresh(snapshot.freshness_now(now_s)):
-        raise NoRoute(f"the worker that holds this conversation of the model {model!r} is "
+        raise NoRoute(f"the worker that holds this conversation of the model {shown(model)} is "
                       "gone", code="model_unavailable")
     if model not in view.served:
-        raise NoRoute(f"the worker that holds this conversation does not serve {model!r}",
+        raise NoRoute(f"the worker that holds this conversation does not serve {shown(model)}",
                       code="model_unavailable")
     allowed = request.allowed_regions
     if allowed is not None and view.region not in allowed:
         raise NoRoute(f"this conversation is held outside the regions this API key may use "
                       f"({_regions(request)}); it is not sent there", code="region_unavailable")
     if view.worker_id in request.exclude or view.heartbeat.state not in _HOLDS_STATE:
-        raise NoRoute(f"the worker that holds this conversation of the model {model!r} "
+        raise NoRoute(f"the worker that holds this conversation of the model {shown(model)} "
                       "cannot take it now")
     return view
 
@@ -98,21 +98,31 @@ def no_route(serving: tuple[WorkerView, ...], request: RouteRequest,
     model = request.model
     live = [view for view in serving if view.fresh(freshness_now)]
     if not live:
-        return NoRoute(f"no live worker serves the model {model!r}", code="model_unavailable")
+        return NoRoute(f"no live worker serves the model {shown(model)}", code="model_unavailable")
     takers = [view for view in live if view.heartbeat.state in _TAKES_REQUESTS]
     drained = request.drained
     undrained = [view for view in takers if not drained.covers(view)]
     if not undrained and any(_draining(view, request) for view in live):
-        return NoRoute(f"every live worker of the model {model!r} is draining or drained "
+        return NoRoute(f"every live worker of the model {shown(model)} is draining or drained "
                        "(an operator's decision, or the workers are stopping)", code="draining")
     allowed = request.allowed_regions
     if allowed is not None and undrained and not any(view.region in allowed
                                                      for view in undrained):
-        return NoRoute(f"no worker of the model {model!r} in the regions this API key may "
+        return NoRoute(f"no worker of the model {shown(model)} in the regions this API key may "
                        f"use ({_regions(request)}) can take a request now; it is not sent "
                        "elsewhere", code="region_unavailable")
-    return NoRoute(f"no worker of the model {model!r} can take a request now")
+    return NoRoute(f"no worker of the model {shown(model)} can take a request now")
 
+
+# The most of a model's name that an error message echoes: a client may send megabytes.
+MAX_SHOWN_MODEL_CHARS = 256
+
+
+def shown(model: str) -> str:
+    """`model` quoted for a message, cut to MAX_SHOWN_MODEL_CHARS characters."""
+    if len(model) <= MAX_SHOWN_MODEL_CHARS:
+        return repr(model)
+    return repr(model[:MAX_SHOWN_MODEL_CHARS]) + f"... ({len(model)} characters)"
 
 _TAKES_REQUESTS = frozenset({LifecycleState.READY, LifecycleState.DEGRADED})
 # A worker that holds stored responses serves requests about them while it runs at all.
@@ -122,9 +132,10 @@ _HOLDS_STATE = _TAKES_REQUESTS | {LifecycleState.DRAINING}
 def _no_worker(snapshot: Snapshot, model: str, now_s: float) -> NoRoute:
     """No worker serves `model`: one did lately (503), or maybe none ever did (404)."""
     if snapshot.knows_model(model, now_s):
-        return NoRoute(f"no live worker serves the model {model!r}", code="model_unavailable")
-    return NoRoute(f"no worker serves the model {model!r} or has lately", model_known=False,
-                   code="model_unavailable")
+        return NoRoute(f"no live worker serves the model {shown(model)}",
+                       code="model_unavailable")
+    return NoRoute(f"no worker serves the model {shown(model)} or has lately",
+                   model_known=False, code="model_unavailable")
 
 
 def _draining(view: WorkerView, request: RouteRequest) -> bool:

@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from aiohttp import web
+from aiohttp.http_exceptions import (
+    ContentEncodingError,
+    ContentLengthError,
+    DecompressSizeError,
+    HttpProcessingError,
+    LineTooLong,
+    TransferEncodingError,
+)
 
 from router.core.errors import ApiError, error_body
 from router.proxy.transcript import Transcript
@@ -111,6 +119,39 @@ class Exchange(Protocol):
 
 InferenceHandler = Callable[[Exchange], Awaitable[Reply]]
 
+# The Content-Encodings of request bodies that aiohttp's server inflates (br and zstd when
+# their libraries are installed; without them its parser refuses the head, 400).
+DECODED_ENCODINGS = frozenset({"identity", "gzip", "x-gzip", "deflate", "br", "zstd"})
+# The error code of a body that cannot be read to its end: its connection is closed.
+MALFORMED_BODY = "malformed_body"
+
+
+async def read_whole(request: web.Request) -> bytes:
+    """The whole (inflated) body of a request aiohttp's server received. ApiError(413) past
+    `client_max_size` (router.max_body_bytes; aiohttp inflates no further), ApiError(400,
+    code "malformed_body") for a body its framing or compression breaks."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, "request body is too large (limit "
+                       f"{request.client_max_size} bytes, once inflated)") from None
+    except (web.RequestPayloadError, HttpProcessingError) as exc:
+        cause = exc.__cause__ if isinstance(exc, web.RequestPayloadError) else exc
+        request.content.feed_eof()  # nothing more to read: aiohttp does not linger on it
+        raise ApiError(400, f"the request body is malformed: {_payload_fault(cause)}",
+                       code=MALFORMED_BODY) from None
+
+
+def _payload_fault(exc: BaseException | None) -> str:
+    """What broke a request body, in the router's words (aiohttp's quote client bytes)."""
+    if isinstance(exc, (ContentEncodingError, DecompressSizeError)):
+        return "its compressed data does not inflate"
+    if isinstance(exc, (TransferEncodingError, LineTooLong)):
+        return "its chunked framing is invalid"
+    if isinstance(exc, ContentLengthError):
+        return "it is shorter than its Content-Length"
+    return "it cannot be read"
+
 
 class AiohttpExchange:
     """An inference request that aiohttp's server received (handed-over connections)."""
@@ -139,11 +180,15 @@ class AiohttpExchange:
 
     async def read_body(self, timeout_s: float) -> bytes:
         request = self._request
+        encoding = request.headers.get("Content-Encoding")
+        if encoding is not None and encoding.lower() not in DECODED_ENCODINGS:
+            raise ApiError(415, "unsupported Content-Encoding: send the body as identity, "
+                           "gzip or deflate")
         if request.content.is_eof():
-            return await request.read()  # already all here: nothing to time out
+            return await read_whole(request)  # already all here: nothing to time out
         # One read, waited for twice (see STALL_GRACE_S): cancelling it would lose the
         # part it read.
-        reading = asyncio.ensure_future(request.read())
+        reading = asyncio.ensure_future(read_whole(request))
         done, _ = await asyncio.wait((reading,), timeout=timeout_s)
         if not done:
             done, _ = await asyncio.wait((reading,), timeout=STALL_GRACE_S)
@@ -212,4 +257,7 @@ class AiohttpExchange:
         if reply.streamed:
             assert self.response is not None
             return self.response
-        return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
+        response = web.Response(status=reply.status, body=reply.body, headers=reply.headers)
+        if reply.status == 400 and b'"malformed_body"' in reply.body:
+            response.force_close()  # its framing is broken: nothing after it can be read
+        return response

@@ -32,7 +32,8 @@ from router.proxy.upstream.connection import UpstreamConnection
 
 log = logging.getLogger("globalpool.front")
 
-# A request head longer than this goes to aiohttp, whose limits answer it.
+# A request head longer than this (or of more than front_head.MAX_HEADERS headers) goes
+# to aiohttp, whose limits answer it.
 MAX_HEAD_BYTES = 16 * 1024
 # The name of a connection's task (one per connection, serving its requests in turn).
 TASK_NAME = "front-connection"
@@ -136,8 +137,8 @@ class FrontProtocol(asyncio.Protocol):
     def _next_request(self) -> None:
         buffer = self._buffer
         end = buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buffer) > MAX_HEAD_BYTES:
+        if end < 0 or end > MAX_HEAD_BYTES:
+            if end >= 0 or len(buffer) > MAX_HEAD_BYTES:
                 self._hand_over()
             return
         request = parse_head(bytes(buffer[:end]))

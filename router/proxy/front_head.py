@@ -10,6 +10,8 @@ from __future__ import annotations
 from router.core.endpoints import KIND_BY_PATH
 from router.proxy.upstream.response_head import UNIQUE_VALUE_HEADERS, remember_line
 
+# More header lines than this go to aiohttp, which refuses them (its own limit, 128).
+MAX_HEADERS = 128
 # Headers that may appear once: a repeated one goes to aiohttp's stricter parser.
 _SINGLE_HEADERS = frozenset({"content-length", "host", "authorization"})
 
@@ -43,6 +45,8 @@ def parse_head(head: bytes) -> tuple[str, dict[str, str], int, bool] | None:
     text = head.decode("latin-1")
     lines = text.split("\r\n")
     breaks = len(lines) - 1
+    if breaks > MAX_HEADERS:
+        return None
     if text.count("\n") != breaks or text.count("\r") != breaks or "\x00" in text:
         return None  # a bare CR or LF, or a NUL: not ours to interpret
     path = _REQUEST_LINES.get(lines[0])  # POST, an inference path, HTTP/1.1
@@ -62,7 +66,9 @@ def parse_head(head: bytes) -> tuple[str, dict[str, str], int, bool] | None:
                 return None
             value = f"{headers[key]}, {value}"
         headers[key] = value
-    if "transfer-encoding" in headers or "expect" in headers or "upgrade" in headers:
+    # aiohttp reads (and inflates: Content-Encoding) the bodies the front does not.
+    if ("transfer-encoding" in headers or "expect" in headers or "upgrade" in headers
+            or "content-encoding" in headers):
         return None
     raw_length = headers.get("content-length", "0")
     if not raw_length.isdigit() or not raw_length.isascii() or len(raw_length) > 12:

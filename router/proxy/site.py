@@ -14,6 +14,7 @@ import socket
 
 from aiohttp import web
 
+from router.proxy.aiohttp_server import json_errors_handler
 from router.proxy.exchange import InferenceHandler
 from router.proxy.front import FrontProtocol
 from router.proxy.shares import DEFER_S, MAX_DEFERS, ConnectionShares
@@ -55,7 +56,7 @@ class FrontSite(web.TCPSite):
     def aiohttp_protocol(self) -> asyncio.Protocol:
         server = self._runner.server
         assert server is not None
-        return server()
+        return json_errors_handler(server)  # (aiohttp's errors in OpenAI's format)
 
     async def start(self) -> None:
         self._runner._reg_site(self)

@@ -32,13 +32,22 @@ from openai import AsyncOpenAI, NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
 from lab.devstack.valkey import EmbeddedValkey, free_port
+from tests.conftest import skip_unless_slow_tests_are_asked_for
 from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import OpsFleet, wait_for
 from tests.integration.test_batches import WORKERS, client, config, jsonl, lines_of, submit
 from worker.engine_metrics import parse_metrics
 from worker.redis_client import connect
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+# The slow tier (`pytest -m slow`): ~55 s of Valkey processes killed, frozen and filled,
+# which the default run's 15 minutes cannot spare.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(autouse=True)
+def _slow_tier(request: pytest.FixtureRequest) -> None:
+    skip_unless_slow_tests_are_asked_for(request.config, "Valkey killed, frozen and "
+                                                         "filled, ~55 s in all")
 
 ENDED = ("completed", "failed", "expired", "cancelled")
 LINE_TOKENS = 20  # ~0.2 s a line at 10 ms a decode step

@@ -1,9 +1,11 @@
 """The worker agent: heartbeats until told to stop, then drains and leaves the pool.
 
 SIGTERM or SIGINT begins a drain: the next heartbeat says `draining` (sent at once, so
-routers stop sending new requests), heartbeats continue while the engine still has
-requests running or waiting, and then the heartbeat is deleted and `gone:<id>` is
-published. A second signal stops waiting for in-flight requests.
+routers stop sending new requests), heartbeats continue until one saying `draining` was
+published and, after it, the engine has no request running or waiting, and then the
+heartbeat is deleted and `gone:<id>` is published. The drain deadline bounds the wait
+(logged if it passes before routers could have heard of the drain). A second signal
+stops waiting for in-flight requests.
 
 With `launch` the agent also runs the engine (worker.supervisor): heartbeats say
 `starting` until it is healthy and `degraded` while it is down between restarts; after
@@ -144,7 +146,8 @@ class WorkerAgent:
 
     async def _drain(self) -> None:
         # Only a probe taken after a `draining` heartbeat went out can show that no request
-        # a router sent before it saw that heartbeat is still on its way to the engine.
+        # a router sent before it saw that heartbeat is still on its way to the engine; one
+        # that Redis did not take (down, full) told no router anything.
         announced = False
         in_flight: int | None = None
         unreachable = 0
@@ -170,8 +173,15 @@ class WorkerAgent:
                                 and (self._engine is None or self._engine.down)):
                             log.warning("engine unreachable while draining; not waiting")
                             return
-                    announced = announced or beat.heartbeat.state is LifecycleState.DRAINING
+                    announced = announced or (
+                        beat.published and beat.heartbeat.state is LifecycleState.DRAINING)
         except TimeoutError:
+            if not announced:
+                log.error("drain timed out after %.1f s and no `draining` heartbeat was "
+                          "published (Redis unreachable): routers may send worker %s "
+                          "requests until its last heartbeat expires",
+                          self._drain_timeout_s, self._worker_id)
+                return
             log.warning("drain timed out after %.1f s with %s requests still in flight",
                         self._drain_timeout_s, "unknown" if in_flight is None else in_flight)
 

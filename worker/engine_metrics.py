@@ -5,7 +5,9 @@ Parsing is pure (text in, values out) so that it is tested against real vLLM cap
 vLLM renames metrics between versions, so every value records which metric it came from,
 and a value the engine does not expose is None, never a silent 0. Every number read is
 kept within the heartbeat's limits (worker.schema, MAX_*): a NaN or an infinity is legal
-Prometheus text, and a heartbeat never carries one.
+Prometheus text, and a heartbeat never carries one. Nor a negative count or fraction: a
+negative KV usage is ignored like a NaN, and a negative request count makes the body
+unusable (clamped to 0 it would advertise an idle engine whose metrics are broken).
 """
 
 from __future__ import annotations
@@ -74,20 +76,26 @@ def parse_metrics(text: str) -> MetricsSample:
     totals: dict[str, float] = {}
     kv_values: dict[str, list[float]] = {}
     cache_labels: list[Mapping[str, str]] = []
+    negative: list[str] = []
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 name, value = sample.name, float(sample.value)
                 if not name.startswith("vllm:") or not math.isfinite(value):
                     continue  # NaN, +Inf, -Inf: no number to report (as if not exposed)
-                if name == CACHE_CONFIG:
+                if name in (RUNNING, WAITING) and value < 0:
+                    negative.append(f"{name} {value:g}")
+                elif name == CACHE_CONFIG:
                     cache_labels.append(sample.labels)
                 elif name in KV_USAGE_METRICS:
-                    kv_values.setdefault(name, []).append(value)
+                    if value >= 0:  # a negative fraction is no number either (as NaN)
+                        kv_values.setdefault(name, []).append(value)
                 elif not name.endswith(("_bucket", "_created")):
                     totals[name] = totals.get(name, 0.0) + value
     except ValueError as exc:
         raise MetricsFormatError(f"not Prometheus text: {exc}") from None
+    if negative:
+        raise MetricsFormatError(f"a negative count of requests: {', '.join(negative[:4])}")
     if RUNNING not in totals or WAITING not in totals:
         raise MetricsFormatError(f"{RUNNING} or {WAITING} missing; is this a vLLM server?")
     kv_metric = next((name for name in KV_USAGE_METRICS if name in kv_values), None)

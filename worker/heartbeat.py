@@ -2,9 +2,11 @@
 
 Every interval (jittered ±20% so that a fleet restarted together does not beat in step)
 the loop probes the engine and publishes what it saw, whatever it saw: routers must learn
-that a worker went `degraded` just as much as that it is `ready`. Redis outages are
-logged once, retried with bounded backoff and never end the loop. The clock, the sleep
-and the randomness are injected so that the timing is testable.
+that a worker went `degraded` just as much as that it is `ready` (worker.lifecycle decides
+which). A heartbeat's `sent_at_s` never goes back within one agent, even when the wall
+clock does (HeartbeatLoop.sent_at_s). Redis outages are logged once, retried with bounded
+backoff and never end the loop. The clock, the sleep and the randomness are injected so
+that the timing is testable.
 """
 
 from __future__ import annotations
@@ -17,15 +19,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
-from worker.engine_metrics import MetricsSample
 from worker.engine_performance import PerformanceTracker
-from worker.probe import EngineVersion, ProbeResult, ServedModels
+from worker.lifecycle import EngineView as EngineView
+from worker.lifecycle import Lifecycle
+from worker.lifecycle import next_state as next_state
+from worker.probe import ProbeResult, ServedModels
 from worker.publisher import RedisUnavailableError
 from worker.schema import Capacity, EngineInfo, Heartbeat, LifecycleState, Load, Performance
 
 log = logging.getLogger(__name__)
 
 JITTER_FRACTION = 0.2
+# The least a heartbeat's `sent_at_s` exceeds the previous one's by (HeartbeatLoop.sent_at_s).
+SENT_AT_STEP_S = 1e-3
 
 _T = TypeVar("_T")
 
@@ -61,57 +67,18 @@ class WorkerIdentity:
 @dataclass(frozen=True)
 class HeartbeatTiming:
     """`interval_s` between heartbeats; `ttl_s` of each; `max_backoff_s` while Redis is down;
-    `failed_probes_to_degrade`: probes in a row that must fail before a `ready` worker says
-    `degraded` (a busy vLLM on few cores sometimes answers /metrics late once; a launched
-    engine that exits is `degraded` at once, whatever this says)."""
+    `failed_probes_to_degrade`: probes among the last `probe_window` that must fail before
+    a `ready` worker says `degraded` (a busy vLLM on few cores sometimes answers /metrics
+    late once; a launched engine that exits is `degraded` at once, whatever this says);
+    `good_probes_to_recover`: probes in a row that must succeed before a `degraded` worker
+    is `ready` again (so that an engine whose /health flaps is not advertised)."""
 
     interval_s: float
     ttl_s: float
     max_backoff_s: float = 2.0
     failed_probes_to_degrade: int = 2
-
-
-@dataclass(frozen=True)
-class EngineView:
-    """The latest known value of each part of the engine's state.
-
-    A probe whose /v1/models or /version failed does not erase what an earlier one learned;
-    the lifecycle state, not missing fields, is how a heartbeat reports a failing engine.
-    """
-
-    metrics: MetricsSample | None = None
-    models: ServedModels | None = None
-    version: EngineVersion | None = None
-
-    def merge(self, probe: ProbeResult) -> EngineView:
-        return EngineView(
-            metrics=probe.metrics or self.metrics,
-            models=probe.models or self.models,
-            version=probe.version or self.version,
-        )
-
-
-def next_state(
-    current: LifecycleState,
-    probe: ProbeResult,
-    view: EngineView,
-    *,
-    draining: bool,
-    engine_down: bool = False,
-) -> LifecycleState:
-    """`starting` until the engine is first healthy, measurable and lists its models; then
-    `ready` while /health and /metrics answer, `degraded` while they do not, or while a
-    supervised engine process is down (crashed, or past its start deadline) whatever an
-    earlier answer said; `draining` once a drain has begun, whatever the engine does."""
-    if draining:
-        return LifecycleState.DRAINING
-    if engine_down:
-        return LifecycleState.DEGRADED
-    if probe.engine_ok and view.models is not None:
-        return LifecycleState.READY
-    if current is LifecycleState.STARTING:
-        return LifecycleState.STARTING
-    return LifecycleState.DEGRADED
+    probe_window: int = 4
+    good_probes_to_recover: int = 3
 
 
 def jittered(interval_s: float, rng: random.Random, fraction: float = JITTER_FRACTION) -> float:
@@ -205,7 +172,10 @@ class HeartbeatLoop:
         self._sleep = sleep
         self._wall_clock = wall_clock
         self._monotonic = monotonic
-        self._state = LifecycleState.STARTING
+        self._lifecycle = Lifecycle(
+            identity.worker_id, failures_to_degrade=timing.failed_probes_to_degrade,
+            window=timing.probe_window, goods_to_recover=timing.good_probes_to_recover,
+            monotonic=monotonic)
         self._draining = False
         self._seq = 0
         self._view = EngineView()
@@ -218,11 +188,12 @@ class HeartbeatLoop:
         self._outage_started: float | None = None
         self._unpublished = 0
         self._warned_no_kv = False
-        self._failed_probes = 0
+        self._last_sent_at_s = -float("inf")
+        self._clock_behind = False
 
     @property
     def state(self) -> LifecycleState:
-        return self._state
+        return self._lifecycle.state
 
     def begin_drain(self) -> None:
         """From now on publish `draining`, starting with a heartbeat sent right away."""
@@ -260,10 +231,10 @@ class HeartbeatLoop:
         heartbeat = build_heartbeat(
             self._identity,
             self._view,
-            state=self._state,
+            state=self._lifecycle.state,
             performance=self._performance,
             seq=self._seq,
-            sent_at_s=self._wall_clock(),
+            sent_at_s=self.sent_at_s(),
             ttl_s=self._timing.ttl_s,
         )
         self._seq += 1
@@ -290,37 +261,25 @@ class HeartbeatLoop:
                     "vllm:gpu_cache_usage_perc; heartbeats say kv_usage_metric=None"
                 )
         engine_down = self._engine_process is not None and self._engine_process.down
-        state = next_state(self._state, probe, self._view, draining=self._draining,
-                           engine_down=engine_down)
-        if (state is LifecycleState.DEGRADED and self._state is LifecycleState.READY
-                and not engine_down):
-            self._failed_probes += 1
-            if self._failed_probes < self._timing.failed_probes_to_degrade:
-                log.info("worker %s: probe failed (%s); still ready until %d in a row fail",
-                         self._identity.worker_id, "; ".join(probe.errors),
-                         self._timing.failed_probes_to_degrade)
-                state = LifecycleState.READY
-        else:
-            self._failed_probes = 0
-        if state is not self._state:
-            self._log_transition(state, probe)
-            self._state = state
+        self._lifecycle.advance(probe, self._view, draining=self._draining,
+                                engine_down=engine_down)
 
-    def _log_transition(self, state: LifecycleState, probe: ProbeResult) -> None:
-        if state is LifecycleState.READY:
-            served = ", ".join(self._view.models.models) if self._view.models else ""
-            version = self._view.version
-            engine = "version unknown" if version is None else (
-                f"{'simulator' if version.simulator else 'version'} {version.version}"
-            )
-            detail = f"models {served}; engine {engine}"
-        else:
-            detail = "; ".join(probe.errors)
-            if self._engine_process is not None and self._engine_process.down:
-                detail = "; ".join(filter(None, ("the engine process is down", detail)))
-        level = logging.WARNING if state is LifecycleState.DEGRADED else logging.INFO
-        log.log(level, "worker %s: %s -> %s%s", self._identity.worker_id,
-                self._state.value, state.value, f" ({detail})" if detail else "")
+    def sent_at_s(self) -> float:
+        """The wall-clock time for the next heartbeat, never earlier than the last one's
+        plus SENT_AT_STEP_S. Routers keep a worker's report only if its (sent_at_s, seq)
+        is greater than the last one's, so after the clock steps back (NTP, a VM restore)
+        heartbeats would look older than those already sent and be ignored until those
+        expire; instead `sent_at_s` advances by SENT_AT_STEP_S a beat until the clock
+        catches up. Across a restart of the agent this does not hold: its first heartbeats
+        after a step back may be ignored for up to a TTL."""
+        now = self._wall_clock()
+        behind = now < self._last_sent_at_s
+        if behind and not self._clock_behind:
+            log.warning("wall clock stepped back %.3f s; heartbeats keep their send time "
+                        "increasing until it catches up", self._last_sent_at_s - now)
+        self._clock_behind = behind
+        self._last_sent_at_s = max(now, self._last_sent_at_s + SENT_AT_STEP_S)
+        return self._last_sent_at_s
 
     def _on_outage(self, exc: RedisUnavailableError) -> None:
         self._failures += 1

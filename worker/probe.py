@@ -4,11 +4,15 @@ Parsing is pure (text or JSON in, values out) so that it is tested against real 
 captures; `EngineProber` only adds HTTP. /metrics is parsed by worker.engine_metrics;
 /v1/models and /version here. A value the engine does not expose is None, never a silent
 0, and every name read is kept within the heartbeat's limits (worker.schema, MAX_*).
+An answer longer than MAX_BODY_BYTES is not read, let alone parsed: the probe fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -18,7 +22,21 @@ import aiohttp
 from worker.engine_metrics import MetricsSample, parse_metrics
 from worker.schema import MAX_NAME_CHARS, MAX_NAMES
 
+log = logging.getLogger(__name__)
+
+# vLLM's /metrics is some 50 KB (more with many models or LoRA adapters). Parsing 9 MB of
+# Prometheus text takes ~2 s of CPU, and the agent must beat within a TTL meanwhile: an
+# answer over this is refused after reading at most this much plus one byte.
+MAX_BODY_BYTES = 2 * 1024 * 1024
+# A /metrics body over this (legal, but unusually long) is parsed in a thread, so that the
+# event loop goes on beating meanwhile.
+PARSE_IN_THREAD_BYTES = 256 * 1024
+
 _Parsed = TypeVar("_Parsed")
+
+
+class BodyTooLargeError(ValueError):
+    """The engine answered more than MAX_BODY_BYTES."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +120,7 @@ class EngineProber:
         self._session = session
         self._base = engine_url.rstrip("/")
         self._version: EngineVersion | None = None
+        self._refused: set[str] = set()  # paths whose last answer was too large
 
     async def probe(self) -> ProbeResult:
         """Read the four endpoints concurrently. Never raises for engine failures."""
@@ -112,7 +131,11 @@ class EngineProber:
             self._get("/v1/models", errors, want="json"),
             self._get("/version", errors, want="json") if self._version is None else _none(),
         )
-        metrics = _guard(parse_metrics, metrics_text, "/metrics", errors)
+        if metrics_text is not None and len(metrics_text) > PARSE_IN_THREAD_BYTES:
+            metrics = await asyncio.to_thread(
+                _guard, parse_metrics, metrics_text, "/metrics", errors)
+        else:
+            metrics = _guard(parse_metrics, metrics_text, "/metrics", errors)
         models = _guard(parse_models, models_json, "/v1/models", errors)
         if self._version is None:
             self._version = _guard(parse_version, version_json, "/version", errors)
@@ -135,16 +158,52 @@ class EngineProber:
                 if response.status != 200:
                     errors.append(f"{path}: HTTP {response.status}")
                     return None
+                if want == "status":
+                    return True
+                text = (await read_capped(response, MAX_BODY_BYTES)).decode(
+                    _charset(response), errors="replace")
+                self._refused.discard(path)
                 if want == "json":
-                    return await response.json(content_type=None)
-                if want == "text":
-                    return await response.text()
-                return True
+                    return json.loads(text) if text.strip() else None
+                return text
         except TimeoutError:
             errors.append(f"{path}: timed out")
+        except BodyTooLargeError as exc:
+            errors.append(f"{path}: {exc}")
+            if path not in self._refused:  # once until it answers within the limit again
+                self._refused.add(path)
+                log.warning("engine %s%s: %s; the probe fails while it does", self._base,
+                            path, exc)
         except (aiohttp.ClientError, ValueError) as exc:
             errors.append(f"{path}: {type(exc).__name__}: {exc}")
         return None
+
+
+async def read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body, read up to `limit` bytes; BodyTooLargeError if there is more (refused at
+    once when Content-Length says so, otherwise after `limit` + 1 bytes at most)."""
+    declared = response.content_length
+    if declared is not None and declared > limit:
+        raise BodyTooLargeError(f"an answer of {declared} bytes (the limit is {limit})")
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await response.content.read(limit + 1 - size):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLargeError(f"an answer over {limit} bytes (the limit)")
+    return b"".join(chunks)
+
+
+def _charset(response: aiohttp.ClientResponse) -> str:
+    """The declared charset if Python knows it, else UTF-8 (what Prometheus text and JSON
+    are)."""
+    charset = response.charset or "utf-8"
+    try:
+        codecs.lookup(charset)
+    except LookupError:
+        return "utf-8"
+    return charset
 
 
 async def _none() -> None:

@@ -474,9 +474,14 @@ async def _states(results: list[ProbeResult], process: FakeProcess | None = None
 
 
 async def test_one_slow_probe_does_not_degrade_a_ready_worker_two_do() -> None:
+    """Two of the last four probes failing degrade a ready worker, in a row or not; it is
+    ready again after three good probes in a row."""
     S = LifecycleState
-    assert await _states([_UP, _SLOW, _UP, _SLOW, _SLOW, _UP]) == [
-        S.READY, S.READY, S.READY, S.READY, S.DEGRADED, S.READY]
+    assert await _states([_UP, _SLOW, _UP, _UP, _UP, _UP, _SLOW, _SLOW, _UP, _UP, _UP]) == [
+        S.READY, S.READY, S.READY, S.READY, S.READY, S.READY, S.READY, S.DEGRADED,
+        S.DEGRADED, S.DEGRADED, S.READY]
+    assert await _states([_UP, _SLOW, _UP, _SLOW, _UP, _SLOW, _UP]) == [
+        S.READY, S.READY, S.READY, S.DEGRADED, S.DEGRADED, S.DEGRADED, S.DEGRADED]
 
 
 async def test_a_down_engine_process_degrades_at_once() -> None:

@@ -20,6 +20,9 @@ that was not written):
 
 from __future__ import annotations
 
+import collections
+import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -35,7 +38,11 @@ from worker.redis_client import close, publish, raise_if_cancelling
 from worker.schema import Heartbeat
 from worker.signing import HeartbeatSigner
 
+log = logging.getLogger(__name__)
+
 TAP_RECHECK_S = 10.0
+OVERWRITTEN_LOG_EVERY_S = 60.0
+WRITTEN_KEPT = 4  # heartbeats remembered per worker (see HeartbeatPublisher._written)
 
 
 class _Signer(Enum):
@@ -72,6 +79,11 @@ class HeartbeatPublisher:
         # the region it last heartbeat in (where its key and load record are).
         self._announced: dict[str, int] = {}
         self._regions: dict[str, str] = {}
+        # The heartbeats last written for each worker (a few: a Redis failover may bring
+        # back an older one), and when another was last found in its key in their stead
+        # (see `_check_sole_writer`).
+        self._written: dict[str, collections.deque[bytes]] = {}
+        self._overwritten_logged_s: dict[str, float] = {}
 
     async def publish(self, heartbeat: Heartbeat) -> None:
         """Write one heartbeat (see the module doc).
@@ -100,7 +112,8 @@ class HeartbeatPublisher:
             if region is not None and region != heartbeat.region:
                 await self._forget(worker_id, region)  # it moved
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.set(keys.worker(worker_id, heartbeat.region), payload, px=ttl_ms)
+                pipe.set(keys.worker(worker_id, heartbeat.region), payload, px=ttl_ms,
+                         get=True)
                 if record is not None:
                     pipe.hset(keys.loads(heartbeat.region), worker_id, record)
                 if announce:
@@ -115,8 +128,36 @@ class HeartbeatPublisher:
             raise RedisUnavailableError(f"cannot publish heartbeat: {_describe(exc)}") from exc
         if tap and results and results[-1] == 0:  # nobody listens on the tap
             self._tap_quiet_until_s = self._clock() + TAP_RECHECK_S
+        self._check_sole_writer(worker_id, results[0] if results else None, payload)
         self._announced[worker_id] = digest
         self._regions[worker_id] = heartbeat.region
+
+    def _check_sole_writer(self, worker_id: str, previous: object, payload: bytes) -> None:
+        """Warn (at most every OVERWRITTEN_LOG_EVERY_S per worker) when the worker's key
+        held a heartbeat this publisher did not write since its last one: another agent
+        publishes under the same worker id (a copied `--worker-id`), and routers see the
+        worker's endpoint flip between two engines. (After Redis lost the key, or this
+        agent's first write, there is nothing to compare: no warning.)"""
+        written = self._written.get(worker_id)
+        if written is None:
+            written = self._written[worker_id] = collections.deque(maxlen=WRITTEN_KEPT)
+        first = not written
+        written.append(payload)
+        if first or not isinstance(previous, bytes) or previous in written:
+            return
+        now_s = self._clock()
+        if now_s - self._overwritten_logged_s.get(worker_id, float("-inf")) < \
+                OVERWRITTEN_LOG_EVERY_S:
+            return
+        self._overwritten_logged_s[worker_id] = now_s
+        try:
+            endpoint = str(json.loads(previous).get("endpoint"))[:200]
+        except (ValueError, AttributeError, RecursionError):
+            endpoint = "(unreadable)"
+        log.warning("worker %s: its heartbeat key held one this agent did not write "
+                    "(endpoint %s): another agent publishes under the same worker id? "
+                    "Routers see the worker flip between the two; give each its own "
+                    "--worker-id", worker_id, endpoint)
 
     async def _forget(self, worker_id: str, region: str) -> None:
         """Remove what `worker_id` wrote as a worker of `region` (it now says another)."""
@@ -153,6 +194,7 @@ class HeartbeatPublisher:
             raise_if_cancelling()
             raise RedisUnavailableError(f"cannot remove heartbeat: {_describe(exc)}") from exc
         self._announced.pop(worker_id, None)  # announced again if it comes back
+        self._written.pop(worker_id, None)
 
     async def aclose(self) -> None:
         await close(self._redis)

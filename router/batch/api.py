@@ -18,8 +18,6 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from aiohttp import StreamReader, web
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from router.admission.gate import Admission
 from router.auth.config import AuthConfig
@@ -31,7 +29,6 @@ from router.batch.state import BatchesUnavailable, BatchStore
 from router.config_reload import ConfigHolder
 from router.core.errors import ApiError
 from router.core.parse import ParsedRequest
-from worker.redis_client import raise_if_cancelling
 
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_METADATA_PAIRS = 16
@@ -96,16 +93,6 @@ async def admitted(admission: Admission | None, request: web.Request, auth: Auth
     rate_headers = await admission.admit(replace(principal, allowed_models=None),
                                          _ONE_REQUEST, auth)
     return principal, rate_headers
-
-
-async def files_kept(redis: Redis, owner_key: str) -> int:
-    """How many files the owner whose listing is `owner_key` (FileStore.owner_key) keeps,
-    batch output included. Raises FilesUnavailable."""
-    try:
-        return int(await redis.zcard(owner_key))
-    except (RedisError, OSError) as exc:
-        raise_if_cancelling()
-        raise FilesUnavailable(str(exc)) from None
 
 
 def _not_found(batch_id: str) -> ApiError:

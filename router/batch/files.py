@@ -242,6 +242,10 @@ class FileStore:
     def owner_key(self, owner: str | None) -> str:
         return f"{self._prefix}:files:{_NO_OWNER if owner is None else owner}"
 
+    async def count(self, owner: str | None) -> int:
+        """How many files `owner` keeps (batch output included). Raises FilesUnavailable."""
+        return int(await self._redis_call(self._redis.zcard(self.owner_key(owner))))
+
     async def create(self, owner: str | None, filename: str | None, purpose: str,
                      chunks: AsyncIterable[bytes], max_bytes: int) -> FileRecord:
         """Store what `chunks` yields as a new file of `owner`. Raises FileTooLarge past
@@ -277,12 +281,8 @@ class FileStore:
         encoded = record.encode(self._signing_key)
         try:
             await self.blobs.put(record_blob_key(record.id), encoded)
-        except BlobStoreError:
-            await self.discard(staged)
-            raise
-        try:
             await self._index(record, encoded, int(now_s * 1_000_000))
-        except FilesUnavailable:
+        except (BlobStoreError, FilesUnavailable):
             await self.discard(staged)
             raise
         return record

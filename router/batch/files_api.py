@@ -33,10 +33,9 @@ from typing import TypeVar, get_args
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import BadHttpMessage
-from redis.asyncio import Redis
 
 from router.admission.gate import Admission
-from router.batch.api import ClientReads, UploadStalled, admitted, files_kept
+from router.batch.api import ClientReads, UploadStalled, admitted
 from router.batch.blobs import BlobNotFound, BlobStoreError, open_blob_store
 from router.batch.files import (
     MAX_LIST_LIMIT,
@@ -106,10 +105,9 @@ def not_found(file_id: str) -> ApiError:
 class FilesApi:
     """The Files API's handlers (see the module doc); `add_routes` registers them."""
 
-    def __init__(self, store: FileStore, redis: Redis, admission: Admission | None,
-                 configs: ConfigHolder, stats: FilesStats | None = None) -> None:
+    def __init__(self, store: FileStore, admission: Admission | None, configs: ConfigHolder,
+                 stats: FilesStats | None = None) -> None:
         self.store = store
-        self._redis = redis
         self._admission = admission
         self._configs = configs
         self.stats = stats or FilesStats()
@@ -190,7 +188,7 @@ class FilesApi:
         """ApiError(429) when `owner` has `batch.max_files_per_tenant` files (uploads at
         the same moment may pass it by a few); FilesUnavailable."""
         limit = self._configs.current.batch.max_files_per_tenant
-        stored = await files_kept(self._redis, self.store.owner_key(owner))
+        stored = await self.store.count(owner)
         if stored >= limit:
             raise ApiError(429, f"you have {stored} files stored; at most {limit} may be "
                            "kept: delete some before uploading more",
@@ -327,7 +325,7 @@ async def opened(redis_url: str, admission: Admission | None, configs: ConfigHol
     try:
         store = FileStore(redis, redis_client.one_slot_prefix(config.redis.key_prefix, redis_url),
                           open_blob_store(config.batch.storage), keys=keys)
-        yield FilesApi(store, redis, admission, configs)
+        yield FilesApi(store, admission, configs)
     finally:
         await redis.aclose()
 

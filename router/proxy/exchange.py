@@ -156,12 +156,13 @@ def _payload_fault(exc: BaseException | None) -> str:
 class AiohttpExchange:
     """An inference request that aiohttp's server received (handed-over connections)."""
 
-    __slots__ = ("_request", "response")
+    __slots__ = ("_broken", "_request", "response")
     paced = False
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
         self.response: web.StreamResponse | None = None
+        self._broken = False  # its body's framing broke: the connection is closed after
 
     @property
     def path(self) -> str:
@@ -185,10 +186,10 @@ class AiohttpExchange:
             raise ApiError(415, "unsupported Content-Encoding: send the body as identity, "
                            "gzip or deflate")
         if request.content.is_eof():
-            return await read_whole(request)  # already all here: nothing to time out
+            return await self._read_whole()  # already all here: nothing to time out
         # One read, waited for twice (see STALL_GRACE_S): cancelling it would lose the
         # part it read.
-        reading = asyncio.ensure_future(read_whole(request))
+        reading = asyncio.ensure_future(self._read_whole())
         done, _ = await asyncio.wait((reading,), timeout=timeout_s)
         if not done:
             done, _ = await asyncio.wait((reading,), timeout=STALL_GRACE_S)
@@ -196,6 +197,13 @@ class AiohttpExchange:
             reading.cancel()
             raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s")
         return reading.result()
+
+    async def _read_whole(self) -> bytes:
+        try:
+            return await read_whole(self._request)
+        except ApiError as exc:
+            self._broken = exc.code == MALFORMED_BODY  # nothing after it can be read
+            raise
 
     async def relay(
         self, headers: Mapping[str, str], first: bytes, upstream: UpstreamConnection,
@@ -258,6 +266,6 @@ class AiohttpExchange:
             assert self.response is not None
             return self.response
         response = web.Response(status=reply.status, body=reply.body, headers=reply.headers)
-        if reply.status == 400 and b'"malformed_body"' in reply.body:
+        if self._broken:
             response.force_close()  # its framing is broken: nothing after it can be read
         return response

@@ -394,6 +394,23 @@ async def test_a_compressed_body_gets_the_same_answer_on_every_path(
     assert all(front == handed for front, handed in answers.values()), answers
 
 
+async def test_a_body_that_does_not_inflate_is_a_400_and_its_connection_closes(
+    fleet_factory: FleetFactory,
+) -> None:
+    """A gzip body whose data does not inflate: a JSON 400 `malformed_body`, and nothing
+    after it on that connection is read (its framing cannot be trusted)."""
+    fleet = await fleet_factory({"a": "us-east"})
+    broken = gzip.compress(BODY)[:-12] + b"not gzip at all"
+    reader, writer = await _connect(fleet.router_url)
+    try:
+        writer.write(_post(broken, "Content-Encoding: gzip"))
+        answer = await _read_answer(reader)
+        assert answer.status == 400 and answer.error()["code"] == "malformed_body", answer
+        assert await _closed(reader)
+    finally:
+        writer.close()
+
+
 # ======================= heads =======================
 
 @pytest.mark.parametrize("name", ["content-length-and-chunked", "two-equal-lengths",

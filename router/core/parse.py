@@ -120,13 +120,20 @@ def lax_int(value: Any) -> int | None:
         return None
 
 
-def _requested_tokens(document: dict[str, Any], choices: int) -> int | None:
-    # vLLM generates `max_completion_tokens or max_tokens` (a null or 0 falls through).
+def token_limit(document: dict[str, Any]) -> int | None:
+    """The completion tokens a request asks for, as vLLM reads them: `max_completion_tokens
+    or max_tokens` (a null or 0 falls through), each a lax integer; None when neither
+    says one (or says what the engine refuses)."""
     value = document.get("max_completion_tokens")
-    limit: int | None = value if type(value) is int else lax_int(value)
+    limit: int | None = value if type(value) is int else lax_int(value)  # (int: no call)
     if not limit:
         value = document.get("max_tokens")
         limit = value if type(value) is int else lax_int(value)
+    return limit
+
+
+def _requested_tokens(document: dict[str, Any], choices: int) -> int | None:
+    limit = token_limit(document)
     if limit is None or limit < 0:
         return None
     return limit * choices

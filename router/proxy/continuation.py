@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.core.parse import lax_int
+from router.core.parse import token_limit
 from router.proxy.progress import Progress, error_status, sse_data
 from router.proxy.transcript import ErrorEvent, Transcript, after_last_event
 from router.proxy.upstream.errors import ConnectionBroken, UpstreamError
@@ -64,13 +64,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 def tokens_left(document: dict[str, Any], kind: str, progress: Progress) -> int | None:
     """The completion tokens the continuation may still produce (None: no limit set)."""
-    # As vLLM reads them: `max_completion_tokens or max_tokens`, "20" and 20.0 are 20.
-    limit = lax_int(document.get("max_completion_tokens"))
-    if not limit:
-        if kind == "completions" and "max_tokens" not in document:
-            limit = COMPLETIONS_DEFAULT_MAX_TOKENS  # (an explicit null is no limit)
-        else:
-            limit = lax_int(document.get("max_tokens"))
+    limit = token_limit(document)
+    if limit is None and kind == "completions" and "max_tokens" not in document:
+        limit = COMPLETIONS_DEFAULT_MAX_TOKENS  # (an explicit null is no limit)
     if limit is None:
         return None
     return limit - progress.tokens

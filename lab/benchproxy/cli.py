@@ -136,7 +136,11 @@ def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
                         "10 s)")
     parser.add_argument("--router-processes", type=int, default=1,
                         help="the router's --processes (default 1): its CPU is the whole "
-                        "process tree's, each process keeping its own fleet view")
+                        "process tree's (the first process reads the fleet, the others "
+                        "mirror it: router.registry.mirror)")
+    parser.add_argument("--busy-agents", action="store_true",
+                        help="every load record with a new running count, as a busy "
+                        "fleet's (by default the load of each worker stays the same)")
     parser.add_argument("--fleet-view-cpu-share", type=float,
                         default=DEFAULT_FLEET_VIEW_CPU_SHARE,
                         help="the router's router.fleet_view_cpu_share (default "
@@ -150,7 +154,8 @@ def run_bench_heartbeats(args: argparse.Namespace) -> int:
     return asyncio.run(main(workers=args.workers, hz=args.hz, seconds=args.seconds,
                             publishers=args.publishers, signed=args.signed, out=args.out,
                             legacy=args.legacy_agents, cpu_share=args.fleet_view_cpu_share,
-                            tap_watched=args.tap_watched, processes=args.router_processes))
+                            tap_watched=args.tap_watched, processes=args.router_processes,
+                            busy=args.busy_agents))
 
 
 def add_bench_instructions_arguments(parser: argparse.ArgumentParser) -> None:

@@ -91,9 +91,18 @@ class Template:
         if not record.startswith(self.record_head + b"0,0.0,"):
             raise ValueError("load record does not start with version, worker, seq, sent_at_s")
         self.record_tail = record[len(self.record_head) + len(b"0,0.0"):]
+        # The tail split around `running` (after the digest), for busy workers.
+        _, digest, _, self.after_running = self.record_tail.split(b",", 3)
+        self.before_running = b"," + digest + b","
+        self.slots = heartbeat.capacity.max_num_seqs
 
-    def record(self, seq: int, now_s: float) -> bytes:
-        record = b'%s%d,%r%s' % (self.record_head, seq, now_s, self.record_tail)
+    def record(self, seq: int, now_s: float, busy: bool = False) -> bytes:
+        """The load record of beat `seq` sent at `now_s`; `busy`: with a `running` count
+        that changes at every beat (an idle fleet's load stays as it was)."""
+        tail = (self.record_tail if not busy else b'%s%d,%s' % (
+            self.before_running, (seq * 7 + len(self.field)) % (self.slots + 1),
+            self.after_running))
+        record = b'%s%d,%r%s' % (self.record_head, seq, now_s, tail)
         return record if self.signer is None else self.signer.signed_record(record)
 
     def payload(self, seq: int, now_s: float) -> bytes:
@@ -160,7 +169,7 @@ async def publish(args: argparse.Namespace) -> dict[str, float]:
                         batch.append(command(b"PUBLISH", channel, payload))
                     if not args.legacy:
                         batch.append(command(b"HSET", template.loads, template.field,
-                                             template.record(seq, wall)))
+                                             template.record(seq, wall, args.busy)))
                         if args.tap_watched or seq % tap_every == 0:
                             batch.append(command(b"PUBLISH", tap, payload))
                 transport.write(b"".join(batch))
@@ -194,6 +203,9 @@ def main() -> None:
                         help="comma-separated models the workers serve (default: varied)")
     parser.add_argument("--legacy", action="store_true",
                         help="every heartbeat on the routers' channel, no load records")
+    parser.add_argument("--busy", action="store_true",
+                        help="each record with another `running` count (by default only "
+                        "seq and sent_at_s change, as for an idle worker)")
     parser.add_argument("--tap-watched", action="store_true",
                         help="every heartbeat on the tap channel too, as agents send while "
                         "someone subscribes to it")

@@ -323,7 +323,7 @@ def _rate(before: dict[str, float], after: dict[str, float], name: str,
 async def main(*, workers: int, hz: float, seconds: float, publishers: int, signed: bool,
                out: Path | None, legacy: bool = False,
                cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE, tap_watched: bool = False,
-               processes: int = 1) -> int:
+               processes: int = 1, busy: bool = False) -> int:
     from redis.asyncio import Redis
 
     from lab.devstack.valkey import EmbeddedValkey
@@ -367,6 +367,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
             args.append("--legacy")
         if tap_watched:
             args.append("--tap-watched")
+        if busy:
+            args.append("--busy")
         publisher_processes.append(procs.start(args, cores=load_cores, stdout_pipe=True,
                                                log_path=work / f"hbpublish-{n}.log"))
     router = procs.start([sys.executable, "-m", "router.cli", "router", "--config", str(config),
@@ -380,6 +382,7 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
                               "agents": "legacy (every heartbeat a message)" if legacy
                               else "load records",
                               "tap_watched": tap_watched, "router_processes": processes,
+                              "busy_agents": busy,
                               "router_core_share": core_share,
                               "pinning": "router on core 0, Valkey and publishers on core 1"
                               if router_cores else "not pinned"}
@@ -489,7 +492,9 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         f"heartbeat plane: {r['workers']:,} workers x {r['hz']:g} Hz = target "
         f"{r['target_per_s']:,.0f}/s; achieved {r['achieved_per_s']:,.0f}/s "
-        f"({'signed' if r['signed'] else 'unsigned'}; agents: {r.get('agents', '?')}; "
+        f"({'signed' if r['signed'] else 'unsigned'}; agents: {r.get('agents', '?')}"
+        f"{', busy' if r.get('busy_agents') else ''}; "
+        f"router processes: {r.get('router_processes', 1)}; "
         f"fleet_view_cpu_share {r.get('fleet_view_cpu_share', DEFAULT_FLEET_VIEW_CPU_SHARE):g}; "
         f"{r['publishers']} publisher processes; "
         f"{r['pinning']}; a busy process got {_pct(r['router_core_share'])} of the router "

@@ -44,6 +44,7 @@ from router.proxy.upstream.pool import UpstreamPool
 from router.readiness import CollectorState, readiness
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry.inflight import InFlight
+from router.registry.mirror import MirroredCollector, keep_fleet_view
 from router.registry.peers import PeerExchange
 from router.registry.response_store import ResponseStore
 from router.supervisor import Supervised
@@ -81,7 +82,7 @@ HOLDER = web.AppKey("holder", SnapshotHolder)
 PROXY = web.AppKey("proxy", Proxy)
 # The proxy's inference handler as both servers call it (in a span each, when tracing).
 INFERENCE: web.AppKey[InferenceHandler] = web.AppKey("inference")
-COLLECTOR = web.AppKey("collector", HeartbeatCollector)
+COLLECTOR: web.AppKey[HeartbeatCollector | MirroredCollector] = web.AppKey("collector")
 PEERS = web.AppKey("peers", PeerExchange)
 _INFLIGHT = web.AppKey("inflight", InFlight)
 _HEALTH = web.AppKey("health", Health)
@@ -207,12 +208,9 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
         cpu_share=lambda: app[OPERATIONS].configs.current.router.fleet_view_cpu_share,
         agent_interval_s=lambda: app[OPERATIONS].configs.current.heartbeat.interval_s,
     )
-    app[COLLECTOR] = collector
-    app[OPERATIONS].configs.on_swap(lambda _old, _new: collector.recheck())  # at once
-    # A crash marks the view as not kept (readiness fails) until the restart reads Redis.
-    background["heartbeat-collector"] = Supervised(
-        "heartbeat-collector", collector.run, on_down=lambda _exc: collector.mark_down()
-    ).start()
+    # Alone, or the first of several processes: reads Redis (and ships to the others).
+    view = app[COLLECTOR] = keep_fleet_view(collector, settings.process, background)
+    app[OPERATIONS].configs.on_swap(lambda _old, _new: view.recheck())  # at once
     peers = app[PEERS] = PeerExchange(
         redis=redis, pubsub_redis=pubsub_redis,
         channel=redis_client.one_slot_prefix(settings.config.redis.key_prefix,
@@ -224,7 +222,7 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(TimeoutError):
         # Serve sooner with an empty view rather than never if Redis is down at start
         # (/ready says 503 meanwhile, and the collector's log says why).
-        await asyncio.wait_for(collector.synced.wait(), timeout=3.0)
+        await asyncio.wait_for(view.synced.wait(), timeout=3.0)
     yield
     await asyncio.gather(*(task.stop() for task in background.values()))
     await redis.aclose()

@@ -187,6 +187,28 @@ class HeartbeatCollector:
                 "load_record_reads": self.load_reads,
                 **self._refusals.counts()}
 
+    @property
+    def table(self) -> WorkerTable:
+        """The worker table it keeps (router.registry.feed ships it to sibling processes;
+        router.registry.mirror fills it from theirs)."""
+        return self._table
+
+    @property
+    def publisher(self) -> SnapshotPublisher:
+        return self._publisher
+
+    @property
+    def pace(self) -> Pace:
+        return self._pace
+
+    def forget(self) -> None:
+        """Forget every worker, record and queued message: the table is about to be filled
+        from another process's (router.registry.mirror), and what this one read itself
+        must not mix in when it follows Redis again."""
+        self._table.views.clear()
+        self._table.records.clear()
+        self._messages.queued.clear()
+
     def upkeep(self) -> dict[str, float]:
         """What keeping the fleet view costs: Pace.upkeep."""
         return self._pace.upkeep()

@@ -64,6 +64,9 @@ class Pace:
         self.rebuild_every_s = MIN_REBUILD_INTERVAL_S  # see MEASURED_SHARE
         self.apply_s = 0.0  # what taking in the last load records took
         self.released_s = 0.0  # what freeing the snapshot last replaced took
+        # What sending the last snapshot's changes to sibling processes took
+        # (router.registry.feed): a cost of keeping the view, as building is.
+        self.shipped_s = 0.0
         self.upkeep_cpu_s = 0.0
         self.builds = 0
 
@@ -78,7 +81,8 @@ class Pace:
         next build by what this cycle took (with taking in the last load records and
         freeing the snapshot last replaced)."""
         self.builds += 1
-        cost_s += self.apply_s + self.released_s  # the last one freed: a cost of building
+        # The last one freed and shipped: costs of building.
+        cost_s += self.apply_s + self.released_s + self.shipped_s
         self.rebuild_every_s = min(
             MAX_REBUILD_INTERVAL_S, MAX_INTERVAL_GROWTH * self.rebuild_every_s,
             max(MIN_REBUILD_INTERVAL_S, cost_s / (self._cpu_share() * MEASURED_SHARE)))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from dataclasses import replace
 
 from router.registry.messages import MessageQueue
 from router.registry.pace import Pace
@@ -23,6 +24,8 @@ class SnapshotPublisher:
         self._messages = messages
         self._pace = pace
         self._retired: Snapshot | None = None  # the snapshot last replaced (`_replace`)
+        # Told after each snapshot is made current (router.registry.feed's `published`).
+        self.on_published: Callable[[], None] = _nothing
 
     def publish(self) -> None:
         """Build and publish a snapshot at once (when the collector starts or loses Redis;
@@ -60,6 +63,19 @@ class SnapshotPublisher:
         self._retired = None
         pace.released_s = pace.spent(started)
 
+    @property
+    def current(self) -> Snapshot:
+        return self._holder.current
+
+    def restamp(self) -> None:
+        """Make current the current snapshot again as of now: the same workers, views and
+        rankings, with the table's Redis state and a new cache of scoring rows (for views
+        changed in place: WorkerView.refresh). O(1) where a build is O(workers)."""
+        table = self._table
+        self._holder.current = replace(self._holder.current, built_at_s=table.clock(),
+                                       redis_connected=table.connected,
+                                       last_redis_ok_at_s=table.last_ok_at_s)
+
     def _build_steps(self) -> Generator[None, None, Snapshot]:
         """The build of a snapshot of the table as it is now (Snapshot.build_in_steps)."""
         table = self._table
@@ -73,3 +89,8 @@ class SnapshotPublisher:
         self._retired = self._holder.current
         self._holder.current = snapshot
         self._pace.built(cost_s)
+        self.on_published()
+
+
+def _nothing() -> None:
+    pass

@@ -106,11 +106,18 @@ class WorkerTable:
             if not force or current.seq != view.seq:
                 return False
             view = current  # same report seen again via a full read: keep its receipt time
-        elif (current is not None and view.heartbeat.state is LifecycleState.DEGRADED
-              and current.heartbeat.state is LifecycleState.READY):
+        self.put(view, current)
+        return True
+
+    def put(self, view: WorkerView, current: WorkerView | None) -> None:
+        """Keep `view` in place of the worker's `current` one, whatever their order (the
+        caller decided), telling `on_down` when it says the worker went from ready to
+        degraded."""
+        if (current is not None and view is not current
+                and view.heartbeat.state is LifecycleState.DEGRADED
+                and current.heartbeat.state is LifecycleState.READY):
             self._on_down(view)
         self.views[view.worker_id] = view
-        return True
 
     def drop(self, worker_id: str, worker: bytes) -> WorkerView | None:
         """Take a worker out of the table, and forget its load record as last read

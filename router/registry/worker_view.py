@@ -3,6 +3,8 @@ request path reads for every candidate, made once per heartbeat or load record."
 
 from __future__ import annotations
 
+from typing import Any
+
 from worker.load_records import RecordItems, static_digest
 from worker.schema import MAX_LATENCY_MS, Heartbeat, LifecycleState
 
@@ -22,6 +24,12 @@ KV_PRESSURE_START = 0.9
 # is NaN, and a NaN score is never among the best: the pick found no candidate).
 MIN_PREFILL_TOKENS_PER_S = 1e-3
 
+# A view's order, load figures, receipt and freshness as plain values, by position
+# (WorkerView.load_items): worker_id, seq, sent_at_s, running, waiting, kv_cache_usage,
+# ttft_ms, itl_ms, e2e_ms, prefill_tokens_per_s, decode_tokens_per_s, received_at_s,
+# expires_at_s.
+LoadItems = tuple[Any, ...]
+
 
 def fresh_for_s(ttl_s: float, next_read_s: float) -> float:
     """How long a worker stays fresh after the router last heard of it: its TTL, or, when
@@ -34,8 +42,8 @@ def fresh_for_s(ttl_s: float, next_read_s: float) -> float:
 
 
 class WorkerView:
-    """One worker as this router last heard of it. Never changed once made: a new
-    heartbeat or load record makes a new view (`with_load`).
+    """One worker as this router last heard of it. Never changed once made (but see
+    `refresh`): a new heartbeat or load record makes a new view (`with_load`).
 
     `heartbeat` is the last full heartbeat: the worker's identity, state, models and
     capacity. Its order (`seq`, `sent_at_s`) and load figures are the view's own
@@ -204,6 +212,45 @@ class WorkerView:
          view.decode_tokens_per_s, *_) = record
         view._derive(next_read_s)
         return view
+
+    def load_items(self) -> LoadItems:
+        """What another process needs to make this view again from the same heartbeat
+        (`mirrored`): its order, load figures, receipt and freshness (router.registry.
+        feed ships it to the router's sibling processes)."""
+        return (self.worker_id, self.seq, self.sent_at_s, self.running, self.waiting,
+                self.kv_cache_usage, self.ttft_ms, self.itl_ms, self.e2e_ms,
+                self.prefill_tokens_per_s, self.decode_tokens_per_s, self.received_at_s,
+                self.expires_at_s)
+
+    def mirrored(self, items: LoadItems, inflight_at_receipt: int) -> WorkerView:
+        """This worker as another process's view of the same heartbeat describes it
+        (`items`: that view's `load_items`), with this process's open requests on it."""
+        view = self._same_worker(items[11], inflight_at_receipt)
+        (_, view.seq, view.sent_at_s, view.running, view.waiting, view.kv_cache_usage,
+         view.ttft_ms, view.itl_ms, view.e2e_ms, view.prefill_tokens_per_s,
+         view.decode_tokens_per_s, _, expires_at_s) = items
+        view._derive(0.0)
+        view.expires_at_s = expires_at_s  # the same monotonic clock (CLOCK_MONOTONIC)
+        return view
+
+    def refresh(self, items: LoadItems, inflight_at_receipt: int) -> bool:
+        """Take `items` (another process's view of the same heartbeat: `load_items`) in
+        place when its load and performance figures are the ones this view has: only the
+        report's order, receipt and freshness move on, and the open requests it was
+        received with (so none of what a snapshot ranks or bounds by changes: the one that
+        holds this view stays right). False, changing nothing, when a figure differs:
+        then `mirrored` makes the new view. The one exception to a view never changing,
+        for router.registry.mirror: an idle worker's report every heartbeat made a view
+        and a snapshot build in every sibling process."""
+        if (self.running, self.waiting, self.kv_cache_usage, self.ttft_ms, self.itl_ms,
+                self.e2e_ms, self.prefill_tokens_per_s,
+                self.decode_tokens_per_s) != items[3:11]:
+            return False
+        self.seq, self.sent_at_s = items[1], items[2]
+        self.received_at_s, self.expires_at_s = items[11], items[12]
+        self.inflight_at_receipt = inflight_at_receipt
+        self.queue_base = self.reported_load - inflight_at_receipt + 1 - self.slots
+        return True
 
     def received_again(self, received_at_s: float, next_read_s: float = 0.0) -> WorkerView:
         """The same report, as if received at `received_at_s` (see the collector)."""

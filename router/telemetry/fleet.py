@@ -88,6 +88,17 @@ class FleetCollector:
                      age if age is not None else float("nan"))
         yield _gauge("globalpool_inflight_requests", "Requests this router has open upstream.",
                      float(self.inflight.own_total()))
+        states: dict[str, int] = {}
+        for view in snapshot.workers.values():
+            state = view.heartbeat.state.value
+            states[state] = states.get(state, 0) + 1
+        in_view = GaugeMetricFamily(
+            "globalpool_fleet_view_workers", "Workers in this process's fleet view, by "
+            "state (with --processes N, each process's own: router.registry.mirror).",
+            labels=["state"])
+        for state, count in sorted(states.items()):
+            in_view.add_metric([state], float(count))
+        yield in_view
 
     def _queue(self) -> Iterator[Metric]:
         if self.queue is None:
@@ -312,6 +323,10 @@ _HEARTBEAT_COUNTS = {
     "heartbeat_key_reads": "Worker keys read because a load record named an unknown worker "
                            "or a changed heartbeat.",
     "load_record_reads": "Reads of every region's load records (one round trip each).",
+    "fleet_view_frames_mirrored": "Frames of the first router process's fleet view taken "
+                                  "by this one (--processes N).",
+    "fleet_view_own_reads": "Times this router process began reading Redis itself because "
+                            "the first process's fleet view could not be had.",
 }
 
 

@@ -127,6 +127,19 @@ async def two_workers(publisher: HeartbeatPublisher, start_sim: StartSim,
             load=Load(running=0, waiting=0, kv_cache_usage=0.0), seq=1,
             sent_at_s=time.time(), ttl_s=600.0))
 
+def machine_config(path: Path, redis_url: str, prefix: str, port: int) -> Path:
+    """A regions.yaml for one region, us-east, serving model `m`, at `path`."""
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "globalpool/v1",
+        "redis": {"url": redis_url, "key_prefix": prefix},
+        "router": {"region": "us-east", "port": port, "host": "127.0.0.1"},
+        "admin": {"config_check_s": 0},  # reloads only when asked: they are the test
+        "heartbeat": {"insecure": True},  # the test publishes unsigned heartbeats
+        "regions": {"us-east": {"models": ["m"]}},
+    }))
+    return path
+
+
 @pytest.fixture
 async def machine(redis_url: str, tmp_path: Path, start_sim: StartSim
                   ) -> AsyncIterator[Callable[..., Awaitable[Machine]]]:
@@ -137,15 +150,7 @@ async def machine(redis_url: str, tmp_path: Path, start_sim: StartSim
     async def start(processes: int = 2, **sim_changes: object) -> Machine:
         await two_workers(publisher, start_sim, **sim_changes)
         port = free_port()
-        config = tmp_path / "regions.yaml"
-        config.write_text(yaml.safe_dump({
-            "apiVersion": "globalpool/v1",
-            "redis": {"url": redis_url, "key_prefix": prefix},
-            "router": {"region": "us-east", "port": port, "host": "127.0.0.1"},
-            "admin": {"config_check_s": 0},  # reloads only when asked: they are the test
-            "heartbeat": {"insecure": True},  # the test publishes unsigned heartbeats
-            "regions": {"us-east": {"models": ["m"]}},
-        }))
+        config = machine_config(tmp_path / "regions.yaml", redis_url, prefix, port)
         found = await spawn_machine(config, port, tmp_path / "router.log", processes)
         started.append(found)
         return found

@@ -79,6 +79,8 @@ class _Frames(asyncio.Protocol):
         while len(buffer) >= HEADER.size:
             (size,) = HEADER.unpack_from(buffer)
             if size > MAX_FRAME_BYTES:
+                log.error("fleet view: the first router process announced a frame of %d "
+                          "bytes (at most %d); not read", size, MAX_FRAME_BYTES)
                 self.close()
                 break
             if len(buffer) < HEADER.size + size:
@@ -181,10 +183,13 @@ class MirroredCollector:
                       own: asyncio.Task[None] | None) -> asyncio.Task[None] | None:
         """Mirror the feed until it fails; `own`: the collector's task, stopped once the
         whole table has arrived. Returns it (None once stopped)."""
+        why = "fell silent"
         try:
             while True:
                 batch = await self._next(frames)
                 if batch is None:
+                    if frames.closed:
+                        why = "closed"
                     break
                 if not self.mirroring:
                     if own is not None:
@@ -196,14 +201,13 @@ class MirroredCollector:
                 else:
                     await self._apply(batch)
         except _BrokenFeed:
-            log.error("fleet view: a malformed frame from the first router process")
+            why = "sent a malformed frame"
         finally:
             frames.close()
         if self.mirroring:
             self.mirroring = False
             log.warning("fleet view: the first router process's feed %s; following Redis "
-                        "in this process until it is back",
-                        "closed" if frames.closed and not frames.frames else "fell silent")
+                        "in this process until it is back", why)
         return own
 
     async def _next(self, frames: _Frames) -> list[bytes] | None:

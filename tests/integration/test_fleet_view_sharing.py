@@ -20,6 +20,7 @@ from lab.devstack.valkey import free_port
 from router.registry import HeartbeatCollector, SnapshotHolder
 from router.registry.feed import HEADER, ViewFeed
 from router.registry.mirror import MirroredCollector
+from tests.conftest import skip_unless_slow_tests_are_asked_for
 from tests.integration.conftest import StartSim
 from tests.integration.test_router_processes import (
     Machine,
@@ -35,6 +36,8 @@ from worker.redis_client import connect, connect_pubsub
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 
 pytestmark = pytest.mark.integration
+# The tests that kill or stop process 0 (~5 s each: the default run stays under 15 min).
+SLOW = "process 0 killed or stopped"
 
 
 def heartbeat(worker_id: str, url: str, *, running: int = 0, seq: int = 1,
@@ -128,8 +131,11 @@ async def test_the_second_process_mirrors_the_first_and_reads_no_heartbeat(
     assert f.own(1, "globalpool_heartbeat_messages_total") == 0
 
 
+@pytest.mark.slow
 async def test_a_killed_first_process_leaves_the_second_following_redis_itself(
-        fleet: Callable[[], Awaitable[Fleet]], http: aiohttp.ClientSession) -> None:
+        fleet: Callable[[], Awaitable[Fleet]], http: aiohttp.ClientSession,
+        request: pytest.FixtureRequest) -> None:
+    skip_unless_slow_tests_are_asked_for(request.config, SLOW)
     f = await fleet()
     await f.until_workers(1, 2, 10)
     first = f.machine.children()[0]
@@ -157,8 +163,10 @@ async def test_a_killed_first_process_leaves_the_second_following_redis_itself(
     assert f.own(1, "globalpool_fleet_view_own_reads_total") == 1
 
 
+@pytest.mark.slow
 async def test_a_stuck_first_process_is_noticed_by_its_silence(
-        fleet: Callable[[], Awaitable[Fleet]]) -> None:
+        fleet: Callable[[], Awaitable[Fleet]], request: pytest.FixtureRequest) -> None:
+    skip_unless_slow_tests_are_asked_for(request.config, SLOW)
     f = await fleet()
     await f.until_workers(1, 2, 10)
     first = f.machine.children()[0]

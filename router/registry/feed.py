@@ -93,6 +93,8 @@ class ViewFeed:
         """A snapshot was made current: ship what changed (at the feed's next turn)."""
         if self._followers or self._joining:
             self._due.set()
+        else:
+            self._pace.shipped_s = 0.0  # nobody to ship to: no cost to pace by
 
     async def serve(self) -> None:
         """Accept siblings and ship to them until cancelled."""

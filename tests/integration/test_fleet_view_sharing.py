@@ -332,3 +332,28 @@ async def test_a_feed_that_sends_garbage_is_left_for_redis(
         for client in clients:
             await client.aclose()
         await publisher.aclose()
+
+
+async def test_shipping_is_paced_only_while_a_sibling_takes_it(pair: Pair) -> None:
+    """Process 0 counts what shipping costs in its pace while a sibling mirrors it, and
+    stops counting it once none does (its builds would be spaced for nothing)."""
+    for index in range(200):
+        await pair.publisher.publish(heartbeat(f"w{index}", "http://127.0.0.1:9999"))
+    pair.start()
+    await until(lambda: _has(pair.second_holder, "w0", "w199"), 10, "never mirrored")
+    for seq in range(2, 6):  # changes to ship
+        for index in range(200):
+            await pair.publisher.publish(heartbeat(f"w{index}", "http://127.0.0.1:9999",
+                                                   seq=seq, running=seq))
+        await asyncio.sleep(0.1)
+    assert pair.first.pace.shipped_s > 0
+    mirror = pair._tasks.pop()  # the sibling goes away
+    mirror.cancel()
+    await asyncio.gather(mirror, return_exceptions=True)
+
+    async def not_paced() -> bool:
+        await pair.publisher.publish(heartbeat("w0", "http://127.0.0.1:9999",
+                                               seq=int(time.time() * 1000)))
+        return pair.first.pace.shipped_s == 0.0
+
+    await until(not_paced, 10, "shipping still paced with no sibling")

@@ -165,13 +165,17 @@ class WorkerAgent:
                             return
                     elif not beat.probe.engine_ok:
                         # An engine that stays unreachable (stopped or crashed) has nothing
-                        # left to finish: waiting out the deadline would only delay shutdown.
-                        # A launched engine whose process still runs is busy, not gone: it
-                        # may be streaming the very requests the drain waits for.
+                        # left to finish: waiting out the deadline would only delay shutdown,
+                        # whether or not routers heard of the drain (with Redis gone too, as
+                        # when `globalpool up` is killed, no `draining` heartbeat ever goes
+                        # out). A launched engine whose process still runs is busy, not
+                        # gone: it may be streaming the very requests the drain waits for.
                         unreachable += 1
-                        if (announced and unreachable >= UNREACHABLE_BEATS_END_DRAIN
+                        if (unreachable >= UNREACHABLE_BEATS_END_DRAIN
                                 and (self._engine is None or self._engine.down)):
-                            log.warning("engine unreachable while draining; not waiting")
+                            log.warning("engine unreachable while draining; not waiting%s",
+                                        "" if announced else " (no `draining` heartbeat "
+                                        "was published: Redis unreachable)")
                             return
                     announced = announced or (
                         beat.published and beat.heartbeat.state is LifecycleState.DRAINING)

@@ -443,6 +443,34 @@ async def test_a_drain_is_not_over_until_routers_could_have_heard_of_it(
     assert isinstance(draining, Heartbeat), "routers heard `gone` without `draining` first"
 
 
+async def test_a_drain_with_redis_and_the_engine_both_gone_ends_at_once(
+    engine: Hostile, redis_url: str, key_prefix: str
+) -> None:
+    """`globalpool up` killed takes Redis and the engines with it: the agent's drain has
+    nothing left to finish and no router to tell, so it ends after two unreachable
+    probes, not at its deadline (it used to wait the whole of it: the agents outlived a
+    killed `up` by 30 s, tests/integration/test_up.py)."""
+    publisher = OutagePublisher(connect(redis_url), HeartbeatKeys(key_prefix))
+    try:
+        async with subscribed(redis_url, HeartbeatKeys(key_prefix)) as channel, \
+                open_engine_session(0.3) as session:
+            loop = HeartbeatLoop(WorkerIdentity(WORKER, "us-east", engine.url, 16),
+                                 EngineProber(session, engine.url), publisher, TIMING,
+                                 rng=random.Random(5))
+            agent = WorkerAgent(loop, publisher, WORKER, drain_timeout_s=10.0)
+            run = asyncio.create_task(agent.run())
+            await channel.until(is_state(LifecycleState.READY))
+            publisher.down = True
+            engine.hang = {"/health", "/metrics"}
+            started = time.monotonic()
+            agent.request_drain("SIGTERM")
+            await asyncio.wait_for(run, 15)
+            took_s = time.monotonic() - started
+    finally:
+        await publisher.aclose()
+    assert took_s < 3.0, f"the drain took {took_s:.1f} s (its deadline: 10 s)"
+
+
 # --- a hostile host: the agent stopped, clocks, copy-paste ---------------------------------
 
 

@@ -411,9 +411,13 @@ class OutagePublisher(HeartbeatPublisher):
         await super().remove(worker_id)
 
 
-async def test_a_drain_is_not_over_until_routers_could_have_heard_of_it(
-    engine: Hostile, redis_url: str, key_prefix: str
-) -> None:
+@asynccontextmanager
+async def ready_agent(engine: Hostile, redis_url: str, key_prefix: str,
+                      drain_timeout_s: float
+                      ) -> AsyncIterator[tuple[WorkerAgent, asyncio.Task[int],
+                                               OutagePublisher, Any]]:
+    """An agent of `engine` publishing through an OutagePublisher, running and seen
+    `ready` on the routers' channel: (agent, its run, the publisher, the channel)."""
     keys = HeartbeatKeys(key_prefix)
     publisher = OutagePublisher(connect(redis_url), keys)
     try:
@@ -422,23 +426,31 @@ async def test_a_drain_is_not_over_until_routers_could_have_heard_of_it(
             loop = HeartbeatLoop(WorkerIdentity(WORKER, "us-east", engine.url, 16),
                                  EngineProber(session, engine.url), publisher, TIMING,
                                  rng=random.Random(5))
-            agent = WorkerAgent(loop, publisher, WORKER, drain_timeout_s=4.0)
+            agent = WorkerAgent(loop, publisher, WORKER, drain_timeout_s=drain_timeout_s)
             run = asyncio.create_task(agent.run())
             await channel.until(is_state(LifecycleState.READY))
-            publisher.down = True  # SIGTERM arrives while Redis is away
-            agent.request_drain("SIGTERM")
-            await asyncio.sleep(1.0)
-            still_draining = not run.done()
-            publisher.down = False
-            draining: Heartbeat | str | None = None
-            # nothing at all (a timeout): the agent had already given up and left
-            with contextlib.suppress(TimeoutError):
-                draining = await channel.until(
-                    lambda item: isinstance(item, str) or item.state is LifecycleState.DRAINING,
-                    timeout_s=2)
-            await asyncio.wait_for(run, 6)
+            yield agent, run, publisher, channel
     finally:
         await publisher.aclose()
+
+
+async def test_a_drain_is_not_over_until_routers_could_have_heard_of_it(
+    engine: Hostile, redis_url: str, key_prefix: str
+) -> None:
+    async with ready_agent(engine, redis_url, key_prefix, 4.0) as (agent, run, publisher,
+                                                                   channel):
+        publisher.down = True  # SIGTERM arrives while Redis is away
+        agent.request_drain("SIGTERM")
+        await asyncio.sleep(1.0)
+        still_draining = not run.done()
+        publisher.down = False
+        draining: Heartbeat | str | None = None
+        # nothing at all (a timeout): the agent had already given up and left
+        with contextlib.suppress(TimeoutError):
+            draining = await channel.until(
+                lambda item: isinstance(item, str) or item.state is LifecycleState.DRAINING,
+                timeout_s=2)
+        await asyncio.wait_for(run, 6)
     assert still_draining, "the drain ended while no `draining` heartbeat had gone out"
     assert isinstance(draining, Heartbeat), "routers heard `gone` without `draining` first"
 
@@ -450,24 +462,14 @@ async def test_a_drain_with_redis_and_the_engine_both_gone_ends_at_once(
     nothing left to finish and no router to tell, so it ends after two unreachable
     probes, not at its deadline (it used to wait the whole of it: the agents outlived a
     killed `up` by 30 s, tests/integration/test_up.py)."""
-    publisher = OutagePublisher(connect(redis_url), HeartbeatKeys(key_prefix))
-    try:
-        async with subscribed(redis_url, HeartbeatKeys(key_prefix)) as channel, \
-                open_engine_session(0.3) as session:
-            loop = HeartbeatLoop(WorkerIdentity(WORKER, "us-east", engine.url, 16),
-                                 EngineProber(session, engine.url), publisher, TIMING,
-                                 rng=random.Random(5))
-            agent = WorkerAgent(loop, publisher, WORKER, drain_timeout_s=10.0)
-            run = asyncio.create_task(agent.run())
-            await channel.until(is_state(LifecycleState.READY))
-            publisher.down = True
-            engine.hang = {"/health", "/metrics"}
-            started = time.monotonic()
-            agent.request_drain("SIGTERM")
-            await asyncio.wait_for(run, 15)
-            took_s = time.monotonic() - started
-    finally:
-        await publisher.aclose()
+    async with ready_agent(engine, redis_url, key_prefix, 10.0) as (agent, run, publisher,
+                                                                    _channel):
+        publisher.down = True
+        engine.hang = {"/health", "/metrics"}
+        started = time.monotonic()
+        agent.request_drain("SIGTERM")
+        await asyncio.wait_for(run, 15)
+        took_s = time.monotonic() - started
     assert took_s < 3.0, f"the drain took {took_s:.1f} s (its deadline: 10 s)"
 
 

@@ -82,12 +82,6 @@ class ViewFeed:
         self._followers: list[asyncio.StreamWriter] = []  # sent the whole table already
         self._joining: list[asyncio.StreamWriter] = []  # to be sent it next
         self._shipped: dict[str, WorkerView] = {}  # the views the followers have
-        self.frames = 0
-        self.sent_bytes = 0
-
-    @property
-    def followers(self) -> int:
-        return len(self._followers) + len(self._joining)
 
     def published(self) -> None:
         """A snapshot was made current: ship what changed (at the feed's next turn)."""
@@ -198,8 +192,6 @@ class ViewFeed:
                 writers.remove(writer)
                 continue
             writer.write(data)
-            self.frames += 1
-            self.sent_bytes += len(data)
 
 
 def _json(view: WorkerView) -> bytes:

@@ -115,7 +115,6 @@ class MirroredCollector:
         self.synced = asyncio.Event()
         self.mirroring = False
         self.frames = 0
-        self.unknown_workers = 0  # load figures of a worker it had no heartbeat of
         self.own_reads = 0  # times it began following Redis itself
         # Since the last snapshot: views replaced (a build is due), or refreshed in place.
         self._changed = self._refreshed = False
@@ -262,8 +261,8 @@ class MirroredCollector:
             for items in loads:
                 current = views.get(items[0])
                 if current is None:
-                    self.unknown_workers += 1
-                elif current.refresh(items, open_now := inflight(items[0])):
+                    continue  # (dropped here by a reload before process 0 dropped it)
+                if current.refresh(items, open_now := inflight(items[0])):
                     self._refreshed = True
                 else:
                     views[current.worker_id] = current.mirrored(items, open_now)

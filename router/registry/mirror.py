@@ -24,7 +24,7 @@ from typing import Protocol
 
 from router.registry.collector import HeartbeatCollector
 from router.registry.feed import FEED_SOCKET, FRAME_ITEMS, FULL, HEADER, ViewFeed
-from router.registry.worker_view import LoadItems, WorkerView
+from router.registry.worker_view import LoadItems, WorkerView, take_loads
 from router.supervisor import Supervised
 from worker.schema import Refused, parse_heartbeat
 
@@ -257,16 +257,10 @@ class MirroredCollector:
                     pace.spent(started)
                     await asyncio.sleep(0)
                     started = time.thread_time()
-            views, inflight = table.views, table.local_inflight
-            for items in loads:
-                current = views.get(items[0])
-                if current is None:
-                    continue  # (dropped here by a reload before process 0 dropped it)
-                if current.refresh(items, open_now := inflight(items[0])):
-                    self._refreshed = True
-                else:
-                    views[current.worker_id] = current.mirrored(items, open_now)
-                    self._changed = True
+            # (a worker unknown here was dropped by a reload before process 0 dropped it)
+            replaced, refreshed = take_loads(table.views, loads, table.local_inflight)
+            self._changed |= replaced
+            self._refreshed |= refreshed
             for worker_id in gone:
                 table.drop(worker_id, worker_id.encode())
             # (load figures taken in place, `refresh`, change nothing a snapshot holds)

@@ -3,6 +3,7 @@ request path reads for every candidate, made once per heartbeat or load record."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from worker.load_records import RecordItems, static_digest
@@ -295,3 +296,49 @@ class WorkerView:
         return (f"WorkerView({self.worker_id!r}, {self.region!r}, seq={self.seq}, "
                 f"load={self.running}+{self.waiting}/{self.slots}, "
                 f"received_at_s={self.received_at_s:.3f})")
+
+
+def take_loads(views: dict[str, WorkerView], loads: list[LoadItems],
+               inflight: Callable[[str], int]) -> tuple[bool, bool]:
+    """Take another process's load figures (`loads`: its views' `load_items`, in a frame of
+    router.registry.feed) into `views`, with this process's open requests on each worker
+    (`inflight`): a view whose figures are the same is refreshed in place, any other is
+    replaced by its `mirrored` copy; a worker not in `views` is skipped (dropped here
+    first). Returns (a view was replaced, a view was refreshed). Here rather than in
+    router.registry.mirror so that the compiled build runs the loop natively: a busy
+    fleet sends every worker's figures at every read."""
+    replaced = refreshed = False
+    for items in loads:
+        worker_id: str = items[0]
+        current = views.get(worker_id)
+        if current is None:
+            continue
+        open_now = inflight(worker_id)
+        if current.refresh(items, open_now):
+            refreshed = True
+        else:
+            views[worker_id] = current.mirrored(items, open_now)
+            replaced = True
+    return replaced, refreshed
+
+
+def changes_since(views: list[tuple[str, WorkerView]], shipped: dict[str, WorkerView],
+                  current: dict[str, WorkerView], heartbeats: list[WorkerView],
+                  loads: list[LoadItems]) -> None:
+    """For router.registry.feed, a part of a table's `views` (id, view) against the views
+    the followers have (`shipped`): each goes into `current`, and out of `shipped`; a
+    view they have is skipped, one of a heartbeat they have goes to `loads` as its
+    `load_items`, any other to `heartbeats` (they are sent its JSON). What is left in
+    `shipped` after the whole table has gone through is the workers that left. Here so
+    that the compiled build scans the table natively (a busy fleet changes every view
+    between two snapshots)."""
+    for worker_id, view in views:
+        current[worker_id] = view
+        # Popped, not read: the views it replaced are freed here, a part at a time.
+        old = shipped.pop(worker_id, None)
+        if old is view:
+            continue
+        if old is not None and old.heartbeat is view.heartbeat:
+            loads.append(view.load_items())
+        else:
+            heartbeats.append(view)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import marshal
 
-from router.registry.worker_view import WorkerView
+from router.registry.worker_view import WorkerView, changes_since, take_loads
 from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
 
 TERMS = ("worker_id", "seq", "sent_at_s", "running", "waiting", "kv_cache_usage", "ttft_ms",
@@ -65,3 +65,42 @@ def test_refresh_leaves_a_view_whose_figures_changed_alone() -> None:
     for changed in (heartbeat(running=4), heartbeat(kv=0.5)):
         assert not view.refresh(WorkerView(changed, 51.0).load_items(), 0)
         assert terms(view) == before
+
+
+def test_changes_since_sorts_a_table_into_what_followers_must_be_sent() -> None:
+    """The feed's scan (router.registry.feed): a view the followers have is skipped, a new
+    load of a heartbeat they have goes as load figures, a new heartbeat whole; the
+    workers left in `shipped` are those that left."""
+    kept = WorkerView(heartbeat(), received_at_s=1.0)
+    loaded = WorkerView(heartbeat(), received_at_s=1.0)
+    newer_load = loaded.mirrored((*loaded.load_items()[:3], 7, *loaded.load_items()[4:]), 0)
+    replaced = WorkerView(heartbeat(), received_at_s=1.0)
+    new_heartbeat = WorkerView(heartbeat(running=5), received_at_s=2.0)
+    first_seen = WorkerView(heartbeat(), received_at_s=2.0)
+    left = WorkerView(heartbeat(), received_at_s=1.0)
+    shipped = {"kept": kept, "loaded": loaded, "replaced": replaced, "left": left}
+    table = [("kept", kept), ("loaded", newer_load), ("replaced", new_heartbeat),
+             ("first", first_seen)]
+    current: dict[str, WorkerView] = {}
+    heartbeats: list[WorkerView] = []
+    loads: list[tuple[object, ...]] = []
+    changes_since(table, shipped, current, heartbeats, loads)
+    assert current == dict(table)
+    assert loads == [newer_load.load_items()] and loads[0][3] == 7
+    assert heartbeats == [new_heartbeat, first_seen]
+    assert list(shipped) == ["left"]
+
+
+def test_take_loads_refreshes_equal_figures_and_replaces_the_rest() -> None:
+    idle = WorkerView(heartbeat(), received_at_s=1.0)
+    busy = WorkerView(heartbeat(), received_at_s=1.0)
+    views = {"idle": idle, "busy": busy}
+    again = ("idle", 9, 1001.0, *idle.load_items()[3:])
+    busier = ("busy", *busy.load_items()[1:3], 6, *busy.load_items()[4:])
+    gone = ("gone", *idle.load_items()[1:])
+    replaced, refreshed = take_loads(views, [again, busier, gone], lambda _worker: 2)
+    assert (replaced, refreshed) == (True, True)
+    assert views["idle"] is idle and idle.seq == 9 and idle.inflight_at_receipt == 2
+    assert views["busy"] is not busy and views["busy"].running == 6
+    assert views["busy"].inflight_at_receipt == 2 and "gone" not in views
+    assert take_loads(views, [], lambda _worker: 0) == (False, False)

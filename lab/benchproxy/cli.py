@@ -141,6 +141,10 @@ def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--busy-agents", action="store_true",
                         help="every load record with a new running count, as a busy "
                         "fleet's (by default the load of each worker stays the same)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="run the router from the compiled copy of this checkout that "
+                        "bench-proxy measures (`globalpool compile`; built first if needed, "
+                        "1-3 min): the build to deploy")
     parser.add_argument("--fleet-view-cpu-share", type=float,
                         default=DEFAULT_FLEET_VIEW_CPU_SHARE,
                         help="the router's router.fleet_view_cpu_share (default "
@@ -155,7 +159,7 @@ def run_bench_heartbeats(args: argparse.Namespace) -> int:
                             publishers=args.publishers, signed=args.signed, out=args.out,
                             legacy=args.legacy_agents, cpu_share=args.fleet_view_cpu_share,
                             tap_watched=args.tap_watched, processes=args.router_processes,
-                            busy=args.busy_agents))
+                            busy=args.busy_agents, compiled=args.compiled))
 
 
 def add_bench_instructions_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ import json
 import os
 import random
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +42,9 @@ from lab.benchproxy.stats import summarize
 from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
 
 WARM_TIMEOUT_S = 30.0
+# The router's idle CPU is measured over IDLE_S, IDLE_SETTLE_S after it first answers.
+IDLE_SETTLE_S = 3.0
+IDLE_S = 8.0
 WAITS_S = 10.0  # the request-wait probe's window (at most `--seconds`)
 PROBE_EVERY_S = 0.02
 # What the status page asks for every second (router/admin/status.html: MAX_WORKERS).
@@ -77,6 +81,24 @@ def router_config(redis_url: str, prefix: str, port: int,
         "regions": {name: {"models": r["models"], "rtt_ms": r["rtt_ms"]}
                     for name, r in regions.items()},
     }
+
+
+async def _idle_cpu_pct(session: aiohttp.ClientSession, health: str, valkey: Any,
+                        pid: int, seconds: float) -> float | None:
+    """The router's CPU (% of a core, its whole process tree) over IDLE_S (at most the
+    measured window's `seconds`) once it answers /health (IDLE_SETTLE_S after, at most
+    half that), before any worker heartbeats; None if it never answers."""
+    deadline = time.monotonic() + WARM_TIMEOUT_S
+    while (await _sample(session, health, valkey))[0] < 0:
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(min(IDLE_SETTLE_S, seconds / 2))
+    window_s = min(IDLE_S, seconds)
+    before = tree_cpu_s(pid)
+    await asyncio.sleep(window_s)
+    after = tree_cpu_s(pid)
+    return None if before is None or after is None else (after - before) / window_s * 100
 
 
 async def _sample(session: aiohttp.ClientSession, url: str, valkey: Any) -> tuple[int, int]:
@@ -320,18 +342,40 @@ def _rate(before: dict[str, float], after: dict[str, float], name: str,
     return (after[name] - before[name]) / elapsed
 
 
+def compiled_router_tree(log: Path) -> Path:
+    """The compiled copy of this checkout that bench-proxy measures (built or brought up
+    to date here: `globalpool compile`, ~1-3 min). Raises router.compiled.CompileError."""
+    from lab.benchproxy.routers import compiled_copy_dir
+    from router.compiled import CompileError, build_copy, source_checkout
+
+    source = source_checkout()
+    if source is None:
+        raise CompileError("not run from a checkout: an installed globalpool is measured "
+                           "as it was installed")
+    return build_copy(source, compiled_copy_dir(), log)
+
+
 async def main(*, workers: int, hz: float, seconds: float, publishers: int, signed: bool,
                out: Path | None, legacy: bool = False,
                cpu_share: float = DEFAULT_FLEET_VIEW_CPU_SHARE, tap_watched: bool = False,
-               processes: int = 1, busy: bool = False) -> int:
+               processes: int = 1, busy: bool = False, compiled: bool = False) -> int:
     from redis.asyncio import Redis
 
     from lab.devstack.valkey import EmbeddedValkey
 
-    cores = procs.usable_cores()
-    router_cores, load_cores = ({cores[0]}, set(cores[1:])) if len(cores) > 1 else (None, None)
     work = Path(tempfile.mkdtemp(prefix="gp-hbbench-")) if out is None else out
     work.mkdir(parents=True, exist_ok=True)
+    tree = None
+    if compiled:
+        from router.compiled import CompileError
+
+        try:
+            tree = await asyncio.to_thread(compiled_router_tree, work / "compile.log")
+        except CompileError as exc:
+            print(f"--compiled: {exc}")
+            return 1
+    cores = procs.usable_cores()
+    router_cores, load_cores = ({cores[0]}, set(cores[1:])) if len(cores) > 1 else (None, None)
     if load_cores:
         os.sched_setaffinity(0, load_cores)
     core_share = await asyncio.to_thread(procs.core_share, router_cores)
@@ -346,6 +390,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
     key = f"bench:{secrets.token_hex(16)}"
     env = {**os.environ, "GLOBALPOOL_LOG_LEVEL": "WARNING",
            "GLOBALPOOL_ROUTER_PROCESSES": str(processes)}
+    if tree is not None:  # the router (and the collector alone) from the compiled copy
+        env["PYTHONPATH"] = str(tree)
     env.pop("REDIS_URL", None)
     if signed:
         env["GLOBALPOOL_HEARTBEAT_KEYS"] = key
@@ -353,26 +399,29 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
     env["GLOBALPOOL_ADMIN_TOKEN"] = admin_token
     run_s = WARM_TIMEOUT_S + 2 * seconds + 30.0  # stopped early with SIGTERM
     share = -(-workers // publishers)
-    publisher_processes = []
-    for n in range(publishers):
-        args = [sys.executable, "-m", "lab.benchproxy.hbpublish", "--redis-url", valkey.url,
-                "--prefix", prefix, "--first", str(n * share),
-                "--last", str(min(workers, (n + 1) * share)), "--hz", str(hz),
-                "--seconds", str(run_s), "--regions", str(len(REGIONS)),
-                # Four beats per TTL, as the agents' defaults keep (0.5 s, 2 s).
-                "--ttl-s", f"{max(1.0, 4.0 / hz):g}"]
-        if signed:
-            args += ["--sign", key]
-        if legacy:
-            args.append("--legacy")
-        if tap_watched:
-            args.append("--tap-watched")
-        if busy:
-            args.append("--busy")
-        publisher_processes.append(procs.start(args, cores=load_cores, stdout_pipe=True,
-                                               log_path=work / f"hbpublish-{n}.log"))
+    publisher_processes: list[subprocess.Popen[bytes]] = []
+
+    def start_publishers() -> None:
+        for n in range(publishers):
+            args = [sys.executable, "-m", "lab.benchproxy.hbpublish", "--redis-url",
+                    valkey.url, "--prefix", prefix, "--first", str(n * share),
+                    "--last", str(min(workers, (n + 1) * share)), "--hz", str(hz),
+                    "--seconds", str(run_s), "--regions", str(len(REGIONS)),
+                    # Four beats per TTL, as the agents' defaults keep (0.5 s, 2 s).
+                    "--ttl-s", f"{max(1.0, 4.0 / hz):g}"]
+            if signed:
+                args += ["--sign", key]
+            if legacy:
+                args.append("--legacy")
+            if tap_watched:
+                args.append("--tap-watched")
+            if busy:
+                args.append("--busy")
+            publisher_processes.append(procs.start(args, cores=load_cores, stdout_pipe=True,
+                                                   log_path=work / f"hbpublish-{n}.log"))
+
     router = procs.start([sys.executable, "-m", "router.cli", "router", "--config", str(config),
-                          "--port", str(port)], cores=router_cores, env=env,
+                          "--port", str(port)], cores=router_cores, env=env, cwd=tree,
                          log_path=work / "hb-router.log")
     redis = Redis.from_url(valkey.url)
     health = f"http://127.0.0.1:{port}/health"
@@ -383,11 +432,17 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
                               else "load records",
                               "tap_watched": tap_watched, "router_processes": processes,
                               "busy_agents": busy,
+                              "build": "compiled (mypyc)" if compiled else "pure Python",
                               "router_core_share": core_share,
                               "pinning": "router on core 0, Valkey and publishers on core 1"
                               if router_cores else "not pinned"}
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            # The router's own cost with no fleet (its processes' timers, Redis polls):
+            # what it spends beyond this below is following the fleet.
+            result["idle_router_cpu_pct"] = await _idle_cpu_pct(session, health, redis,
+                                                                router.pid, seconds)
+            start_publishers()
             deadline = time.monotonic() + WARM_TIMEOUT_S
             seen = -1
             while time.monotonic() < deadline:
@@ -429,7 +484,8 @@ async def main(*, workers: int, hz: float, seconds: float, publishers: int, sign
             [sys.executable, "-m", "lab.benchproxy.hbcollect", "--redis-url", valkey.url,
              "--prefix", prefix, "--seconds", str(seconds), "--cpu-share", str(cpu_share),
              *(["--keys", key] if signed else [])],
-            cores=router_cores, log_path=work / "hbcollect.log", stdout_pipe=True)
+            cores=router_cores, log_path=work / "hbcollect.log", stdout_pipe=True,
+            env=None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}, cwd=tree)
         output, _ = await asyncio.to_thread(collector.communicate, None, seconds + 60)
         lines = output.decode().strip().splitlines()
         result["collector_alone"] = (
@@ -507,7 +563,10 @@ def render(r: dict[str, Any]) -> str:
            f"{r['valkey_rss_mb']:.0f} MB")
         + ("" if r.get("router_fleet_view_cpu_pct") is None else
            f"; of the router's, keeping the fleet view by its own account "
-           f"(globalpool_fleet_view_cpu_seconds_total): {r['router_fleet_view_cpu_pct']:.1f}%"),
+           f"(globalpool_fleet_view_cpu_seconds_total): {r['router_fleet_view_cpu_pct']:.1f}%")
+        + ("" if r.get("idle_router_cpu_pct") is None else
+           f"; the router idle, before any heartbeat: {r['idle_router_cpu_pct']:.1f}% (so "
+           f"following the fleet: {r['router_cpu_pct'] - r['idle_router_cpu_pct']:.1f}%)"),
         f"  workers in the router's snapshot: {r['workers_seen_min']}..{r['workers_seen_max']}; "
         f"subscriber backlog in Valkey: max {r['subscriber_queue_bytes_max']:,} B, "
         f"last {r['subscriber_queue_bytes_last']:,} B; disconnected by Valkey "

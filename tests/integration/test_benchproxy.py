@@ -117,6 +117,8 @@ def test_heartbeat_plane_bench_runs_small_and_reports_what_keeping_the_view_cost
     alone = result["collector_alone"]
     assert alone["records_applied_per_s"] > 0.5 * 1200 and alone["cpu_pct"] > 0
     assert "keeping the fleet view by its own account" in done.stdout
+    # Measured before any heartbeat, so that what following the fleet adds is shown.
+    assert 0 <= result["idle_router_cpu_pct"] < 50 and "the router idle" in done.stdout
     # What keeping the view, a scrape and a status read do to requests: measured.
     waits = result["request_waits"]
     assert waits["idle"]["count"] > 10 and 0 < waits["idle"]["p50"] <= waits["idle"]["max"]

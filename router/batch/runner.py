@@ -95,6 +95,7 @@ class BatchRunner:
         self.jobs = BatchJobs(store, files, configs, self.stats, self._warn)
         self.room = LineRoom(proxy, configs)
         self._held: list[_Held] = []
+        self._holding = asyncio.Event()  # set when a chunk is claimed: dispatching wakes
         self.seen: dict[str, Batch] = {}  # the unfinished batches, as the last scan saw them
         self._tasks: set[asyncio.Task[None]] = set()
         self._running: set[tuple[str, int]] = set()  # (batch, line) sent or being recorded
@@ -161,6 +162,10 @@ class BatchRunner:
 
     async def _dispatch_forever(self) -> None:
         while True:
+            if not self._held:  # nothing to start: no wake-up every DISPATCH_S meanwhile
+                self.capped = False
+                self._holding.clear()
+                await self._holding.wait()
             self._dispatch()
             await asyncio.sleep(DISPATCH_S)
 
@@ -221,6 +226,7 @@ class BatchRunner:
             held = _Held(batch, chunk, principal,
                          collections.deque((line, 0, 0.0) for line in lines))
             self._held.append(held)
+            self._holding.set()
             if refusal is not None:  # no key to send them as: each line's error, now
                 for line in lines:
                     await self._record_error(held, line, "invalid_api_key", refusal)

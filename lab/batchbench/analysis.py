@@ -64,13 +64,21 @@ def crossing_s(samples: Sequence[Sample], count: float) -> float | None:
 
 def ran_window(record: PhaseRecord) -> tuple[float, float] | None:
     """(first look in_progress or later, first look with every line done); None if the
-    batch never got that far."""
+    batch never got that far. A batch that ran wholly between two looks (a small one: the
+    probe looks every second) is given the window from the look before: at most one
+    look's interval too long, so its throughput is a lower bound, not missing."""
     total = record.batch.request_counts.get("total") if record.batch else None
-    start = next((s.t_s for s in record.samples if s.status is not None
+    samples = record.samples
+    first = next((index for index, s in enumerate(samples) if s.status is not None
                   and s.status not in ("validating", "failed")), None)
-    end = next((s.t_s for s in record.samples if total and s.done is not None
+    end = next((s.t_s for s in samples if total and s.done is not None
                 and s.done >= total), None)
-    if start is None or end is None or end <= start:
+    if first is None or end is None:
+        return None
+    start = samples[first].t_s
+    if end <= start and first > 0:
+        start = samples[first - 1].t_s
+    if end <= start:
         return None
     return start, end
 

@@ -4,22 +4,22 @@ A runner scans the batches that are not finished (router.batch.state) every SCAN
 - `validating`: one replica (a lock) reads the input file, checks it
   (router.batch.lines) and queues its chunks, or fails the batch;
 - `in_progress`: it claims chunks of lines (leases) while it has room for more, and
-  starts their lines **only into spare capacity**: the slots that the fleet's
-  heartbeats show free on the workers serving the batch's model, less what each worker
-  keeps for interactive traffic (the peak of its interactive load lately: router.policy.
-  batch_room), less what is open there now, this replica's lines included, and
-  never more than `batch.max_in_flight` lines of this replica at once (the heartbeats'
+  starts their lines **only into spare capacity**: the slots that the fleet's heartbeats
+  show free on the workers serving the batch's model, less what each worker keeps for
+  interactive traffic (the peak of its interactive load lately: router.policy.
+  batch_room), less what is open there now, this replica's lines included, and never more
+  than `batch.max_in_flight` lines of this replica at once (the heartbeats'
   `max_num_seqs` is the worker's word, which a forged heartbeat can inflate). When
   interactive load rises the spare slots shrink and no new line starts; the router queue
   also serves interactive requests first. Each line goes through the request path as the
-  `batch` class (the cheapest region with spare slots; the tenant's residency and limits).
-  The lines of a model that nobody serves and regions.yaml does not list are let go
-  anyway, each answered 404 as an interactive request would be (router.batch.room); a
+  `batch` class (the cheapest region with spare slots; the tenant's residency and
+  limits). The lines of a model that nobody serves and regions.yaml does not list are let
+  go anyway, each answered 404 as an interactive request would be (router.batch.room); a
   batch none of whose lines can run (each faulty) is finalized at once;
 - past its `expires_at` a batch is finalized with what is done; `cancelling` and
   `finalizing` batches are finalized (one replica, a lock) once no lease is held: the
-  output file has one line per request answered 200, the error file one per other
-  answer, faulty line, and (cancelled or expired) line not run.
+  output file has one line per request answered 200, the error file one per other answer,
+  faulty line, and (cancelled or expired) line not run.
 
 A line answered 408, 429, 5xx or not routed (no worker with room) is tried again later,
 up to MAX_TRIES; a replica that dies has its chunks taken over when their leases end.
@@ -54,7 +54,6 @@ from router.proxy.handlers import Proxy
 from router.proxy.replies import REGION_HEADER, WORKER_HEADER
 
 log = logging.getLogger("globalpool.batch")
-
 
 SCAN_S = 0.5  # how often a runner looks at the batches
 DISPATCH_S = 0.05  # how often it starts lines into the spare slots it sees
@@ -162,12 +161,9 @@ class BatchRunner:
 
     async def _dispatch_forever(self) -> None:
         while True:
-            if not self._held:  # nothing to start: no wake-up every DISPATCH_S meanwhile
-                self.capped = False
-                self._holding.clear()
-                await self._holding.wait()
             self._dispatch()
-            await asyncio.sleep(DISPATCH_S)
+            self._holding.clear()  # nothing held: no wake-up every DISPATCH_S, but at a claim
+            await (asyncio.sleep(DISPATCH_S) if self._held else self._holding.wait())
 
     async def _renew_forever(self) -> None:
         while True:
@@ -360,8 +356,7 @@ class BatchRunner:
                 "takeovers": batch.count("takeovers"),
                 "created_at": batch.doc.get("created_at"), "expires_at": batch.expires_at,
             } for batch in self.seen.values()],
-            "here": {"chunks_held": len(self._held),
-                     "lines_running": self.lines_running,
+            "here": {"chunks_held": len(self._held), "lines_running": self.lines_running,
                      "lines_waiting": sum(len(held.pending) for held in self._held),
                      "max_in_flight": self.configs.current.batch.max_in_flight,
                      "held_back_by_max_in_flight": self.capped,

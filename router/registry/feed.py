@@ -135,28 +135,34 @@ class ViewFeed:
                 pace.shipped_s += pace.spent(started)
                 await asyncio.sleep(0)
                 started = time.thread_time()
-        heartbeats: list[Shipped] = []
-        for start in range(0, len(new), VIEWS_PER_TURN):  # (~10 us each: a turn between)
-            pace.shipped_s += pace.spent(started)
-            await asyncio.sleep(0)
-            started = time.thread_time()
-            heartbeats.extend((_json(view), view.load_items())
-                              for view in new[start:start + VIEWS_PER_TURN])
         gone = list(shipped)  # the workers left after the scan are those that left
         self._shipped = current
         pace.shipped_s += pace.spent(started)
+        heartbeats = await self._as_shipped(new, counted=True)
         await self._send_in_frames(self._followers, CHANGES, heartbeats, loads, gone)
         joining, self._joining = self._joining, []
         if joining:
-            whole = []
-            for done, (_, view) in enumerate(views, 1):
-                whole.append((_json(view), view.load_items()))
-                if done % VIEWS_PER_TURN == 0:
-                    await asyncio.sleep(0)
+            whole = await self._as_shipped([view for _, view in views], counted=False)
             await self._send_in_frames(joining, FULL, whole, [], [])
             log.info("fleet view: %d sibling process(es) joined; %d workers sent",
                      len(joining), len(whole))
         self._followers.extend(writer for writer in joining if not writer.is_closing())
+
+    async def _as_shipped(self, views: list[WorkerView], counted: bool) -> list[Shipped]:
+        """Each of `views` as a heartbeat is shipped (its JSON, ~10 us, and its load
+        items), VIEWS_PER_TURN of them between two turns of the event loop; `counted`:
+        the CPU this takes goes to the pace (Pace.shipped_s), as a snapshot's changes do
+        (a joining sibling's whole table does not)."""
+        pace = self._pace
+        shipped: list[Shipped] = []
+        for start in range(0, len(views), VIEWS_PER_TURN):
+            started = time.thread_time()
+            shipped.extend((_json(view), view.load_items())
+                           for view in views[start:start + VIEWS_PER_TURN])
+            if counted:
+                pace.shipped_s += pace.spent(started)
+            await asyncio.sleep(0)
+        return shipped
 
     async def _send_in_frames(self, writers: list[asyncio.StreamWriter], kind: int,
                               heartbeats: list[Shipped], loads: list[LoadItems],

@@ -348,7 +348,7 @@ def run(settings: RouterSettings, host: str, port: int) -> None:
     SIGHUP reloads regions.yaml."""
     slot = settings.process
     if slot is None:
-        log.info("router region=%s listening on http://%s:%d", settings.region, host, port)
+        log.info("router region=%s starting on http://%s:%d", settings.region, host, port)
     else:
         log.info("router region=%s: process %d of %d (start %d) on the supervisor's socket",
                  settings.region, slot.index, slot.count, slot.starts)

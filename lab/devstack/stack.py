@@ -26,6 +26,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -145,6 +146,14 @@ class LocalStack:
             raise
 
     async def _start(self) -> None:
+        # Before anything starts: a taken port would otherwise be found only when the
+        # router, the last part, fails to listen (~10 s on).
+        try:
+            _check_port_free(self.host, self.port)
+        except OSError as exc:
+            raise StackError(f"the router cannot listen on {self.host}:{self.port}: "
+                             f"{exc.strerror or exc} (another process has it? set "
+                             "router.port in regions.yaml or pass --port)") from exc
         if self._redis_url is None:
             # Not the router's port: it is taken only once the router starts, after Valkey.
             self.valkey = await asyncio.to_thread(
@@ -431,3 +440,13 @@ class LocalStack:
         partial = path.with_name(path.name + ".partial")
         partial.write_text(json.dumps(self.describe(), indent=2) + "\n")
         partial.replace(path)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise OSError if `host:port` cannot be listened on now, as the router will listen
+    (SO_REUSEADDR, as aiohttp sets it; port 0 is always free)."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))

@@ -64,8 +64,9 @@ def test_busy_port_fails_cleanly(tmp_path: Path) -> None:
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )
     assert result.returncode == 1
-    assert "globalpool up failed: router exited" in result.stderr
+    assert f"globalpool up failed: the router cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "address already in use" in result.stderr.lower()
+    assert "[1/" not in result.stdout  # found before anything started
     assert "stopped; no child process left running" in result.stdout
 
 

@@ -37,6 +37,16 @@ def skip_for_missing_tool(why: str) -> NoReturn:
     pytest.skip(why)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test (or a parameter of one) marked `slow` runs in the slow tier only: the default
+    run and the compiled tier skip it, saying the marker's `why`. Moved there from the
+    default run once that passed 15 minutes on a slow host: a bench's harness, a second
+    Redis flavour of a failover test already run on Valkey, the longest kill tests."""
+    marker = item.get_closest_marker("slow")
+    if marker is not None:
+        skip_unless_slow_tests_are_asked_for(item.config, marker.kwargs.get("why", "slow"))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Routers that tests start with the default `batch.storage: local` keep their files in
     a directory of this run, not in the home directory (router.batch.blobs)."""

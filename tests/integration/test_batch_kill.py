@@ -111,6 +111,7 @@ async def replicas(redis_url: str, tmp_path: Path, start_sim: StartSim
         await publisher.aclose()
 
 
+@pytest.mark.slow(why="two replicas, one SIGKILLed twice mid-batch (~15 s)")
 async def test_a_replica_killed_twice_mid_batch_loses_and_doubles_nothing(
         replicas: tuple[Replica, Replica, str], redis_url: str) -> None:
     first, second, prefix = replicas

@@ -138,6 +138,7 @@ async def test_a_file_that_cannot_run_fails_validation_with_the_reasons(
     assert failed.output_file_id is None and failed.request_counts.completed == 0
 
 
+@pytest.mark.slow(why="interactive streams held ~10 s beside a batch")
 async def test_lines_wait_while_interactive_traffic_holds_the_slots(fleet: OpsFleet) -> None:
     await fleet.start(WORKERS, config=config(fleet))
     for worker in WORKERS:  # 6 of 8 slots busy: the interactive quarter is all that is left

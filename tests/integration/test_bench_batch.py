@@ -47,6 +47,7 @@ def _config(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow(why="a tiny bench-batch run (~25 s)")
 def test_a_tiny_run_reports_every_part(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = subprocess.run(

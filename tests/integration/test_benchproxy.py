@@ -15,6 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow(why="a bench-proxy run with a 300-worker fleet (~10 s)")
 def test_the_fleet_contender_proxies_while_following_a_fleet_next_to_its_control(
         tmp_path: Path) -> None:
     """`--only globalpool-fleet,globalpool-fleet-elsewhere`: one router follows the
@@ -39,6 +40,7 @@ def test_the_fleet_contender_proxies_while_following_a_fleet_next_to_its_control
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow(why="a quick bench-proxy run (~13 s)")
 def test_quick_run_writes_numbers_for_globalpool_and_aiohttp(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     done = subprocess.run(
@@ -92,6 +94,7 @@ def test_workloads_picks_which_are_measured_and_refuses_unknown_names(tmp_path: 
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow(why="a small bench-heartbeats run (~30 s)")
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_heartbeat_plane_bench_runs_small_and_reports_what_keeping_the_view_costs(
         tmp_path: Path, signed: bool) -> None:

@@ -113,7 +113,9 @@ TIMEOUTS = {"connect_s": 1, "first_byte_s": 5, "idle_s": 0.4, "total_s": 60}
 CUT_WITHIN_S = 30.0
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["front", "aiohttp"])
+@pytest.mark.parametrize("chunked", [False, pytest.param(True, marks=pytest.mark.slow(
+    why="the same on aiohttp's path (~16 s); the front's in the default run"))],
+    ids=["front", "aiohttp"])
 async def test_a_client_that_pauses_reading_never_gets_its_worker_ejected(
         fleet_factory: FleetFactory, chunked: bool) -> None:
     # The worker generates all along; the router holds it back because the client does

@@ -58,7 +58,8 @@ PREFIX = "gp-cluster"
 REGIONS = ("us-east", "eu-west")
 
 
-@pytest.fixture(params=["valkey", "redis-tls"])
+@pytest.fixture(params=["valkey", pytest.param("redis-tls", marks=pytest.mark.slow(
+    why="the same drill on Debian's redis-server over TLS (~30 s); on Valkey in the default run"))])
 def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ValkeyCluster]:
     binary, tls = None, None
     if request.param == "redis-tls":

@@ -40,7 +40,8 @@ from tests.integration.stack import small_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-@pytest.fixture(params=["valkey", "redis-tls"])
+@pytest.fixture(params=["valkey", pytest.param("redis-tls", marks=pytest.mark.slow(
+    why="the same drill on Debian's redis-server over TLS (~30 s); on Valkey in the default run"))])
 def sentinel_group(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SentinelGroup]:
     binary, tls = None, None
     if request.param == "redis-tls":

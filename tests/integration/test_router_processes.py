@@ -377,6 +377,7 @@ async def kill_at_start(m: Machine, slots: set[int], until: Callable[[], bool],
     return killed
 
 
+@pytest.mark.slow(why="a process kept dying at start for ~20 s")
 async def test_a_process_that_keeps_dying_at_start_while_another_serves_is_retried(
         machine: Callable[..., Awaitable[Machine]]) -> None:
     # Process 0 killed each time within 10 s of its start, process 1 serving: after 5 such
@@ -393,6 +394,7 @@ async def test_a_process_that_keeps_dying_at_start_while_another_serves_is_retri
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.slow(why="every process dying at start until the supervisor stops (~11 s)")
 async def test_processes_that_all_keep_dying_at_start_stop_the_supervisor(
         machine: Callable[..., Awaitable[Machine]]) -> None:
     # Every process killed each time within 10 s of its start: none serves, so after 5

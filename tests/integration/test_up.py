@@ -70,6 +70,7 @@ def test_busy_port_fails_cleanly(tmp_path: Path) -> None:
     assert "stopped; no child process left running" in result.stdout
 
 
+@pytest.mark.slow(why="a whole `up`, its Valkey killed and served again (~14 s)")
 def test_a_dead_valkey_is_reported_restarted_and_reaped(tmp_path: Path) -> None:
     up = start_up(tmp_path, small_config(tmp_path))
     try:

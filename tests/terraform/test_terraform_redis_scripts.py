@@ -413,6 +413,7 @@ async def _write_until_ok(url: str, timeout_s: float, interval_s: float) -> floa
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 @pytest.mark.usefixtures("redis_binaries")
+@pytest.mark.slow(why="a primary lost and rebooted under the scripts (~18 s)")
 def test_a_lost_primary_is_replaced_within_the_budget_and_follows_after_its_reboot(
         tmp_path: Path) -> None:
     data_port, sentinel_port = _free_ports()

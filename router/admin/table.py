@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from router.admin.terminal import escape_all
+from router.core.cli_args import positive_seconds, router_url
 
 DEFAULT_ROUTER = "http://127.0.0.1:8080"
 
@@ -28,14 +29,15 @@ class StatusError(Exception):
 
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--router", default=os.environ.get("GLOBALPOOL_ROUTER_URL",
-                                                           DEFAULT_ROUTER),
+    parser.add_argument("--router", type=router_url,
+                        default=os.environ.get("GLOBALPOOL_ROUTER_URL", DEFAULT_ROUTER),
                         help="router base URL (default: GLOBALPOOL_ROUTER_URL or "
                         f"{DEFAULT_ROUTER})")
     parser.add_argument("--token-env", default="GLOBALPOOL_ADMIN_TOKEN",
                         help="environment variable holding the admin token")
     parser.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
-    parser.add_argument("--interval", type=float, default=2.0, help="--watch refresh, seconds")
+    parser.add_argument("--interval", type=positive_seconds, default=2.0,
+                        help="--watch refresh, seconds")
     parser.add_argument("--json", action="store_true", help="print the raw JSON instead")
 
 

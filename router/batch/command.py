@@ -24,10 +24,13 @@ from typing import Any
 import aiohttp
 
 from router.batch.lines import BATCH_ENDPOINTS
+from router.core.cli_args import positive_seconds, router_url
 
 DEFAULT_ROUTER = "http://127.0.0.1:8080"
 FINISHED = ("completed", "failed", "expired", "cancelled")
 POLL_S = 1.0
+# A router that sends nothing for this long (connected, or while connecting) is given up.
+TIMEOUT_S = 60.0
 BAR_WIDTH = 30
 
 
@@ -37,10 +40,13 @@ class BatchCommandError(Exception):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--router", default=os.environ.get("GLOBALPOOL_ROUTER_URL",
-                                                           DEFAULT_ROUTER),
+    parser.add_argument("--router", type=router_url,
+                        default=os.environ.get("GLOBALPOOL_ROUTER_URL", DEFAULT_ROUTER),
                         help="the router's URL (default: GLOBALPOOL_ROUTER_URL, then "
                         f"{DEFAULT_ROUTER})")
+    parser.add_argument("--timeout", type=positive_seconds, default=TIMEOUT_S, metavar="S",
+                        help="give up when the router sends nothing for this long (default "
+                        f"{TIMEOUT_S:g} s; a download or an upload may take longer in all)")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     submit = actions.add_parser("submit", help="upload a JSONL file and run it as a batch")
     submit.add_argument("file", type=Path, help="the requests, one JSON object a line "
@@ -59,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for action in (submit, follow, results, cancel, listing):
         # (after the action too: `globalpool batch list --router URL`, as `status` takes
         # it; given there, it stands over the one before the action)
-        action.add_argument("--router", default=argparse.SUPPRESS,
+        action.add_argument("--router", type=router_url, default=argparse.SUPPRESS,
                             help="the router's URL (as before the action)")
+        action.add_argument("--timeout", type=positive_seconds, default=argparse.SUPPRESS,
+                            metavar="S", help="as before the action")
     for action in (follow, results, cancel):
         action.add_argument("batch_id", help="the batch's id (batch_...)")
     for action in (submit, follow, results):
@@ -80,10 +88,11 @@ def run(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> int:
     key = os.environ.get("GLOBALPOOL_API_KEY") or os.environ.get("OPENAI_API_KEY") or ""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, args.timeout),
+                                    sock_read=args.timeout)
     async with aiohttp.ClientSession(args.router.rstrip("/"), headers=headers,
                                      timeout=timeout) as http:
-        api = _Api(http)
+        api = _Api(http, args.timeout)
         if args.action == "list":
             for batch in (await api.call("GET", "/v1/batches?limit=100"))["data"]:
                 print(_summary(batch))
@@ -101,8 +110,9 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 class _Api:
-    def __init__(self, http: aiohttp.ClientSession) -> None:
+    def __init__(self, http: aiohttp.ClientSession, timeout_s: float = TIMEOUT_S) -> None:
         self._http = http
+        self._timeout_s = timeout_s
 
     async def call(self, method: str, path: str, **kwargs: Any) -> Any:
         """The JSON answer; BatchCommandError with the router's message otherwise."""
@@ -119,7 +129,8 @@ class _Api:
                 return body
         except (aiohttp.ClientError, TimeoutError) as exc:
             # (the router's URL the user gave; never the exception's repr of its internals)
-            why = ("timed out" if isinstance(exc, TimeoutError)
+            why = (f"no answer within {self._timeout_s:g} s (--timeout)"
+                   if isinstance(exc, TimeoutError)
                    else str(getattr(exc, "os_error", None) or exc).split(" [", 1)[0][:200])
             raise BatchCommandError(f"cannot reach the router: {why}") from None
 

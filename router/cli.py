@@ -29,6 +29,7 @@ from pathlib import Path
 from router import lab_commands
 from router.config import GlobalConfig, redis_url_problem
 from router.config_loader import ConfigError, load_config
+from router.core.cli_args import port_number
 
 DEFAULT_CONFIG = "regions.yaml"
 
@@ -87,7 +88,7 @@ def build_parser(*, with_lab: bool | None = None) -> argparse.ArgumentParser:
                         "(default %(default)s)")
     router.add_argument("--region", default=None, help="this replica's region (default: config)")
     router.add_argument("--host", default=None, help="address to listen on (default: config)")
-    router.add_argument("--port", type=int, default=None,
+    router.add_argument("--port", type=port_number, default=None,
                         help="port to listen on (default: config)")
     router.add_argument("--redis-url", default=None, help="default: REDIS_URL, then the config")
     router.add_argument("--policy", default=None, help="routing policy (default: the config's)")
@@ -142,7 +143,8 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--config", default=DEFAULT_CONFIG,
                     help="the regions, models and simulated workers to run (default %(default)s)")
     up.add_argument("--host", default=None, help="router address (default: from the config)")
-    up.add_argument("--port", type=int, default=None, help="router port (default: from config)")
+    up.add_argument("--port", type=port_number, default=None,
+                    help="router port (default: from config)")
     up.add_argument("--state-file", default=None, help="write the PIDs and URLs as JSON here")
     up.add_argument("--log-dir", default=None, help="children's logs (default: a temp folder)")
     up.set_defaults(run=_run_up)

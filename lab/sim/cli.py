@@ -16,6 +16,7 @@ import uvloop
 from lab.sim.api import build_app
 from lab.sim.config import SimConfig
 from lab.sim.server import SimServer
+from router.core.cli_args import port_number
 
 __all__ = ["SimConfig", "add_sim_arguments", "build_app", "config_from_args", "run_sim"]
 
@@ -27,7 +28,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    add("--port", type=int, required=True, help="TCP port; 0 picks a free one and prints it")
+    add("--port", type=port_number, required=True,
+        help="TCP port; 0 picks a free one and prints it")
     add(
         "--served-model-name",
         nargs="+",

@@ -1,5 +1,5 @@
-"""argparse types the commands that talk to a router share (`globalpool status`,
-`globalpool batch`): what a user mistypes is a usage error naming the argument."""
+"""argparse types the commands share (`globalpool router`, `up`, `sim`, `status`, `batch`):
+what a user mistypes is a usage error naming the argument, not a traceback."""
 
 from __future__ import annotations
 
@@ -32,3 +32,14 @@ def positive_seconds(text: str) -> float:
     if not 0 < seconds < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: write a number of seconds above 0")
     return seconds
+
+
+def port_number(text: str) -> int:
+    """The argparse type of `--port`: 0-65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: write a port number, 0-65535")
+    return port

@@ -11,7 +11,6 @@ import asyncio
 import io
 import json
 import math
-import socket
 import sys
 import time
 from pathlib import Path
@@ -351,28 +350,6 @@ async def test_the_batch_command_submits_follows_and_fetches(fleet: OpsFleet,
     assert code == 1 and "Cannot cancel a batch with status 'completed'" in err
     code, _, err = await globalpool("batch", "--router", "http://127.0.0.1:9", "list")
     assert code == 1 and "cannot reach the router" in err
-
-
-async def test_the_commands_refuse_a_url_that_is_not_one_and_give_up_on_a_silent_router(
-        ) -> None:
-    # A usage error naming the argument (exit 2), never a traceback from the HTTP client.
-    for argv in (["batch", "--router", "notaurl", "list"],
-                 ["batch", "list", "--router", "http://127.0.0.1:port"],
-                 ["batch", "--timeout", "-1", "list"],
-                 ["status", "--router", "ftp://127.0.0.1"],
-                 ["status", "--watch", "--interval", "0"]):
-        code, _, err = await globalpool(*argv)
-        assert code == 2 and "error: argument --" in err and "Traceback" not in err, (argv, err)
-    # A router that takes the connection (the kernel's backlog does) and never answers.
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        started_s = time.monotonic()
-        code, _, err = await globalpool("batch", "--router",
-                                        f"http://127.0.0.1:{silent.getsockname()[1]}",
-                                        "--timeout", "1", "list")
-        assert code == 1 and "no answer within 1 s (--timeout)" in err, err
-        assert time.monotonic() - started_s < 15  # the command's start, then 1 s
 
 
 async def test_a_file_with_more_lines_than_a_batch_takes_is_refused_at_create(

@@ -1,0 +1,39 @@
+"""The commands as a user mistypes them: a port, a router URL, an interval that is not one
+is a usage error naming the argument (exit 2, before anything starts), never a
+traceback; a router that takes the connection and says nothing is given up."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from tests.integration.test_batches import globalpool
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_mistyped_argument_is_a_usage_error_and_a_silent_router_is_given_up(
+        ) -> None:
+    # A usage error naming the argument (exit 2), never a traceback from the HTTP client.
+    for argv in (["up", "--port", "99999"],
+                 ["router", "--port", "-1"],
+                 ["sim", "--port", "65536"],
+                 ["batch", "--router", "notaurl", "list"],
+                 ["batch", "list", "--router", "http://127.0.0.1:port"],
+                 ["batch", "--timeout", "-1", "list"],
+                 ["status", "--router", "ftp://127.0.0.1"],
+                 ["status", "--watch", "--interval", "0"]):
+        code, _, err = await globalpool(*argv)
+        assert code == 2 and "error: argument --" in err and "Traceback" not in err, (argv, err)
+    # A router that takes the connection (the kernel's backlog does) and never answers.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        started_s = time.monotonic()
+        code, _, err = await globalpool("batch", "--router",
+                                        f"http://127.0.0.1:{silent.getsockname()[1]}",
+                                        "--timeout", "1", "list")
+        assert code == 1 and "no answer within 1 s (--timeout)" in err, err
+        assert time.monotonic() - started_s < 15  # the command's start, then 1 s

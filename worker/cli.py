@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import sys
 from collections.abc import Coroutine, Mapping
@@ -184,16 +185,16 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         raise WorkerConfigError(f"Redis URL {redis_client.redact_url(redis_url)}: {problem}")
     interval_s: float = _first(args.interval_s, config.heartbeat.interval_s, DEFAULT_INTERVAL_S)
     ttl_s: float = _first(args.ttl_s, config.heartbeat.ttl_s, DEFAULT_TTL_S)
-    if interval_s <= 0:
-        raise WorkerConfigError(f"--interval-s {interval_s:g}: must be > 0")
+    if not 0 < interval_s < math.inf:  # (NaN too)
+        raise WorkerConfigError(f"--interval-s {interval_s:g}: must be a number > 0")
     if not 2 * interval_s <= ttl_s <= 3600:
         raise WorkerConfigError(
             f"--ttl-s {ttl_s:g}: must be at least twice the interval ({interval_s:g}s) so that "
             "one late heartbeat does not drop the worker, and at most 3600"
         )
     max_num_seqs = _max_num_seqs(args, launch)
-    if args.drain_timeout_s < 0:
-        raise WorkerConfigError("--drain-timeout-s: must be >= 0")
+    if not 0 <= args.drain_timeout_s < math.inf:
+        raise WorkerConfigError("--drain-timeout-s: must be a number >= 0")
     # Leaves room for the jittered interval and one Redis write inside one TTL.
     probe_timeout_s: float = _first(args.probe_timeout_s, min(1.0, ttl_s / 3))
     if not 0 < probe_timeout_s <= ttl_s / 2:
@@ -231,8 +232,8 @@ def _launch_settings(args: argparse.Namespace) -> tuple[EngineCommand | None, Re
         raise WorkerConfigError("--launch: give the engine's command after `--`, e.g. "
                                 "--launch -- vllm serve MODEL --port 8000")
     for flag in ("--start-timeout-s", "--max-restart-backoff-s", "--stop-timeout-s"):
-        if getattr(args, flag[2:].replace("-", "_")) <= 0:
-            raise WorkerConfigError(f"{flag}: must be > 0")
+        if not 0 < getattr(args, flag[2:].replace("-", "_")) < math.inf:
+            raise WorkerConfigError(f"{flag}: must be a number > 0")
     if args.max_failed_starts < 0:
         raise WorkerConfigError("--max-failed-starts: must be >= 0")
     if not 0 <= args.engine_nice <= 19:

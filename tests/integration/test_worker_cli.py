@@ -109,7 +109,10 @@ def test_config_errors_name_file_and_path(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--ttl-s", "0.6"], "at least twice"),
-    (["--interval-s", "0"], "must be > 0"),
+    (["--interval-s", "0"], "must be a number > 0"),
+    (["--interval-s", "nan"], "must be a number > 0"),  # (NaN passed every comparison)
+    (["--drain-timeout-s", "nan"], "--drain-timeout-s: must be a number >= 0"),
+    (["--drain-timeout-s", "inf"], "--drain-timeout-s: must be a number >= 0"),
     (["--max-num-seqs", "0"], "max-num-seqs"),
     (["--worker-id", "has space"], "worker-id"),
     (["--advertise-url", "gpu-1:8000"], "advertise-url"),
@@ -199,7 +202,9 @@ def test_probe_timeout_may_be_raised_for_a_slow_engine() -> None:
     (["--engine-url", "http://e:1", "--", "vllm", "serve"], "unexpected arguments 'vllm serve'"),
     (["--launch", "--", "vllm", "serve", "m", "--port", "http"], "--port 'http'"),
     (["--launch", "--", "vllm", "serve", "m", "--max-num-seqs", "0"], "must be 1..10,000,000"),
-    (["--stop-timeout-s", "0", "--launch", "--", "vllm"], "--stop-timeout-s: must be > 0"),
+    (["--stop-timeout-s", "0", "--launch", "--", "vllm"], "--stop-timeout-s: must be a number > 0"),
+    (["--start-timeout-s", "nan", "--launch", "--", "vllm"],
+     "--start-timeout-s: must be a number > 0"),
     (["--max-failed-starts", "-1", "--launch", "--", "vllm"], "--max-failed-starts"),
     (["--probe-timeout-s", "1.5", "--engine-url", "http://e:1"], "at most half the TTL"),
 ])

@@ -14,7 +14,7 @@ MAX_LINES = 1_000_000
 class BatchConfig(BaseModel):
     """The Files and Batch APIs (router.batch): where files are kept, and the limits."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     enabled: bool = Field(
         default=True, description="serve /v1/files and /v1/batches and run batches")

@@ -22,7 +22,7 @@ _REGION_NAME = r"^[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?$"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RedisConfig(_Strict):

@@ -44,6 +44,7 @@ _MESSAGES = {
     "missing": "is required",
     "extra_forbidden": "unknown field",
     "too_short": "must not be empty",
+    "finite_number": "must be a finite number (not .inf or .nan)",
 }
 
 

@@ -28,7 +28,7 @@ _NAME = r"^[A-Za-z0-9._:@-]{1,128}$"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RateLimits(_Strict):

@@ -56,6 +56,23 @@ def test_every_repeated_key_is_refused(text: str) -> None:
     assert len(problems) == 1 and "duplicate key" in problems[0], problems
 
 
+@pytest.mark.parametrize(("old", "new", "where"), [
+    ("rtt_ms: {eu-west: 80}", "rtt_ms: {eu-west: .nan}", "regions.us-east.rtt_ms.eu-west"),
+    ("rtt_ms: {eu-west: 80}", "rtt_ms: {eu-west: .inf}", "regions.us-east.rtt_ms.eu-west"),
+    ("models: [m]\n  eu-west", "models: [m]\n    cost_per_gpu_hour: .inf\n  eu-west",
+     "regions.us-east.cost_per_gpu_hour"),
+    ("regions:", "router: {timeouts: {connect_s: .inf}}\nregions:", "router.timeouts.connect_s"),
+    ("regions:", "router: {near_equal_ms: .Inf}\nregions:", "router.near_equal_ms"),
+    ("regions:", "batch: {max_file_bytes: .nan}\nregions:", "batch.max_file_bytes"),
+])
+def test_a_number_that_is_not_finite_is_refused(old: str, new: str, where: str) -> None:
+    # NaN passed every bound (a NaN RTT was 'OK' and poisoned every prediction through
+    # that path); inf passed the lower ones (an endless connect timeout, every worker
+    # "equally good").
+    problems = _problems(GOOD.replace(old, new, 1))
+    assert any(problem.startswith(f"r.yaml: {where}: ") for problem in problems), problems
+
+
 def test_a_key_overriding_a_merged_one_is_not_a_duplicate() -> None:
     text = ("base: &base {models: [m], rtt_ms: {eu-west: 80}}\n"
             "regions:\n  us-east: {<<: *base, models: [n]}\n  eu-west: {<<: *base}\n")

@@ -9,6 +9,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from router.core.cli_args import (
+    fraction,
+    non_negative_int,
+    positive_int,
+    positive_number,
+    positive_seconds,
+)
+
 EXIT_GOALS_NOT_MET = 3
 
 
@@ -21,24 +29,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "regions at 2.50 / 2.20 / 1.60 per GPU hour)")
     parser.add_argument("--quick", action="store_true",
                         help="1,000 lines, a 300-line calibration, a 15 s baseline")
-    parser.add_argument("--lines", type=int, default=None,
+    parser.add_argument("--lines", type=positive_int, default=None,
                         help="lines in the batch beside the interactive load (default "
                         "10,000; --quick 1,000)")
-    parser.add_argument("--calibration-lines", type=int, default=None,
+    parser.add_argument("--calibration-lines", type=non_negative_int, default=None,
                         help="lines of the batch run alone first, 0 for none (default 1,000; "
                         "--quick 300)")
-    parser.add_argument("--baseline-s", type=float, default=None,
+    parser.add_argument("--baseline-s", type=positive_seconds, default=None,
                         help="seconds of interactive load alone (default 60; --quick 15)")
-    parser.add_argument("--interactive-share", type=float, default=0.3,
+    parser.add_argument("--interactive-share", type=fraction, default=0.3,
                         help="share of the fleet's slots the interactive rate is sized to "
                         "hold (default %(default)s)")
-    parser.add_argument("--rate", type=float, default=None,
+    parser.add_argument("--rate", type=positive_number, default=None,
                         help="interactive requests/s, instead of sizing it by the share")
-    parser.add_argument("--interactive-max-tokens", type=int, default=64,
+    parser.add_argument("--interactive-max-tokens", type=positive_int, default=64,
                         help="tokens per interactive answer (default %(default)s)")
-    parser.add_argument("--batch-max-tokens", type=int, default=64,
+    parser.add_argument("--batch-max-tokens", type=positive_int, default=64,
                         help="tokens per batch answer (default %(default)s)")
-    parser.add_argument("--batch-timeout-s", type=float, default=None,
+    parser.add_argument("--batch-timeout-s", type=positive_seconds, default=None,
                         help="a batch not done by then is cancelled (default 900; --quick 240)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the interactive load")
 

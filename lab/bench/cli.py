@@ -8,6 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from router.core.cli_args import fraction, positive_int, positive_seconds
+
 EXIT_GOALS_NOT_MET = 3
 ALL_POLICIES = "predicted_ttft,nearest,round_robin,least_load,power_of_two,random"
 
@@ -24,7 +26,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "raw per-request records and the children's logs")
     parser.add_argument("--quick", action="store_true",
                         help="the scenario's short variant (for CI)")
-    parser.add_argument("--replicas", type=int, default=None,
+    parser.add_argument("--replicas", type=positive_int, default=None,
                         help="router replicas, one per region from the first (default: one "
                         "in every region)")
     parser.add_argument("--trace", dest="trace_path", type=Path, default=None,
@@ -33,16 +35,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the trace here (it is always in OUT/trace.jsonl)")
     parser.add_argument("--seed", type=int, default=None,
                         help="trace seed (default: the scenario's)")
-    parser.add_argument("--hedge", type=float, default=0.0, metavar="FRACTION",
+    parser.add_argument("--hedge", type=fraction, default=0.0, metavar="FRACTION",
                         help="the routers hedge interactive streams, at most FRACTION of "
                         "them (router.hedging.max_fraction; 0, the default: no hedging). "
                         "Compare runs with and without on the same --seed")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--time-limit", type=positive_seconds, default=None, metavar="SECONDS",
                         help="finish the test bed's runs within this many seconds: the "
                         "waits for idle engines and a calm machine shrink, and a disturbed "
                         "policy is not run again when its rerun would not fit (default: no "
                         "limit)")
-    parser.add_argument("--attempts", type=int, default=2,
+    parser.add_argument("--attempts", type=positive_int, default=2,
                         help="run a policy again, up to this many times in all, when the "
                         "load generator fell behind (the machine stalled) (default "
                         "%(default)s)")
@@ -59,12 +61,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from router.event_loop import new_event_loop
     from router.policy.base import Policy
 
-    if not 0.0 <= args.hedge <= 1.0:
-        print("--hedge: a fraction between 0 and 1", file=sys.stderr)
-        return 2
-    if args.time_limit is not None and args.time_limit <= 0:
-        print("--time-limit: a number of seconds above 0", file=sys.stderr)
-        return 2
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     unknown = [p for p in policies if p not in Policy.registry]
     if not policies or unknown:

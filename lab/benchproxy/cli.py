@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from router.config import DEFAULT_FLEET_VIEW_CPU_SHARE
+from router.core.cli_args import fraction, positive_int, positive_number, positive_seconds
 
 
 def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,7 @@ def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                              "processes on the same router core; CPU is its whole process "
                              "tree's; compare with --only "
                              "globalpool-compiled,globalpool-compiled-2p)")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=positive_int, default=1,
                         help="repeat the whole comparison this many times (default 1)")
     parser.add_argument("--peers-dir", type=Path, default=None,
                         help="virtualenv for the peer routers (default: "
@@ -37,7 +38,7 @@ def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=None,
                         help="comma-separated workloads to measure: unary,stream,paced "
                              "(default: all three)")
-    parser.add_argument("--fleet-workers", type=int, default=10_000,
+    parser.add_argument("--fleet-workers", type=positive_int, default=10_000,
                         help="workers globalpool-fleet follows (default 10,000, at 4 Hz)")
     parser.add_argument("--profile", default="",
                         help="comma-separated workloads (unary,stream,paced) to profile "
@@ -50,9 +51,9 @@ def add_bench_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                              "pinned (router processes on one core); alternating, --rounds "
                              "times; writes throughput.json/.md/.png (see "
                              "lab/benchproxy/throughput.py). --quick: 3 s runs")
-    parser.add_argument("--wrk-seconds", type=float, default=10.0,
+    parser.add_argument("--wrk-seconds", type=positive_seconds, default=10.0,
                         help="--throughput: seconds of each measured wrk run (default 10)")
-    parser.add_argument("--wrk-connections", type=int, default=32,
+    parser.add_argument("--wrk-connections", type=positive_int, default=32,
                         help="--throughput: wrk's connections (default 32)")
     parser.add_argument("--unpinned-only", action="store_true",
                         help="--throughput: skip the pinned variant")
@@ -120,11 +121,12 @@ def run_bench_decision(args: argparse.Namespace) -> int:
 
 def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="write heartbeats.json here")
-    parser.add_argument("--workers", type=int, default=10_000,
+    parser.add_argument("--workers", type=positive_int, default=10_000,
                         help="simulated workers heartbeating (default 10,000)")
-    parser.add_argument("--hz", type=float, default=4.0, help="heartbeats per worker per second")
-    parser.add_argument("--seconds", type=float, default=20.0, help="measured window")
-    parser.add_argument("--publishers", type=int, default=2, help="publisher processes")
+    parser.add_argument("--hz", type=positive_number, default=4.0,
+                        help="heartbeats per worker per second")
+    parser.add_argument("--seconds", type=positive_seconds, default=20.0, help="measured window")
+    parser.add_argument("--publishers", type=positive_int, default=2, help="publisher processes")
     parser.add_argument("--signed", action="store_true",
                         help="sign heartbeats and make the router verify them")
     parser.add_argument("--legacy-agents", action="store_true",
@@ -134,7 +136,7 @@ def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
                         help="someone subscribes to the tap channel: agents publish every "
                         "heartbeat there too (by default, as with nobody watching, once every "
                         "10 s)")
-    parser.add_argument("--router-processes", type=int, default=1,
+    parser.add_argument("--router-processes", type=positive_int, default=1,
                         help="the router's --processes (default 1): its CPU is the whole "
                         "process tree's (the first process reads the fleet, the others "
                         "mirror it: router.registry.mirror)")
@@ -145,7 +147,7 @@ def add_bench_heartbeats_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the router from the compiled copy of this checkout that "
                         "bench-proxy measures (`globalpool compile`; built first if needed, "
                         "1-3 min): the build to deploy")
-    parser.add_argument("--fleet-view-cpu-share", type=float,
+    parser.add_argument("--fleet-view-cpu-share", type=fraction,
                         default=DEFAULT_FLEET_VIEW_CPU_SHARE,
                         help="the router's router.fleet_view_cpu_share (default "
                         f"{DEFAULT_FLEET_VIEW_CPU_SHARE:g}, as regions.yaml's): more reads the "
@@ -170,7 +172,7 @@ def add_bench_instructions_arguments(parser: argparse.ArgumentParser) -> None:
                              "compare (default: this one)")
     parser.add_argument("--workloads", default="unary,stream",
                         help="comma-separated: unary,stream,paced (default unary,stream)")
-    parser.add_argument("--requests", type=int, default=1000,
+    parser.add_argument("--requests", type=positive_int, default=1000,
                         help="measured requests per workload (default 1,000)")
     parser.add_argument("--vllm-router", action="store_true",
                         help="also measure vllm-router (installed as bench-proxy installs it)")

@@ -9,6 +9,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from router.core.cli_args import (
+    non_negative_number,
+    positive_int,
+    positive_number,
+    positive_seconds,
+)
+
 SCENARIOS = ("kill-region", "drain-region", "partition-region", "slow-region", "redis-outage",
              "redis-failover", "redis-cluster-failover", "worker-flap")
 HOSTILE = "hostile"  # worker faults x client behaviours: flags of its own (drill.hostile.cli)
@@ -40,7 +47,7 @@ def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="regions.yaml", type=Path,
                         help="the regions and simulated workers the drill runs "
                         "(default %(default)s)")
-    parser.add_argument("--duration-s", type=float, default=None,
+    parser.add_argument("--duration-s", type=positive_seconds, default=None,
                         help="how long the fault lasts (default 30; --quick: 6, "
                         "redis-outage 8, redis-failover and redis-cluster-failover 10)")
     parser.add_argument("--quick", action="store_true",
@@ -49,24 +56,24 @@ def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
                         "60 s after the clear, then 3 s more)")
     parser.add_argument("--region", default=None,
                         help="the region to break (default: the router's own region)")
-    parser.add_argument("--rate", type=float, default=20.0,
+    parser.add_argument("--rate", type=positive_number, default=20.0,
                         help="requests per second, open loop (default %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=16,
+    parser.add_argument("--max-tokens", type=positive_int, default=16,
                         help="tokens per streamed answer (default %(default)s)")
     parser.add_argument("--drain-via", choices=("sigterm", "admin", "config"),
                         default="sigterm",
                         help="drain-region: SIGTERM the agents, POST /admin/drain, or "
                         "`drain: true` in (a copy of) regions.yaml")
-    parser.add_argument("--extra-rtt-ms", type=float, default=300.0,
+    parser.add_argument("--extra-rtt-ms", type=non_negative_number, default=300.0,
                         help="slow-region: RTT added to the region's path (default %(default)s)")
-    parser.add_argument("--slow-factor", type=float, default=1.0,
+    parser.add_argument("--slow-factor", type=positive_number, default=1.0,
                         help="slow-region: also slow the region's engines by this factor")
     parser.add_argument("--redis-mode", choices=("stop", "freeze"), default="stop",
                         help="redis-outage: stop Valkey, or SIGSTOP it (a blackholed server)")
-    parser.add_argument("--flap-down-s", type=float, default=1.0,
+    parser.add_argument("--flap-down-s", type=positive_seconds, default=1.0,
                         help="worker-flap: how long the engine stays dead each time "
                         "(default %(default)s)")
-    parser.add_argument("--flap-up-s", type=float, default=2.0,
+    parser.add_argument("--flap-up-s", type=positive_seconds, default=2.0,
                         help="worker-flap: how long it serves before the next kill "
                         "(default %(default)s)")
     parser.add_argument("--seed", type=int, default=0,

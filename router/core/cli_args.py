@@ -1,9 +1,11 @@
-"""argparse types the commands share (`globalpool router`, `up`, `sim`, `status`, `batch`):
+"""argparse types the commands share (`globalpool router`, `up`, `sim`, `status`, `batch`,
+the benches and drills):
 what a user mistypes is a usage error naming the argument, not a traceback."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import urllib.parse
 
 
@@ -23,15 +25,58 @@ def router_url(text: str) -> str:
     return text.strip()
 
 
-def positive_seconds(text: str) -> float:
-    """The argparse type of an interval or a timeout: a finite number of seconds > 0."""
+def _number(text: str, low: float, high: float, *, above_low: bool = False) -> float:
+    """`text` as a finite number within [low, high] (or (low, high] if `above_low`)."""
     try:
-        seconds = float(text)
+        value = float(text)
     except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: write a number of seconds above 0")
-    return seconds
+        value = math.nan
+    if not (low < value if above_low else low <= value) or not value <= high:  # (NaN too)
+        bound = "above" if above_low else "at least"
+        top = "" if high == math.inf else f" and at most {high:g}"
+        raise argparse.ArgumentTypeError(f"{text!r}: write a number {bound} {low:g}{top}")
+    return value
+
+
+def _whole(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: write a whole number, at least {low}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text!r}: write a whole number, at least {low}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An interval or a timeout: a finite number of seconds > 0."""
+    return _number(text, 0.0, math.inf, above_low=True)
+
+
+def positive_number(text: str) -> float:
+    """A finite number > 0 (a rate, a factor)."""
+    return _number(text, 0.0, math.inf, above_low=True)
+
+
+def non_negative_number(text: str) -> float:
+    """A finite number >= 0."""
+    return _number(text, 0.0, math.inf)
+
+
+def fraction(text: str) -> float:
+    """A share: 0 to 1."""
+    return _number(text, 0.0, 1.0)
+
+
+def positive_int(text: str) -> int:
+    """A count of at least 1."""
+    return _whole(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """A count that may be 0."""
+    return _whole(text, 0)
 
 
 def port_number(text: str) -> int:

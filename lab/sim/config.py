@@ -8,7 +8,8 @@ silently can never admit a request would look like a router bug.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 SIM_VERSION = "sim-0.1.0"
 
@@ -59,6 +60,10 @@ class SimConfig:
 
     def _problems(self) -> list[str]:
         found: list[str] = []
+        # (NaN passes every comparison below; inf makes a step or a rate endless)
+        found += [f"{field.name}: must be a finite number" for field in fields(self)
+                  if isinstance(getattr(self, field.name), float)
+                  and not math.isfinite(getattr(self, field.name))]
         if not self.served_model_names or any(not n for n in self.served_model_names):
             found.append("served_model_names: needs at least one non-empty name")
         for name in ("max_num_seqs", "kv_blocks", "block_size", "max_model_len"):

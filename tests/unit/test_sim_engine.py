@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 from collections.abc import AsyncIterator, Callable, Iterable
 
 import pytest
@@ -259,3 +261,12 @@ async def test_slow_factor_stretches_steps(make_engine: EngineFactory) -> None:
 def test_config_refuses_a_context_that_cannot_fit() -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         SimConfig(kv_blocks=4, block_size=16, max_model_len=100)
+
+
+@pytest.mark.parametrize("field", ["decode_step_ms", "prefill_tokens_per_s", "slow_factor",
+                                   "error_rate"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_config_refuses_a_number_that_is_not_finite(field: str, value: float) -> None:
+    # NaN passed every bound (`globalpool sim --decode-step-ms nan` served)
+    with pytest.raises(ValueError, match=f"{field}: must be a finite number"):
+        dataclasses.replace(SimConfig(), **{field: value})

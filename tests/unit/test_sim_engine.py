@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 import pytest
 
@@ -269,4 +269,5 @@ def test_config_refuses_a_context_that_cannot_fit() -> None:
 def test_config_refuses_a_number_that_is_not_finite(field: str, value: float) -> None:
     # NaN passed every bound (`globalpool sim --decode-step-ms nan` served)
     with pytest.raises(ValueError, match=f"{field}: must be a finite number"):
-        dataclasses.replace(SimConfig(), **{field: value})
+        settings: dict[str, Any] = {field: value}
+        SimConfig(**settings)

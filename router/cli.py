@@ -191,6 +191,8 @@ def _run_router(args: argparse.Namespace) -> int:
     config = _load_or_report(args.config, policy_override=args.policy)
     if config is None:
         return 1
+    if not _tokens_usable(config):
+        return 2
     redis_url = resolve_redis_url(args.redis_url, config)
     if redis_url is None:
         print("no Redis URL: pass --redis-url or set REDIS_URL "
@@ -264,7 +266,19 @@ def _run_up(args: argparse.Namespace) -> int:
     config = _load_or_report(args.config)
     if config is None:
         return 1
+    if not _tokens_usable(config):
+        return 2
     return lab_commands.run_up(args, config)
+
+
+def _tokens_usable(config: GlobalConfig) -> bool:
+    """Say why, and False, if an admin or scrape token in the environment is too short."""
+    from router.admin.auth import token_problems
+
+    problems = token_problems(config.admin, os.environ)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return not problems
 
 
 def _add_batch_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

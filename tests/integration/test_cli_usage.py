@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.conftest import ROOT
 from tests.integration.test_batches import globalpool
 
 pytestmark = pytest.mark.integration
@@ -37,3 +38,15 @@ async def test_a_mistyped_argument_is_a_usage_error_and_a_silent_router_is_given
                                         "--timeout", "1", "list")
         assert code == 1 and "no answer within 1 s (--timeout)" in err, err
         assert time.monotonic() - started_s < 15  # the command's start, then 1 s
+
+
+@pytest.mark.parametrize("command", [["router", "--redis-url", "redis://127.0.0.1:1"], ["up"]])
+async def test_a_short_admin_token_stops_the_router_before_it_starts(
+        command: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # README's old example, `change-me`, would have let anyone who guessed it drain regions.
+    monkeypatch.setenv("GLOBALPOOL_ADMIN_TOKEN", "change-me")
+    code, out, err = await globalpool(*command, "--config", str(ROOT / "regions.yaml"))
+    assert code == 2, (out, err)
+    assert "GLOBALPOOL_ADMIN_TOKEN is 9 characters: a token must have at least 16" in err
+    assert "change-me" not in out + err  # (never printed)
+    assert "[1/" not in out  # nothing started

@@ -210,7 +210,12 @@ def _run_router(args: argparse.Namespace) -> int:
     host = args.host or config.router.host
     port = args.port if args.port is not None else config.router.port
     slot = ProcessSlot.from_environ(os.environ)
-    processes = args.processes if args.processes is not None else usable_cores()
+    cores = usable_cores()
+    processes = args.processes if args.processes is not None else cores
+    if slot is None and processes > cores:
+        print(f"note: {processes} router processes on {cores} core(s): processes that share "
+              "a core cost more CPU per request (~16 % for paced streams, BENCHMARKS.md) "
+              "and each holds its own memory; the default is one per core", file=sys.stderr)
     if slot is None and processes > 1:
         try:
             return supervise(_process_args(args), processes, host, port,

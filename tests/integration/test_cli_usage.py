@@ -4,7 +4,10 @@ traceback; a router that takes the connection and says nothing is given up."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -50,3 +53,20 @@ async def test_a_short_admin_token_stops_the_router_before_it_starts(
     assert "GLOBALPOOL_ADMIN_TOKEN is 9 characters: a token must have at least 16" in err
     assert "change-me" not in out + err  # (never printed)
     assert "[1/" not in out  # nothing started
+
+
+def test_more_router_processes_than_cores_are_noted() -> None:
+    # On one core (its affinity), two processes: started as asked, with a note why not.
+    with subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "router", "--config", str(ROOT / "regions.yaml"),
+             "--processes", "2", "--port", "0", "--redis-url", "redis://127.0.0.1:1"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+    ) as supervisor:
+        try:
+            assert supervisor.stderr is not None
+            first = supervisor.stderr.readline()
+        finally:
+            supervisor.terminate()
+            supervisor.wait(30)
+    assert first.startswith("note: 2 router processes on 1 core(s): processes that share"), first

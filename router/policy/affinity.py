@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from router.core.parse import prefix_level_tokens
-from router.registry.shared_sends import MAX_SHARED_SERVED, SharedSends
+from router.registry.shared_sends import MAX_SHARED_SERVED, MAX_WROTE_PER_WORKER, SharedSends
 
 # Workers remembered per session or prefix key, the most recent first: a prompt that
 # several workers served (a busy holder made the router send it elsewhere) is cached on
@@ -53,7 +53,8 @@ class AffinityTable:
         writes there its prompt less the `cached_tokens` it was scored as finding, and up
         to `completion_tokens` (`wrote`); then its session and prefix keys are remembered,
         as what that cache now holds newest (`remember`)."""
-        tokens = prompt_tokens - cached_tokens + (completion_tokens or 0)
+        tokens = min(prompt_tokens - cached_tokens + (completion_tokens or 0),
+                     MAX_WROTE_PER_WORKER)  # (what the peers believe: see the constant)
         self.wrote(worker_id, tokens, cache_size)
         if session_id or prefix_keys:
             self.remember(session_id, prefix_keys, worker_id, prompt_tokens=prompt_tokens)
@@ -63,7 +64,7 @@ class AffinityTable:
                 shared.served.append((worker_id, prefix_keys, tokens))
             else:
                 wrote = shared.wrote
-                wrote[worker_id] = wrote.get(worker_id, 0) + tokens
+                wrote[worker_id] = min(wrote.get(worker_id, 0) + tokens, MAX_WROTE_PER_WORKER)
 
     def take_shared(self) -> SharedSends | None:
         """The sends kept for the peers since the last call (None: none), and keep them

@@ -10,13 +10,12 @@ import math
 from collections.abc import Mapping
 from typing import NamedTuple, TypeGuard
 
-from router.registry.shared_sends import MAX_SHARED_SERVED, SharedSends
+from router.registry.shared_sends import MAX_SHARED_SERVED, MAX_WROTE_PER_WORKER, SharedSends
 from worker.signing import hmac_sha256_hex
 
 MAX_REPORT_BYTES = 1 << 20
 MAX_OPEN_PER_WORKER = 100_000
 MAX_PREFILL_PER_WORKER = 100_000_000  # tokens: a report claiming more is not believed
-MAX_WROTE_PER_WORKER = 1_000_000_000  # tokens sent to a worker's KV cache in one interval
 MAX_PREFIX_KEYS = 32  # a prompt's prefix keys (router.core.parse.prefix_keys_of: CRC-32s)
 MAX_WORKER_ID = 256  # characters
 # A signed report older than this (by its `sent_at`), or not newer (`seq`) than the last

@@ -8,6 +8,11 @@ from typing import Protocol
 # Prompts with prefix keys kept for one peer report at most (more are not shared: the
 # peers' tables only miss them, as before sharing).
 MAX_SHARED_SERVED = 1000
+# Tokens sent to a worker's KV cache in one report, at most (a report claiming more is not
+# believed, router.registry.peer_reports): a sender counts no more, so that a client's
+# absurd max_tokens (10**12: the engine refuses it, the router counted it as sent) cannot
+# get this replica's reports refused by every peer.
+MAX_WROTE_PER_WORKER = 1_000_000_000
 
 
 class SharedSends:

@@ -20,7 +20,7 @@ from router.registry.peer_reports import (
     encode_report,
 )
 from router.registry.peers import KEEPALIVE_S, PeerExchange
-from router.registry.shared_sends import MAX_SHARED_SERVED, SharedSends
+from router.registry.shared_sends import MAX_SHARED_SERVED, MAX_WROTE_PER_WORKER, SharedSends
 
 KEYS = {"k1": b"0123456789abcdef0123", "k2": b"fedcba9876543210fedc"}
 
@@ -275,3 +275,22 @@ def test_a_replica_keeps_at_most_a_bounded_batch_of_sends_for_its_peers() -> Non
     assert shared is not None and len(shared.served) == MAX_SHARED_SERVED
     assert shared.wrote == {"w": 10 * 300}  # the rest still age the worker's holders
     assert len(encode_report("r", {}, affinity=shared)) < MAX_REPORT_BYTES
+
+
+def test_an_absurd_max_tokens_cannot_get_the_peer_reports_refused() -> None:
+    # A client's max_tokens of 10**12 (the engine refuses the request; the router has
+    # counted it as sent to the worker's cache): the report still goes through, counting
+    # at most what peers believe, where every peer refused the whole report before.
+    table = AffinityTable()
+    table.shared = SharedSends()
+    for _ in range(3):
+        table.sent("w1", 1_000, session_id=None, prefix_keys=(7,), prompt_tokens=10,
+                   cached_tokens=0, completion_tokens=10**12)
+        table.sent("w2", 1_000, session_id=None, prefix_keys=(), prompt_tokens=10,
+                   cached_tokens=0, completion_tokens=10**12)
+    shared = table.take_shared()
+    assert shared is not None
+    report = decode_report_from(encode_report("r1", {"w1": 1}, affinity=shared), {})
+    assert report.shared is not None
+    assert report.shared.wrote == {"w2": MAX_WROTE_PER_WORKER}
+    assert [tokens for _, _, tokens in report.shared.served] == [MAX_WROTE_PER_WORKER] * 3

@@ -31,7 +31,10 @@ def encode_report(router: str, open_: Mapping[str, int],
                   prefill: Mapping[str, int] | None = None,
                   affinity: SharedSends | None = None, sent_at_s: float | None = None,
                   seq: int | None = None) -> bytes:
-    document: dict[str, object] = {"router": router, "open": open_}
+    # Figures past what a peer believes are sent as that much: one too large would get the
+    # whole report refused by every peer (a client's absurd request, counted as sent).
+    document: dict[str, object] = {"router": router,
+                                   "open": _believable(open_, MAX_OPEN_PER_WORKER)}
     if sent_at_s is not None:
         document["sent_at"] = round(sent_at_s, 3)
     if seq is not None:
@@ -39,7 +42,7 @@ def encode_report(router: str, open_: Mapping[str, int],
     if region is not None:
         document["region"] = region
     if prefill:
-        document["prefill"] = prefill
+        document["prefill"] = _believable(prefill, MAX_PREFILL_PER_WORKER)
     if affinity:
         document["affinity"] = {"wrote": affinity.wrote, "served": affinity.served}
     body = json.dumps(document, separators=(",", ":")).encode()
@@ -48,6 +51,13 @@ def encode_report(router: str, open_: Mapping[str, int],
     key_id, secret = key
     signature = hmac_sha256_hex(secret, body)
     return b" ".join((_VERSION, key_id.encode(), signature.encode(), body))
+
+
+def _believable(figures: Mapping[str, int], limit: int) -> Mapping[str, int]:
+    """`figures`, each at most `limit` (the same mapping when none is above it)."""
+    if all(figure <= limit for figure in figures.values()):
+        return figures
+    return {worker: min(figure, limit) for worker, figure in figures.items()}
 
 
 class ReportError(ValueError):

@@ -294,3 +294,13 @@ def test_an_absurd_max_tokens_cannot_get_the_peer_reports_refused() -> None:
     assert report.shared is not None
     assert report.shared.wrote == {"w2": MAX_WROTE_PER_WORKER}
     assert [tokens for _, _, tokens in report.shared.served] == [MAX_WROTE_PER_WORKER] * 3
+
+
+def test_open_and_prefill_figures_are_sent_as_much_as_peers_believe() -> None:
+    # 10**9 prompt tokens waiting on one worker (a client's absurd prompts, counted as
+    # sent): sent as the most a peer believes, not as a report every peer refuses.
+    report = decode_report_from(encode_report(
+        "r1", {"w1": MAX_OPEN_PER_WORKER + 5, "w2": 1},
+        prefill={"w1": 10**9, "w2": 10}), {})
+    assert report.open == {"w1": MAX_OPEN_PER_WORKER, "w2": 1}
+    assert report.prefill == {"w1": MAX_PREFILL_PER_WORKER, "w2": 10}

@@ -70,7 +70,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     options = BenchOptions(
         scenario=args.scenario, policies=policies, out=args.out, quick=args.quick,
         replicas=args.replicas, trace_path=args.trace_path, save_trace=args.save_trace,
-        seed=args.seed, attempts=max(1, args.attempts), hedge=args.hedge,
+        seed=args.seed, attempts=args.attempts, hedge=args.hedge,
         time_limit_s=args.time_limit,
         command="globalpool " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]),
     )

@@ -66,7 +66,7 @@ def run_bench_proxy(args: argparse.Namespace) -> int:
     from router.event_loop import new_event_loop
 
     options = Options(
-        out=args.out, quick=args.quick, rounds=max(1, args.rounds), peers_dir=args.peers_dir,
+        out=args.out, quick=args.quick, rounds=args.rounds, peers_dir=args.peers_dir,
         only=_names(args.only),
         profile=[w.strip() for w in args.profile.split(",") if w.strip()],
         workloads=_names(args.workloads), fleet_workers=args.fleet_workers,
@@ -89,9 +89,9 @@ def _run_throughput(args: argparse.Namespace) -> int:
     from lab.benchproxy.throughput import ThroughputOptions, bench_throughput
 
     options = ThroughputOptions(
-        out=args.out, rounds=max(1, args.rounds),
+        out=args.out, rounds=args.rounds,
         seconds=3.0 if args.quick else max(1.0, args.wrk_seconds),
-        connections=max(1, args.wrk_connections), pinned=not args.unpinned_only)
+        connections=args.wrk_connections, pinned=not args.unpinned_only)
     document = _run_unless_unavailable("bench-proxy --throughput", bench_throughput(options))
     if document is None:
         return 2
@@ -198,7 +198,7 @@ def run_bench_instructions(args: argparse.Namespace) -> int:
         print(f"not a globalpool source tree: {', '.join(missing)}")
         return 2
     options = Options(out=args.out, trees=trees, workloads=names,
-                      requests=max(1, args.requests), vllm_router=args.vllm_router,
+                      requests=args.requests, vllm_router=args.vllm_router,
                       peers_dir=args.peers_dir)
     document = _run_unless_unavailable("bench-instructions", bench_instructions(options))
     if document is None:

@@ -38,25 +38,24 @@ def _number(text: str, low: float, high: float, *, above_low: bool = False) -> f
     return value
 
 
-def _whole(text: str, low: int) -> int:
+def _whole(text: str, low: int, high: int | None = None, what: str = "a whole number") -> int:
+    """`text` as an integer within [low, high] (no upper bound: None)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: write a whole number, at least {low}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"{text!r}: write a whole number, at least {low}")
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        top = "" if high is None else f" and at most {high}"
+        raise argparse.ArgumentTypeError(f"{text!r}: write {what}, at least {low}{top}")
     return value
 
 
-def positive_seconds(text: str) -> float:
-    """An interval or a timeout: a finite number of seconds > 0."""
-    return _number(text, 0.0, math.inf, above_low=True)
-
-
 def positive_number(text: str) -> float:
-    """A finite number > 0 (a rate, a factor)."""
+    """A finite number > 0 (a rate, a factor, an interval or a timeout in seconds)."""
     return _number(text, 0.0, math.inf, above_low=True)
+
+
+positive_seconds = positive_number  # (the name an interval's or a timeout's flag reads by)
 
 
 def non_negative_number(text: str) -> float:
@@ -81,10 +80,4 @@ def non_negative_int(text: str) -> int:
 
 def port_number(text: str) -> int:
     """The argparse type of `--port`: 0-65535 (0: any free port)."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r}: write a port number, 0-65535")
-    return port
+    return _whole(text, 0, 65535, what="a port number")

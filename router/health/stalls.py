@@ -2,11 +2,14 @@
 
 `StallWatch` keeps the attempts waiting for their first byte (a non-streaming answer's
 first byte is its whole body) and finds the workers that have stopped answering them
-(`find`); router.health.tracker.Health ejects those and abandons their attempts.
+(`find`); router.health.tracker.Health ejects those and abandons their attempts. Its
+watchers sleep while nothing waits (`until_waiting`): an idle router does not wake for
+them.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -47,14 +50,28 @@ class StallWatch:
         self._paused_s: dict[int, float] = {}  # waiting time the router was not running
         self._last_first_byte_s: dict[str, float] = {}
         self._last_any_first_byte_s = -1e18
+        self._some_waiting = asyncio.Event()  # set by the first attempt after none
 
     @property
     def waiting(self) -> bool:
         """Whether any attempt waits for its first byte."""
         return bool(self._awaiting)
 
+    async def until_waiting(self, timeout_s: float) -> None:
+        """Return once some attempt waits for its first byte, or after `timeout_s`."""
+        if self._awaiting:
+            return
+        self._some_waiting.clear()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._some_waiting.wait()
+        except TimeoutError:
+            pass
+
     def dispatched(self, attempt: Attempt) -> None:
         """`attempt` waits for its first byte from now (see `find`)."""
+        if not self._awaiting:
+            self._some_waiting.set()
         self._awaiting[id(attempt)] = attempt
 
     def finished(self, attempt: Attempt) -> None:

@@ -60,13 +60,21 @@ class LoopLag:
 
     async def watch(self, tick_s: float = TICK_S,
                     needed: Callable[[], bool] | None = None,
-                    until_needed: Callable[[float], Awaitable[None]] | None = None) -> None:
+                    until_needed: Callable[[float], Awaitable[float | None]] | None = None,
+                    ) -> None:
         """Measure until cancelled; given `needed` and `until_needed`, only while
-        `needed()` (between, the loop is not woken for this at all)."""
+        `needed()` (between, the loop is not woken for this at all). `until_needed`
+        returns when the need began (time.monotonic; None: it did not wait for it): a
+        wake-up later than that by more than TOLERANCE_S is lateness too (the process
+        could not run between the first request's dispatch and this watch's first tick)."""
         loop = asyncio.get_running_loop()
         while True:
             if needed is not None and until_needed is not None and not needed():
-                await until_needed(IDLE_RECHECK_S)
+                since_s = await until_needed(IDLE_RECHECK_S)
+                if since_s is not None:
+                    late_s = time.monotonic() - since_s
+                    if late_s > TOLERANCE_S:
+                        self.record(late_s, self._clock())
                 continue
             before = loop.time()
             await asyncio.sleep(tick_s)

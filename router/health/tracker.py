@@ -345,7 +345,10 @@ class Health:
         while True:
             if not self._stalls.waiting:
                 self._forget_overdue(self._clock())
-                await self._stalls.until_waiting(max(0.0, next_prune_s - loop.time()))
+                since_s = await self._stalls.until_waiting(max(0.0, next_prune_s - loop.time()))
+                if since_s is not None and (
+                        paused_s := time.monotonic() - since_s) > STALL_TOLERANCE_S:
+                    self._stalls.paused(paused_s)  # not running since the first dispatch
                 if loop.time() >= next_prune_s:
                     self.prune()
                     next_prune_s = loop.time() + PRUNE_EVERY_S

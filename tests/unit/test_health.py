@@ -276,6 +276,12 @@ async def test_the_router_watches_its_loop_and_stalls_only_while_an_attempt_wait
         await asyncio.sleep(0.05)
         assert health.loop_lag.total_s == seen_s
         assert not any(watch.done() for watch in watches)
+        # The process stalls right after a dispatch that wakes the watch, before the
+        # watch could run: its late wake-up is lateness too.
+        health.dispatched(attempt("a", None, ttfb_s=None))
+        time.sleep(0.1)  # noqa: ASYNC251
+        await asyncio.sleep(0.01)
+        assert health.loop_lag.total_s >= seen_s + 0.08
     finally:
         for watch in watches:
             watch.cancel()

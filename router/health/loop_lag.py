@@ -3,10 +3,9 @@
 A first byte that reached the socket while the loop could not run (a busy host, a CPU hog
 beside the router, the router's own backlog) is read late: that time is the router's,
 not the worker's or the path's, and must not be learnt about them
-(router.health.penalties). `LoopLag.watch` sets a timer every `tick_s` while some request
-waits for its first byte (no other time is asked about); one that fires later than due by
-more than TOLERANCE_S shows that the loop could not run for that long until then, and is
-kept with when it fired. `around(t)` is the longest such wait seen
+(router.health.penalties). `LoopLag.watch` sets a timer every `tick_s`; one that fires
+later than due by more than TOLERANCE_S shows that the loop could not run for that long
+until then, and is kept with when it fired. `around(t)` is the longest such wait seen
 within a tick of `t`: when the loop comes back after a stall, it reads the data that
 arrived meanwhile and fires the overdue timer together.
 
@@ -20,10 +19,9 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
-TICK_S = 0.02  # 50 wakeups a second while measuring: ~0.1-0.5 % of a core
-IDLE_RECHECK_S = 60.0  # the longest a watch that is not needed sleeps before it looks again
+TICK_S = 0.02  # 50 wakeups a second: ~0.1 % of a core
 TOLERANCE_S = 0.002
 KEEP = 4096  # lateness events kept (at 50 a second, at least 80 s of them)
 
@@ -58,24 +56,10 @@ class LoopLag:
         last = bisect.bisect_right(times, at_s + window_s)
         return max(self._lates[first:last], default=0.0)
 
-    async def watch(self, tick_s: float = TICK_S,
-                    needed: Callable[[], bool] | None = None,
-                    until_needed: Callable[[float], Awaitable[float | None]] | None = None,
-                    ) -> None:
-        """Measure until cancelled; given `needed` and `until_needed`, only while
-        `needed()` (between, the loop is not woken for this at all). `until_needed`
-        returns when the need began (time.monotonic; None: it did not wait for it): a
-        wake-up later than that by more than TOLERANCE_S is lateness too (the process
-        could not run between the first request's dispatch and this watch's first tick)."""
+    async def watch(self, tick_s: float = TICK_S) -> None:
+        """Measure until cancelled."""
         loop = asyncio.get_running_loop()
         while True:
-            if needed is not None and until_needed is not None and not needed():
-                since_s = await until_needed(IDLE_RECHECK_S)
-                if since_s is not None:
-                    late_s = time.monotonic() - since_s
-                    if late_s > TOLERANCE_S:
-                        self.record(late_s, self._clock())
-                continue
             before = loop.time()
             await asyncio.sleep(tick_s)
             late_s = loop.time() - before - tick_s

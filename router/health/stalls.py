@@ -2,15 +2,11 @@
 
 `StallWatch` keeps the attempts waiting for their first byte (a non-streaming answer's
 first byte is its whole body) and finds the workers that have stopped answering them
-(`find`); router.health.tracker.Health ejects those and abandons their attempts. Its
-watchers sleep while nothing waits (`until_waiting`): an idle router does not wake for
-them.
+(`find`); router.health.tracker.Health ejects those and abandons their attempts.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -51,33 +47,14 @@ class StallWatch:
         self._paused_s: dict[int, float] = {}  # waiting time the router was not running
         self._last_first_byte_s: dict[str, float] = {}
         self._last_any_first_byte_s = -1e18
-        self._some_waiting = asyncio.Event()  # set by the first attempt after none
-        self._waiting_since_s = 0.0  # when it was dispatched (time.monotonic)
 
     @property
     def waiting(self) -> bool:
         """Whether any attempt waits for its first byte."""
         return bool(self._awaiting)
 
-    async def until_waiting(self, timeout_s: float) -> float | None:
-        """Return once some attempt waits for its first byte, or after `timeout_s`. When
-        this call waited for one: when it began to wait (time.monotonic), so that the
-        caller sees how late it was woken (the process may not have run meanwhile)."""
-        if self._awaiting:
-            return None
-        self._some_waiting.clear()
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._some_waiting.wait()
-        except TimeoutError:
-            return None
-        return self._waiting_since_s
-
     def dispatched(self, attempt: Attempt) -> None:
         """`attempt` waits for its first byte from now (see `find`)."""
-        if not self._awaiting:
-            self._waiting_since_s = time.monotonic()
-            self._some_waiting.set()
         self._awaiting[id(attempt)] = attempt
 
     def finished(self, attempt: Attempt) -> None:

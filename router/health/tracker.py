@@ -237,10 +237,8 @@ class Health:
         return self._penalties.skipped_lagged
 
     async def watch_loop_lag(self) -> None:
-        """Measure this process's event-loop lag until cancelled (LoopLag.watch), while
-        some attempt waits for its first byte: the only time it is read (`around`)."""
-        await self.loop_lag.watch(until_needed=self._stalls.until_waiting,
-                                  needed=lambda: self._stalls.waiting)
+        """Measure this process's event-loop lag until cancelled (LoopLag.watch)."""
+        await self.loop_lag.watch()
 
     def reported_down(self, worker_id: str, region: str, detail: str) -> None:
         """The worker's own heartbeat says it stopped serving (ready -> degraded).
@@ -337,24 +335,11 @@ class Health:
                            overdue_s: float = OVERDUE_CHECK_S) -> None:
         """Run `check_overdue` every `overdue_s` and `check_stalls` every `interval_s`
         until cancelled. Time this process was not running (its host stalled) does not
-        count as waiting: nobody could answer. While nothing waits, it sleeps until
-        something does (waking only to prune)."""
+        count as waiting: nobody could answer."""
         loop = asyncio.get_running_loop()
         next_prune_s = loop.time() + PRUNE_EVERY_S
         next_stall_check_s = loop.time() + interval_s
         while True:
-            if not self._stalls.waiting:
-                self._forget_overdue(self._clock())
-                since_s = await self._stalls.until_waiting(max(0.0, next_prune_s - loop.time()))
-                if since_s is not None and (
-                        paused_s := time.monotonic() - since_s) > STALL_TOLERANCE_S:
-                    self._stalls.paused(paused_s)  # not running since the first dispatch
-                if loop.time() >= next_prune_s:
-                    self.prune()
-                    next_prune_s = loop.time() + PRUNE_EVERY_S
-                if not self._stalls.waiting:
-                    continue
-                next_stall_check_s = loop.time() + interval_s
             before = loop.time()
             await asyncio.sleep(overdue_s)
             overslept_s = loop.time() - before - overdue_s

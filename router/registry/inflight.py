@@ -19,7 +19,7 @@ claims its share of the free slots, not all of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ class InFlight:
     """Open requests per worker: this router's own, plus its peers' latest reports."""
 
     __slots__ = ("_echo_new", "_echo_old", "_open", "_own", "_own_prefill", "_peer_prefill",
-                 "_peers", "_work", "echo", "prefilling", "wake")
+                 "_peers", "_work", "echo", "prefilling")
 
     def __init__(self) -> None:
         self._open: dict[str, int] = {}  # own + peers' + echoes: what routing reads
@@ -53,15 +53,9 @@ class InFlight:
         self.prefilling: dict[str, int] = {}
         self._own_prefill: dict[str, int] = {}
         self._peer_prefill: dict[str, dict[str, int]] = {}
-        # Called when an own request starts while none was open (the peer exchange, which
-        # sleeps while this router has nothing to tell: router.registry.peers).
-        self.wake: Callable[[], None] | None = None
 
     def started(self, worker_id: str) -> None:
-        own = self._own
-        if not own and self.wake is not None:
-            self.wake()
-        own[worker_id] = own.get(worker_id, 0) + 1
+        self._own[worker_id] = self._own.get(worker_id, 0) + 1
         echo = self.echo
         self._open[worker_id] = self._open.get(worker_id, 0) + 1 + echo
         if echo:
@@ -167,11 +161,6 @@ class InFlight:
 
     def own_total(self) -> int:
         return sum(self._own.values())
-
-    def quiet(self) -> bool:
-        """Nothing of this router's own is open, waiting to prefill or echoed: its
-        figures stay as they are until an own request starts (`wake`)."""
-        return not (self._own or self._own_prefill or self._echo_new or self._echo_old)
 
     # --- peers ------------------------------------------------------------------------
     def apply_peer(self, peer_id: str, counts: Mapping[str, int], now_s: float,

@@ -180,34 +180,17 @@ class PeerExchange:
     async def _exchange(self) -> None:
         async with Subscription(self._pubsub_redis, self._channel) as subscription:
             self.connected = True
-            self._inflight.wake = subscription.wake
-            try:
-                next_report_s = self._clock()
-                while (interval_s := self._interval_s()) > 0:
-                    now_s = self._clock()
-                    if now_s >= next_report_s:
-                        self._inflight.roll_echo()
-                        await self._report(now_s)
-                        raise_if_cancelling()  # redis-py can swallow a cancellation
-                        next_report_s = now_s + self._spacing_s(interval_s)
-                    for payload in await subscription.get(self._wait_s(next_report_s)):
-                        self._apply(payload)
-                    self._expire()
-            finally:
-                self._inflight.wake = None
-
-    def _wait_s(self, next_report_s: float) -> float:
-        """How long to listen before the next look at this replica's own figures: until
-        the next report is due or, while it has nothing to tell (nothing open, nothing
-        sent since its last report, which said so), until the keepalive is due; an own
-        request that starts meanwhile ends the wait (InFlight.wake). An idle router does
-        not wake every interval for this."""
-        now_s = self._clock()
-        affinity = self.affinity
-        if (self._sent is not None and not self._sent[0] and not self._sent[1]
-                and self._inflight.quiet() and not (affinity and affinity.shared)):
-            next_report_s = max(next_report_s, self._sent_at_s + KEEPALIVE_S)
-        return max(0.0, next_report_s - now_s)
+            next_report_s = self._clock()
+            while (interval_s := self._interval_s()) > 0:
+                now_s = self._clock()
+                if now_s >= next_report_s:
+                    self._inflight.roll_echo()
+                    await self._report(now_s)
+                    raise_if_cancelling()  # redis-py can swallow a cancellation
+                    next_report_s = now_s + self._spacing_s(interval_s)
+                for payload in await subscription.get(max(0.0, next_report_s - now_s)):
+                    self._apply(payload)
+                self._expire()
 
     def _spacing_s(self, interval_s: float) -> float:
         """The configured interval, stretched so that reading this replica's reports costs

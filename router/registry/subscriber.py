@@ -76,20 +76,12 @@ class Subscription:
 
     async def get(self, timeout_s: float) -> list[bytes]:
         """The payloads of every message received so far; if there are none, waits up to
-        `timeout_s` for some (or until `wake`). Raises redis's ConnectionError when a
-        connection ends."""
+        `timeout_s` for some. Raises redis's ConnectionError when a connection ends."""
         if self._fan_in is not None:
             return await self._fan_in.get(timeout_s)
         if not self._nodes:
             return []
         return await self._nodes[0].get(timeout_s)
-
-    def wake(self) -> None:
-        """End the wait of a `get` under way now, as if its time were up."""
-        if self._fan_in is not None:
-            self._fan_in.wake()
-        elif self._nodes:
-            self._nodes[0].wake()
 
 
 async def _by_node(redis: RedisCluster, channels: list[str]) -> list[tuple[Any, list[str]]]:
@@ -123,12 +115,6 @@ class _NodeSubscription:
         self._command = "SSUBSCRIBE" if sharded else "SUBSCRIBE"
         self._stream: asyncio.StreamReader | None = None
         self._parser = hiredis.Reader()
-        self._waiting: asyncio.Timeout | None = None  # the wait of a `get` under way
-
-    def wake(self) -> None:
-        waiting = self._waiting
-        if waiting is not None and not waiting.expired():  # (expired: ending already)
-            waiting.reschedule(asyncio.get_running_loop().time())
 
     async def subscribe(self) -> None:
         connection = self._connection
@@ -176,12 +162,10 @@ class _NodeSubscription:
         if payloads or self._stream is None:
             return payloads
         try:
-            async with asyncio.timeout(timeout_s) as self._waiting:
+            async with asyncio.timeout(timeout_s):
                 data = await self._stream.read(READ_CHUNK)
         except TimeoutError:
             return payloads
-        finally:
-            self._waiting = None
         if not data:
             raise RedisConnectionError("redis closed the subscription")
         self._parser.feed(data)
@@ -214,9 +198,6 @@ class _FanIn:
         self._error: BaseException | None = None
         self._arrived = asyncio.Event()
         self._tasks = [asyncio.create_task(self._read(node)) for node in nodes]
-
-    def wake(self) -> None:
-        self._arrived.set()
 
     async def _read(self, node: _NodeSubscription) -> None:
         try:

@@ -6,7 +6,9 @@ that git tracks or would track, the listed modules compiled next to their source
 what runs from a tree rather than an install: the test suite against the compiled build
 (CI's compiled tier) and the benchmarks' compiled rows (`bench-proxy`'s
 `globalpool-compiled`, `bench-instructions --tree DIR`). A copy is rebuilt only when its
-sources changed.
+sources changed. With `--wheel W` it takes the compiled modules from a wheel built by
+`GLOBALPOOL_COMPILE=1 pip wheel .` from the same sources instead of compiling them again:
+CI builds the production wheel once, runs the suite on its extensions and inspects it.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 # Written into a compiled copy: the digest of the sources it was built from. A directory
 # without it is never emptied by `build_copy`.
 MARKER = ".globalpool-compiled"
 _SKIPPED_DIRS = {".git", ".venv", "build", "__pycache__", ".mypy_cache", ".ruff_cache",
-                 ".pytest_cache", ".hypothesis", ".compiled"}
+                 ".pytest_cache", ".hypothesis", ".compiled", ".compiled-wheel"}
 
 
 class CompileError(Exception):
@@ -108,9 +111,39 @@ def sync_copy(source: Path, out: Path, files: list[Path]) -> None:
         shutil.copy2(source / relative, copied)
 
 
+def wheel_sources_differ(wheel: Path, source: Path) -> list[str]:
+    """The Python files of `wheel` that `source` holds with other contents (empty for a
+    wheel built from these sources). Raises CompileError for a file that is no wheel."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            return [name for name in archive.namelist() if name.endswith(".py")
+                    and (source / name).is_file()
+                    and archive.read(name) != (source / name).read_bytes()]
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise CompileError(f"{wheel}: not a readable wheel ({exc})") from exc
+
+
+def _take_extensions(wheel: Path, source: Path, out: Path) -> None:
+    """Unpack `wheel`'s compiled modules into `out`, where `build_ext --inplace` puts
+    them, after checking that the wheel was built from `source` as it is."""
+    differ = wheel_sources_differ(wheel, source)
+    if differ:
+        raise CompileError(f"{wheel} was not built from the sources of {source} "
+                           f"({len(differ)} files differ, first {differ[0]})")
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    with zipfile.ZipFile(wheel) as archive:
+        extensions = [name for name in archive.namelist() if name.endswith(suffixes)]
+        if not extensions:
+            raise CompileError(f"{wheel} holds no compiled module (built without "
+                               f"GLOBALPOOL_COMPILE=1, or for another Python)")
+        for name in extensions:
+            archive.extract(name, out)
+
+
 def build_copy(source: Path, out: Path, log: Path | None = None,
-               progress: bool = True) -> Path:
-    """A copy of `source` at `out` with setup.py's modules compiled in place; `out` is
+               progress: bool = True, wheel: Path | None = None) -> Path:
+    """A copy of `source` at `out` with setup.py's modules compiled in place, or taken
+    from `wheel` (built from the same sources); `out` is
     reused when it was built from the same sources (its other files brought up to date),
     and replaced otherwise (only if it is empty or an earlier copy). The compiler's output
     goes to `log` (default: `out`/compile.log, kept on failure). Raises CompileError."""
@@ -133,6 +166,12 @@ def build_copy(source: Path, out: Path, log: Path | None = None,
     out.mkdir(parents=True)
     marker.write_text("incomplete\n")  # ours, to replace, even if this build fails
     sync_copy(source, out, files)
+    if wheel is not None:
+        _take_extensions(wheel, source, out)
+        marker.write_text(digest + "\n")
+        if progress:
+            print(f"compiled modules taken from {wheel} into {out}", file=sys.stderr)
+        return out
     log = log or out / "compile.log"
     if progress:
         print(f"compiling the request path with mypyc into {out} (1-3 minutes; "
@@ -160,7 +199,8 @@ def run_compile(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        out = build_copy(source, Path(args.out))
+        out = build_copy(source, Path(args.out),
+                         wheel=Path(args.wheel) if args.wheel else None)
     except CompileError as exc:
         print(f"globalpool compile: {exc}", file=sys.stderr)
         return 1
@@ -184,4 +224,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--out", required=True,
                         help="the copy's directory (reused when its sources are unchanged)")
     parser.add_argument("--tree", help="the checkout to copy (default: this one)")
+    parser.add_argument("--wheel", help="take the compiled modules from this wheel, built "
+                        "by `GLOBALPOOL_COMPILE=1 pip wheel .` from the same sources, "
+                        "instead of compiling them")
     parser.set_defaults(run=run_compile)

@@ -2,7 +2,10 @@
 an isolated environment (setuptools and mypy only), with every module setup.py lists
 compiled; and an editable build with the variable set is refused (its extensions would
 shadow edited sources). The test suite itself runs on the compiled build in CI's compiled
-tier; this checks the packaging."""
+tier; this checks the packaging. CI builds that wheel once (`.ci/run`): the compiled tier
+runs on its extensions (`globalpool compile --wheel`), and GLOBALPOOL_COMPILED_WHEEL names
+it here, where it is inspected rather than built again (~3 min), once shown to be built
+from this checkout's sources."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from router.compiled import checkout_files, sync_copy
+from router.compiled import checkout_files, sync_copy, wheel_sources_differ
 from tests.conftest import ROOT, skip_unless_slow_tests_are_asked_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -42,8 +45,15 @@ def _copy_checkout(into: Path) -> Path:
     return into
 
 
-def test_the_compiled_wheel_holds_an_extension_for_every_listed_module(
-        tmp_path: Path) -> None:
+def _compiled_wheel(tmp_path: Path) -> Path:
+    """The wheel `GLOBALPOOL_COMPILE=1 pip wheel .` builds from this checkout: the one CI
+    built (GLOBALPOOL_COMPILED_WHEEL), or built here."""
+    given = os.environ.get("GLOBALPOOL_COMPILED_WHEEL")
+    if given:
+        wheel = Path(given)
+        differ = wheel_sources_differ(wheel, ROOT)
+        assert not differ, f"{wheel} was not built from this checkout: {differ[:5]}"
+        return wheel
     source = _copy_checkout(tmp_path / "src")
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", ".", "-w",
@@ -51,6 +61,12 @@ def test_the_compiled_wheel_holds_an_extension_for_every_listed_module(
         env={**os.environ, "GLOBALPOOL_COMPILE": "1"}, timeout=840, check=False)
     assert built.returncode == 0, built.stderr[-3000:]
     [wheel] = (tmp_path / "dist").glob("globalpool-*.whl")
+    return wheel
+
+
+def test_the_compiled_wheel_holds_an_extension_for_every_listed_module(
+        tmp_path: Path) -> None:
+    wheel = _compiled_wheel(tmp_path)
     assert "-cp3" in wheel.name and "none-any" not in wheel.name  # platform-specific
     names = zipfile.ZipFile(wheel).namelist()
     for module in _compiled_modules():

@@ -5,6 +5,7 @@ stands in for globalpool's (the real build runs in CI's compiled tier, `.ci/run`
 from __future__ import annotations
 
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,42 @@ def test_a_failed_build_says_where_its_log_is(tmp_path: Path) -> None:
     (source / "setup.py").write_text(SETUP)
     build_copy(source, tmp_path / "copy", progress=False)  # the failed copy is replaced
     assert "no compiler here" not in (tmp_path / "copy" / "compile.log").read_text()
+
+
+def _wheel(path: Path, files: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return path
+
+
+def test_a_copy_takes_its_compiled_modules_from_a_wheel_of_the_same_sources(
+        tmp_path: Path) -> None:
+    source = _checkout(tmp_path / "src")
+    (source / "setup.py").write_text("raise SystemExit('compiled instead of taken')\n")
+    wheel = _wheel(tmp_path / "pkg.whl", {
+        "pkg/mod.py": b"VALUE = 1\n", BUILT.as_posix(): b"built by pip",
+        "pkg-0.0.dist-info/RECORD": b""})
+    out = build_copy(source, tmp_path / "copy", progress=False, wheel=wheel)
+    assert (out / BUILT).read_bytes() == b"built by pip"
+    assert (out / "pkg" / "mod.py").read_text() == "VALUE = 1\n"
+    assert not (out / "pkg-0.0.dist-info").exists()  # only the extensions are taken
+    assert (out / MARKER).read_text().strip() not in ("", "incomplete")
+
+
+def test_a_wheel_of_other_sources_or_without_extensions_is_refused(tmp_path: Path) -> None:
+    source = _checkout(tmp_path / "src")
+    stale = _wheel(tmp_path / "stale.whl", {"pkg/mod.py": b"VALUE = 0\n",
+                                             BUILT.as_posix(): b"built from VALUE = 0"})
+    with pytest.raises(CompileError, match=r"not built from the sources .*pkg/mod.py"):
+        build_copy(source, tmp_path / "copy", progress=False, wheel=stale)
+    assert not (tmp_path / "copy" / BUILT).exists()
+    pure = _wheel(tmp_path / "pure.whl", {"pkg/mod.py": b"VALUE = 1\n"})
+    with pytest.raises(CompileError, match="holds no compiled module"):
+        build_copy(source, tmp_path / "copy", progress=False, wheel=pure)
+    (tmp_path / "junk.whl").write_text("not a zip")
+    with pytest.raises(CompileError, match="not a readable wheel"):
+        build_copy(source, tmp_path / "copy", progress=False, wheel=tmp_path / "junk.whl")
 
 
 def test_compiled_modules_names_the_extension_modules_imported() -> None:

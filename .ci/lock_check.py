@@ -5,11 +5,15 @@ LOCK pins for it (LOCK's markers evaluated on this Python).
 `pip install -c LOCK` pins only what LOCK names: a dependency that pyproject.toml gained
 and the lock lacks would install unpinned, silently. The fix this prints is `.ci/lock`.
 Other tools installed beside (a profiler in a developer's venv) are not its business.
+A build requirement of pyproject.toml that LOCK pins (mypy, whose mypyc compiles the
+request path) must be pinned there to the same version: pip builds a compiled install in
+an isolated environment that the lock does not reach.
 """
 
 from __future__ import annotations
 
 import sys
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
@@ -78,9 +82,26 @@ def problems(lock: Path, extras: frozenset[str]) -> list[str]:
     return found
 
 
+def build_problems(lock: Path, pyproject: Path) -> list[str]:
+    """The build requirements that LOCK pins and pyproject.toml does not pin the same."""
+    pins = locked_versions(lock)
+    requires = tomllib.loads(pyproject.read_text(encoding="utf-8"))["build-system"]["requires"]
+    found: list[str] = []
+    for line in requires:
+        requirement = Requirement(line)
+        name = canonicalize_name(requirement.name)
+        if name not in pins:
+            continue
+        exact = [spec for spec in requirement.specifier if spec.operator == "=="]
+        if not exact or Version(exact[0].version) != pins[name]:
+            found.append(f"{pyproject}'s build requirement {line!r}: {lock} pins "
+                         f"{name} {pins[name]}; pin it to that (`{name}=={pins[name]}`)")
+    return found
+
+
 def main() -> int:
     lock, extras = Path(sys.argv[1]), frozenset(sys.argv[2:])
-    found = problems(lock, extras)
+    found = problems(lock, extras) + build_problems(lock, Path("pyproject.toml"))
     for problem in found:
         print(f"lock: {problem}", file=sys.stderr)
     if found:

@@ -63,18 +63,28 @@ class FrontSite(web.TCPSite):
         loop = asyncio.get_running_loop()
         if self._sock is not None:
             self._sock.setblocking(False)
-            self._accepting = loop.create_task(self._accept(self._sock), name="front-accept")
+            listening = loop.create_future()
+            self._accepting = loop.create_task(self._accept(self._sock, listening),
+                                               name="front-accept")
             self._bound_port = self._sock.getsockname()[1]
+            # Returned (and "router listening on" logged) only once this process takes
+            # connections and its siblings see it accepting: until then a sibling would
+            # take a whole burst of keep-alive connections without deferring once.
+            await asyncio.wait([listening, self._accepting],
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not listening.done():
+                await self._accepting  # it failed before it could accept: raise that
             return
         self._server = await loop.create_server(lambda: FrontProtocol(self), self._host,
                                                 self._port, backlog=self._backlog,
                                                 reuse_address=self._reuse_address)
         self._bound_port = self._server.sockets[0].getsockname()[1]
 
-    async def _accept(self, sock: socket.socket) -> None:
+    async def _accept(self, sock: socket.socket, listening: asyncio.Future[None]) -> None:
         """Accept on a socket shared with sibling processes, sharing its connections with
         them (`router.proxy.shares`: asyncio's own server would take every connection
-        waiting when it wakes, and one process would keep a whole burst)."""
+        waiting when it wakes, and one process would keep a whole burst). `listening` is
+        set once the loop watches the socket and the siblings see this process accept."""
         loop = asyncio.get_running_loop()
         shares = self._shares
         ready: asyncio.Future[None] | None = None
@@ -84,6 +94,9 @@ class FrontSite(web.TCPSite):
                 ready.set_result(None)
 
         loop.add_reader(sock.fileno(), readable)
+        if shares is not None:
+            shares.set_open(len(self.connections))
+        listening.set_result(None)
         defers = 0
         try:
             while True:

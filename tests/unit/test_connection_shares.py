@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from pathlib import Path
+from typing import cast
 
+from aiohttp import web
+
+from router.proxy.exchange import InferenceHandler
 from router.proxy.shares import (
     RATIO,
     SLACK,
     ConnectionShares,
+    accepting,
     create_shares,
     mark_not_accepting,
 )
+from router.proxy.site import FrontSite
 
 
 def test_a_process_defers_to_an_accepting_sibling_with_fewer_connections(
@@ -40,3 +48,36 @@ def test_a_process_defers_to_an_accepting_sibling_with_fewer_connections(
     finally:
         first.close()
         second.close()
+
+
+async def test_a_site_on_a_shared_socket_has_started_only_once_its_siblings_see_it_accept(
+        tmp_path: Path) -> None:
+    # The router logs "router listening on" when its site has started, and the tests and
+    # operators then send traffic. Were its slot still "not accepting" then, a sibling
+    # would take a whole burst of keep-alive connections without deferring once: the
+    # compiled tier once saw [320, 0] requests per process.
+    path = tmp_path / "connections"
+    create_shares(path, 2)
+    listener = socket.create_server(("127.0.0.1", 0))
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    # (No request is served here: the handler is never reached.)
+    site = FrontSite(runner, None, None, handler=cast(InferenceHandler, None),
+                     header_timeout_s=5.0, sock=listener,
+                     shares=ConnectionShares(path, 1))
+    try:
+        await site.start()
+        assert accepting(path, 1)
+        assert not accepting(path, 0)  # (the sibling never started)
+        # ... and it takes a connection.
+        _reader, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+        for _ in range(100):
+            if site.connections:
+                break
+            await asyncio.sleep(0.01)
+        assert len(site.connections) == 1
+        writer.close()
+    finally:
+        await site.stop()
+        await runner.cleanup()
+    assert not accepting(path, 1)  # stopped: its siblings take everything again

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from router.admission.gate import Admission
+from router.auth.config import AuthConfig
+from router.auth.keys import Principal
+from router.batch.record import Batch
 from router.proxy.exchange import Reply
 from router.proxy.routing_hints import CLASS_HEADER
 from router.proxy.transcript import Transcript
@@ -73,3 +77,18 @@ def retry_after(reply: Reply) -> float:
         return min(60.0, max(0.1, float(reply.headers.get("Retry-After", "1"))))
     except ValueError:
         return 1.0
+
+
+def sender_of(batch: Batch, admission: Admission | None, auth: AuthConfig
+              ) -> tuple[Principal | None, str | None]:
+    """Whom the batch's lines are sent as (None: no keys are configured), or why they
+    cannot be sent."""
+    if admission is None:
+        return None, None
+    keyring = admission.keyring(auth)
+    if not keyring.enabled:
+        return None, None
+    principal = keyring.principal_of(batch.key_id or "")
+    if principal is None or principal.tenant != batch.owner:
+        return None, "the API key that created this batch is no longer configured"
+    return principal, None

@@ -3,7 +3,8 @@
 A runner scans the batches that are not finished (router.batch.state) every SCAN_S:
 - `validating`: one replica (a lock) reads the input file, checks it
   (router.batch.lines) and queues its chunks, or fails the batch;
-- `in_progress`: it claims chunks of lines (leases) while it has room for more, and
+- `in_progress`: it claims chunks of lines (leases) while it has room for more (the
+  spare slots, and those its lines will free before its next scan: router.batch.room), and
   starts their lines **only into spare capacity**: the slots that the fleet's heartbeats
   show free on the workers serving the batch's model, less what each worker keeps for
   interactive traffic (the peak of its interactive load lately: router.policy.
@@ -42,12 +43,12 @@ from router.admission.gate import Admission
 from router.auth.keys import Principal
 from router.batch.blobs import BlobNotFound
 from router.batch.entries import error_line, output_line
-from router.batch.exchange import LineExchange, retry_after
+from router.batch.exchange import LineExchange, retry_after, sender_of
 from router.batch.files import FileStore
 from router.batch.jobs import UNAVAILABLE, BatchJobs, BatchStats, Warnings
 from router.batch.lines import Line
 from router.batch.record import Batch
-from router.batch.room import LineRoom
+from router.batch.room import LineRoom, StartPace
 from router.batch.state import CHUNK_LINES, BatchesUnavailable, BatchStore
 from router.config_reload import ConfigHolder
 from router.proxy.handlers import Proxy
@@ -100,6 +101,7 @@ class BatchRunner:
         self._running: set[tuple[str, int]] = set()  # (batch, line) sent or being recorded
         self._rng = random.Random()
         self.capped = False  # the last dispatch left spare slots unused for max_in_flight
+        self.pace = StartPace()  # lines started lately: how many to hold ready (`_claim`)
 
     @property
     def lines_running(self) -> int:
@@ -133,6 +135,7 @@ class BatchRunner:
 
     async def scan(self) -> None:
         """One look at every unfinished batch."""
+        self.pace.measure(time.monotonic())
         seen: dict[str, Batch] = {}
         for batch_id in await self.store.active():
             batch = await self.store.get(batch_id, any_owner=True)
@@ -188,14 +191,16 @@ class BatchRunner:
         if batch.model is None:  # no line can run (each is faulty, its error written)
             await self.store.begin_finalizing(batch.id, int(time.time()))
             return
-        principal, refusal = self._principal(batch)
-        pending = sum(len(held.pending) for held in self._held
-                      if held.batch.model == batch.model)
-        room = min(self.room.slots(batch.model, principal),
+        principal, refusal = sender_of(batch, self.admission, self.configs.current.auth)
+        of_model = [held for held in self._held if held.batch.model == batch.model]
+        pending = sum(len(held.pending) for held in of_model)
+        # Lines ready for the spare slots now and for those that free before the next scan.
+        ahead = self.pace.ahead(sum(held.running for held in of_model), SCAN_S)
+        want = min(max(self.room.slots(batch.model, principal), 1) + ahead,
                    self.configs.current.batch.max_in_flight)
         lease_ms = round(self.configs.current.batch.lease_s * 1000)
         for _ in range(MAX_CHUNKS_PER_SCAN):
-            if pending >= max(room, 1) and refusal is None:
+            if pending >= want and refusal is None:
                 return
             status, chunk, held_now = await self.store.claim(batch.id, self.holder_id, lease_ms)
             if chunk is None:
@@ -251,6 +256,7 @@ class BatchRunner:
                 line, tries, _ = held.pending.popleft()
                 room[key] -= 1
                 budget -= 1
+                self.pace.started()
                 held.running += 1
                 task = asyncio.create_task(self._run_line(held, line, tries))
                 self._tasks.add(task)
@@ -385,16 +391,3 @@ class BatchRunner:
         held.stopped = True
         held.pending.clear()
         self._check_done(held)
-
-    def _principal(self, batch: Batch) -> tuple[Principal | None, str | None]:
-        """Whom the batch's lines are sent as, or why they cannot be."""
-        admission = self.admission
-        if admission is None:
-            return None, None
-        keyring = admission.keyring(self.configs.current.auth)
-        if not keyring.enabled:
-            return None, None
-        principal = keyring.principal_of(batch.key_id or "")
-        if principal is None or principal.tenant != batch.owner:
-            return None, "the API key that created this batch is no longer configured"
-        return principal, None

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI, NotFoundError
 
-from router.app import HOLDER, PROXY
+from router.app import BATCHES, HOLDER, PROXY
 from router.auth.keys import hash_key
 from router.batch.lines import check_input
 from router.batch.state import BatchStore
@@ -243,6 +243,34 @@ async def test_replicas_sharing_a_batch_do_not_take_each_others_lines_for_intera
     # ... and neither replica's peak held them: 4 interactive, and a line that ended
     # between a heartbeat and the report that says so, at most.
     assert most["peak"] <= 5, most
+
+
+async def test_a_runner_holds_lines_ready_for_the_slots_that_free_before_its_next_scan(
+        fleet: OpsFleet) -> None:
+    # 3 workers of 16 slots, no interactive load, the fixed rule: 12 lines may run on
+    # each. A runner that held only as many lines as there were spare slots at its scan
+    # (none, once they were full) ran out between scans: the slots of lines that ended
+    # stood idle until the next scan (bench-batch: 0.75 of the spare capacity).
+    document = config(fleet)
+    document["batch"]["interactive_reserve"] = 0.25
+    await fleet.start(WORKERS, config=document, decode_step_ms=50.0)  # lines of ~1 s
+    for worker in WORKERS:
+        await fleet.publish(worker, max_num_seqs=16)
+    runner = fleet.apps[0][BATCHES].runner
+    async with client(fleet.url) as openai:
+        created = await submit(openai, jsonl(400, max_tokens=20))
+        await until_status(openai, created.id, ("in_progress",))
+        deadline = time.monotonic() + 20
+        while runner.lines_running < 30:  # (36 may run)
+            assert time.monotonic() < deadline, runner.lines_running
+            await asyncio.sleep(0.05)
+        await runner.scan()
+        running = runner.lines_running
+        ready = sum(len(held.pending) for held in runner._held)
+        await openai.batches.cancel(created.id)
+        await until_status(openai, created.id, ("cancelled",))
+    # Every running line's slot has a line waiting for it (chunks of 16 lines).
+    assert ready >= running, (ready, running)
 
 
 async def test_a_forged_heartbeat_cannot_make_a_replica_run_more_than_its_cap(

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router.batch.room import StartPace
 from router.policy import RouteRequest
 from router.policy.batch_room import (
     FORGET_S,
@@ -240,3 +242,18 @@ def test_a_peers_batch_lines_hold_slots_but_are_not_interactive_load() -> None:
     counts = room.counts()
     room.started("w")
     assert counts == {"w": 1} and room.counts() == {"w": 2}
+
+
+def test_a_runner_holds_lines_for_the_slots_that_free_before_its_next_scan() -> None:
+    pace = StartPace()
+    assert pace.ahead(running=0, interval_s=0.5) == 0  # nothing runs: the spare slots only
+    assert pace.ahead(running=12, interval_s=0.5) == 12  # a line for each one running
+    start = time.monotonic() + 1.0  # (the scans' clock)
+    pace.measure(start)
+    for _ in range(40):  # 40 lines started in half a second: 80 a second
+        pace.started()
+    pace.measure(start + 0.5)
+    assert pace.rate == pytest.approx(80)
+    assert pace.ahead(running=12, interval_s=0.5) == math.ceil(pace.rate * 0.75)  # ~60
+    pace.measure(start + 1.0)  # none started since: the rate falls halfway a scan
+    assert pace.rate == pytest.approx(40)

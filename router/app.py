@@ -254,11 +254,9 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         near_equal_ms=config.router.near_equal_ms,
         health=health,
         region_cost=lambda region: app[OPERATIONS].configs.current.cost_per_gpu_hour(region),
-        batch_room=BatchRoom(lambda: app[OPERATIONS].configs.current.batch.fixed_reserve,
-                             inflight=app[_INFLIGHT]),
+        batch_room=BatchRoom(lambda: app[OPERATIONS].configs.current.batch.fixed_reserve),
     )
     app[PEERS].share(context.affinity)  # (the peers' sends fill it too)
-    app[PEERS].share_batch(context.batch_room.counts)  # (their batch lines: not interactive)
     operations = app[OPERATIONS]
     queue_config = config.router.queue
     queue = (RouterQueue(app[_INFLIGHT], max_requests=queue_config.max_requests,

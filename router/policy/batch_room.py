@@ -12,15 +12,9 @@ slots that the worker's interactive load may need:
   shown and falls back by `PEAK_DECAY_PER_S` slots per second, so it holds the
   interactive load's swings over the last tens of seconds, not its average.
   - Interactive load is the worker's load (predicted_ttft.effective_load) less the batch
-    lines open there, this router's and its peer replicas' (sibling processes included,
-    as their last reports said: router.registry.peers), and less the echoes of its own
-    requests (router.registry.inflight: a guess at what same-region siblings sent
-    meanwhile, which their reports replace). Batch lines hold slots all the same, so
-    the room left is the slots less the peak, the margin and every batch line there.
-    Counted as interactive, a peer's lines and an own line's echo stayed in the peak
-    for tens of seconds after they ended, and two replicas sharing a batch ran fewer
-    lines than one. A peer from before reports carried its lines still has them counted
-    as interactive: the reserve is then larger than it needs to be, never smaller.
+    lines this router has open there. A peer replica's batch lines count as interactive:
+    they hold slots all the same, and the reserve is then larger than it needs to be,
+    never smaller.
   - The load is seen at every look for room: the runner looks at every worker 20 times a
     second while lines wait (router.batch.runner), and a line's routing at each
     candidate. Interactive requests' routing does not look: it is the hot path, and a
@@ -45,7 +39,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from router.registry.inflight import InFlight
 from router.registry.worker_view import WorkerView
 
 MIN_RESERVE_SHARE = 0.25  # of a worker's slots, free after all that runs (both modes)
@@ -63,15 +56,11 @@ LEARN_DECAY_PER_S = 1.0
 class BatchRoom:
     """Per worker: the interactive peak and this router's open batch lines (module doc)."""
 
-    __slots__ = ("_batch", "_inflight", "_peaks", "_prune_at", "fixed_share")
+    __slots__ = ("_batch", "_peaks", "_prune_at", "fixed_share")
 
-    def __init__(self, fixed_share: Callable[[], float | None] = lambda: None,
-                 inflight: InFlight | None = None) -> None:
+    def __init__(self, fixed_share: Callable[[], float | None] = lambda: None) -> None:
         # regions.yaml's batch.interactive_reserve (None: adaptive), read at every look.
         self.fixed_share = fixed_share
-        # The router's open requests (the load `room` is given counts them): the peers'
-        # batch lines as they last reported them, and the echoes of its own requests.
-        self._inflight = InFlight() if inflight is None else inflight
         # worker: [peak, when seen, the heartbeat it was seen in (its receipt time), the
         # least interactive load seen in that heartbeat, the least seen in the one before,
         # when it was first seen]
@@ -92,12 +81,7 @@ class BatchRoom:
             self._batch.pop(worker_id, None)
 
     def batch_of(self, worker_id: str) -> int:
-        """This router's batch lines open on the worker."""
         return self._batch.get(worker_id, 0)
-
-    def counts(self) -> dict[str, int]:
-        """This router's batch lines per worker (a copy: the peers are told it)."""
-        return dict(self._batch)
 
     def room(self, view: WorkerView, load: int, now_s: float) -> int:
         """Batch lines the worker may take now, its `load` (sequences running or waiting
@@ -110,8 +94,7 @@ class BatchRoom:
             return room
         worker_id = view.worker_id
         peak = self.seen(worker_id, slots, view.received_at_s, load, now_s)
-        return min(room, slots - math.ceil(peak) - MARGIN_SLOTS - self._batch.get(worker_id, 0)
-                   - self._inflight.peer_batch.get(worker_id, 0))
+        return min(room, slots - math.ceil(peak) - MARGIN_SLOTS - self._batch.get(worker_id, 0))
 
     def fixed_room(self, view: WorkerView, load: int, now_s: float) -> int:
         """The fixed rule: a share of the slots kept free after everything that runs
@@ -132,10 +115,7 @@ class BatchRoom:
         Interactive requests hold their slots across heartbeats. Counted up to `slots`: a
         queue longer than that (a burst, or a heartbeat's absurd load) needs every slot,
         and no more, so the peak falls back from the slots, not from the queue."""
-        inflight = self._inflight
-        not_interactive = (self._batch.get(worker_id, 0) + inflight.peer_batch.get(worker_id, 0)
-                           + inflight.echoes_on(worker_id))
-        interactive = float(min(slots, max(0, load - not_interactive)))
+        interactive = float(min(slots, max(0, load - self._batch.get(worker_id, 0))))
         state = self._peaks.get(worker_id)
         if state is None or now_s - state[1] > FORGET_S:
             peaks = self._peaks

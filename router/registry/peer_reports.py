@@ -30,7 +30,7 @@ def encode_report(router: str, open_: Mapping[str, int],
                   key: tuple[str, bytes] | None = None, region: str | None = None,
                   prefill: Mapping[str, int] | None = None,
                   affinity: SharedSends | None = None, sent_at_s: float | None = None,
-                  seq: int | None = None, batch: Mapping[str, int] | None = None) -> bytes:
+                  seq: int | None = None) -> bytes:
     # Figures past what a peer believes are sent as that much: one too large would get the
     # whole report refused by every peer (a client's absurd request, counted as sent).
     document: dict[str, object] = {"router": router,
@@ -43,9 +43,6 @@ def encode_report(router: str, open_: Mapping[str, int],
         document["region"] = region
     if prefill:
         document["prefill"] = _believable(prefill, MAX_PREFILL_PER_WORKER)
-    if batch:
-        document["batch"] = {worker: min(lines, open_.get(worker, 0))
-                             for worker, lines in batch.items() if open_.get(worker, 0) > 0}
     if affinity:
         document["affinity"] = {"wrote": affinity.wrote, "served": affinity.served}
     body = json.dumps(document, separators=(",", ":")).encode()
@@ -77,10 +74,8 @@ class PeerReport(NamedTuple):
     it serves (None: it does not say, as replicas before it did not), its prompt tokens
     not yet prefilled per worker (empty: none, or a replica from before they were
     reported), what it sent since its last report (None: nothing, or a replica from
-    before it was reported), when it sent the report (Unix s) as its how-manyth
-    (None: a replica from before reports carried them), and how many of its open
-    requests per worker are Batch API lines (at most its open requests there; empty:
-    none, or a replica from before they were reported)."""
+    before it was reported), and when it sent the report (Unix s) as its how-manyth
+    (None: a replica from before reports carried them)."""
 
     router: str
     open: dict[str, int]
@@ -89,7 +84,6 @@ class PeerReport(NamedTuple):
     shared: SharedSends | None
     sent_at_s: float | None
     seq: int | None
-    batch: dict[str, int]
 
 
 def decode_report(payload: bytes, keys: Mapping[str, bytes]) -> tuple[str, dict[str, int]]:
@@ -131,11 +125,6 @@ def decode_report_from(payload: bytes, keys: Mapping[str, bytes]) -> PeerReport:
     if not _per_worker(prefill, MAX_PREFILL_PER_WORKER) or not prefill.keys() <= open_.keys():
         raise ReportError("malformed", "`prefill` is not {worker id with open requests: "
                                        "tokens}")
-    batch = document.get("batch", {})
-    if not _per_worker(batch, MAX_OPEN_PER_WORKER) or not all(
-            lines <= open_.get(worker, 0) for worker, lines in batch.items()):
-        raise ReportError("malformed", "`batch` is not {worker id: lines, at most its "
-                                       "open requests there}")
     region = document.get("region")
     region = region if isinstance(region, str) and len(region) <= 64 else None
     sent_at, seq = document.get("sent_at"), document.get("seq")
@@ -144,7 +133,7 @@ def decode_report_from(payload: bytes, keys: Mapping[str, bytes]) -> PeerReport:
             seq is None or (type(seq) is int and seq >= 0)):
         raise ReportError("malformed", "`sent_at` is not a time or `seq` not a count")
     return PeerReport(router, open_, region, prefill, _shared_sends(document.get("affinity")),
-                      None if sent_at is None else float(sent_at), seq, batch)
+                      None if sent_at is None else float(sent_at), seq)
 
 
 def _shared_sends(affinity: object) -> SharedSends | None:

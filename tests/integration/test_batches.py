@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI, NotFoundError
 
-from router.app import BATCHES, HOLDER, PROXY
+from router.app import BATCHES, HOLDER
 from router.auth.keys import hash_key
 from router.batch.lines import check_input
 from router.batch.state import BatchStore
@@ -202,47 +202,6 @@ async def test_lines_leave_free_the_interactive_load_a_worker_carried_lately(
         assert sum(most.values()) > 0 and all(lines <= 2 for lines in most.values()), most
     else:
         assert max(most.values()) >= 5, most
-
-
-async def test_replicas_sharing_a_batch_do_not_take_each_others_lines_for_interactive_load(
-        fleet: OpsFleet) -> None:
-    # Two replicas run one batch on 3 workers of 16 slots, each carrying 4 interactive
-    # requests (its heartbeats: those plus the lines its simulator holds). Each replica
-    # keeps free the peak of a worker's interactive load; before the replicas reported
-    # their lines to each other, each took the other's lines for interactive load and
-    # its peak held them for tens of seconds (4 + the other's lines).
-    await fleet.start(WORKERS, replicas=2, config=config(fleet), decode_step_ms=10.0)
-    rooms = [app[PROXY].policy.context.batch_room for app in fleet.apps]
-    most = {"lines": 0, "peak": 0.0}
-
-    async def agents(http: aiohttp.ClientSession) -> None:
-        while True:
-            for worker, sim in fleet.sims.items():
-                async with http.get(f"{sim.url}/metrics") as response:
-                    lines = parse_metrics(await response.text()).in_flight
-                await fleet.publish(worker, running=4 + lines, max_num_seqs=16)
-                most["lines"] = max(most["lines"], lines)
-                for room in rooms:
-                    most["peak"] = max(most["peak"], room.peak_of(worker) or 0.0)
-            await asyncio.sleep(0.02)
-
-    async with client(fleet.url) as openai, aiohttp.ClientSession() as http:
-        publishing = asyncio.create_task(agents(http))
-        try:
-            created = await submit(openai, jsonl(150, max_tokens=20))
-            done = await until_status(openai, created.id, ("completed", "failed"))
-        finally:
-            publishing.cancel()
-    assert done.status == "completed" and done.request_counts is not None
-    assert done.request_counts.completed == 150
-    ran = [value(await scrape(url), "globalpool_batch_lines_total", outcome="ok")
-           for url in fleet.urls]
-    assert min(ran) > 0, ran  # both replicas ran lines (each saw the other's)
-    # A worker's lines rose above what one heartbeat's swing explains...
-    assert most["lines"] >= 4, most
-    # ... and neither replica's peak held them: 4 interactive, and a line that ended
-    # between a heartbeat and the report that says so, at most.
-    assert most["peak"] <= 5, most
 
 
 async def test_a_runner_holds_lines_ready_for_the_slots_that_free_before_its_next_scan(

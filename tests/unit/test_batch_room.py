@@ -26,7 +26,6 @@ from router.policy.batch_room import (
     PEAK_DECAY_PER_S,
     BatchRoom,
 )
-from router.registry.inflight import InFlight
 from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import FakeClock, make_policy, snapshot, view
 
@@ -212,36 +211,6 @@ def test_a_batch_line_goes_only_where_interactive_traffic_leaves_room() -> None:
     # Once the peak has fallen back, lines go to the cheap region again.
     clock.now += (6 + MARGIN_SLOTS + 1 - 8) / PEAK_DECAY_PER_S + 1.0
     assert policy.pick(quiet_now, line).worker.worker_id == "eu-1"
-
-
-def test_a_peers_batch_lines_hold_slots_but_are_not_interactive_load() -> None:
-    # Worker w (32 slots) carries 4 interactive requests and 12 lines of another replica,
-    # as the peer's reports say. Counted as interactive (the rule before they were
-    # reported), the peer's lines made a peak of 16 that held 12 slots back for tens of
-    # seconds after they ended: two replicas sharing a batch ran fewer lines than one.
-    inflight = InFlight()
-    peer_batch = inflight.peer_batch
-    room = BatchRoom(inflight=inflight)
-    blind = BatchRoom()  # (no reports of the peer's lines)
-    for each in (room, blind):
-        learnt(each, 4, slots=32)
-    peer_batch["w"] = 12
-    quarter = math.ceil(32 * MIN_RESERVE_SHARE)
-    for tick in range(4):
-        at = T + 0.5 * (tick + 1)
-        # (what the quarter kept free after everything that runs leaves)
-        assert room.room(beat(at, 32), 4 + 12, now_s=at) == 32 - quarter - 4 - 12
-        blind.room(beat(at, 32), 4 + 12, now_s=at)
-    assert room.peak_of("w") == 4 and blind.peak_of("w") == 16
-    peer_batch.clear()  # the peer's lines ended
-    after = T + 3.0
-    assert room.room(beat(after, 32), 4, now_s=after) == 32 - quarter - 4  # all it may
-    assert blind.room(beat(after, 32), 4, now_s=after) < 32 - quarter - 4
-    # What it reports: its own lines, as a copy.
-    room.started("w")
-    counts = room.counts()
-    room.started("w")
-    assert counts == {"w": 1} and room.counts() == {"w": 2}
 
 
 def test_a_runner_holds_lines_for_the_slots_that_free_before_its_next_scan() -> None:

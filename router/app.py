@@ -254,9 +254,12 @@ async def _proxy(app: web.Application) -> AsyncIterator[None]:
         near_equal_ms=config.router.near_equal_ms,
         health=health,
         region_cost=lambda region: app[OPERATIONS].configs.current.cost_per_gpu_hour(region),
-        batch_room=BatchRoom(lambda: app[OPERATIONS].configs.current.batch.fixed_reserve),
+        batch_room=BatchRoom(lambda: app[OPERATIONS].configs.current.batch.fixed_reserve,
+                             inflight=app[_INFLIGHT], me=app[PEERS].router),
     )
     app[PEERS].share(context.affinity)  # (the peers' sends fill it too)
+    batch_room = context.batch_room  # (its lines: not interactive; its models: a share)
+    app[PEERS].share_batch(batch_room.counts, lambda: batch_room.ready)
     operations = app[OPERATIONS]
     queue_config = config.router.queue
     queue = (RouterQueue(app[_INFLIGHT], max_requests=queue_config.max_requests,

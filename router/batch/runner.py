@@ -239,6 +239,7 @@ class BatchRunner:
         """Start lines into the spare slots seen now, oldest chunk first."""
         room: dict[str, int] = {}
         now = time.monotonic()
+        self._say_ready()
         budget = self.configs.current.batch.max_in_flight - self.lines_running
         self.capped = False
         for held in list(self._held):
@@ -376,9 +377,15 @@ class BatchRunner:
         held.done.set()
         if held in self._held:
             self._held.remove(held)
+            self._say_ready()
         task = asyncio.create_task(self._release(held))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _say_ready(self) -> None:
+        """The models this replica holds lines for: peers leave it a share (batch_room)."""
+        self.proxy.policy.context.batch_room.ready = frozenset(
+            held.batch.model for held in self._held if held.batch.model and not held.stopped)
 
     async def _release(self, held: _Held) -> None:
         try:

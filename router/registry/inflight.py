@@ -31,8 +31,9 @@ _NONE: dict[str, int] = {}
 class InFlight:
     """Open requests per worker: this router's own, plus its peers' latest reports."""
 
-    __slots__ = ("_echo_new", "_echo_old", "_open", "_own", "_own_prefill", "_peer_prefill",
-                 "_peers", "_work", "echo", "prefilling")
+    __slots__ = ("_echo_new", "_echo_old", "_open", "_own", "_own_prefill", "_peer_batch",
+                 "_peer_prefill", "_peers", "_work", "echo", "peer_batch", "peer_ready",
+                 "prefilling")
 
     def __init__(self) -> None:
         self._open: dict[str, int] = {}  # own + peers' + echoes: what routing reads
@@ -53,6 +54,14 @@ class InFlight:
         self.prefilling: dict[str, int] = {}
         self._own_prefill: dict[str, int] = {}
         self._peer_prefill: dict[str, dict[str, int]] = {}
+        # Of the peers' open requests, the Batch API lines per worker, as they last
+        # reported them (router.policy.batch_room: what batch lines hold is not
+        # interactive load).
+        self.peer_batch: dict[str, int] = {}
+        self._peer_batch: dict[str, dict[str, int]] = {}
+        # Per peer: the models it holds Batch API lines for, waiting for room (its
+        # replicas share a worker's room for them: router.policy.batch_room).
+        self.peer_ready: dict[str, frozenset[str]] = {}
 
     def started(self, worker_id: str) -> None:
         self._own[worker_id] = self._own.get(worker_id, 0) + 1
@@ -151,6 +160,11 @@ class InFlight:
     def own_of(self, worker_id: str) -> int:
         return self._own.get(worker_id, 0)
 
+    def echoes_on(self, worker_id: str) -> int:
+        """Echoes of this router's own requests counted on the worker now: a guess at
+        what its siblings sent meanwhile, not load the worker has."""
+        return self._echo_new.get(worker_id, 0) + self._echo_old.get(worker_id, 0)
+
     def echoes(self) -> int:
         """Echoed requests counted now (both intervals), for operators and tests."""
         return sum(self._echo_new.values()) + sum(self._echo_old.values())
@@ -164,20 +178,31 @@ class InFlight:
 
     # --- peers ------------------------------------------------------------------------
     def apply_peer(self, peer_id: str, counts: Mapping[str, int], now_s: float,
-                   prefill: Mapping[str, int] = _NONE) -> None:
-        """`peer_id`'s latest report (its open requests per worker, and the prompt
-        tokens of those not yet prefilled) replaces its last."""
+                   prefill: Mapping[str, int] = _NONE, batch: Mapping[str, int] = _NONE,
+                   ready: frozenset[str] = frozenset()) -> None:
+        """`peer_id`'s latest report (its open requests per worker, the prompt tokens of
+        those not yet prefilled, how many of them are Batch API lines, and the models it
+        holds lines for) replaces its last."""
         _, previous = self._peers.get(peer_id, (0.0, _NONE))
         self._peers[peer_id] = (now_s, _replace(self._open, previous, counts))
         before = self._peer_prefill.get(peer_id, _NONE)
         if prefill or before:
             self._peer_prefill[peer_id] = _replace(self.prefilling, before, prefill)
+        before = self._peer_batch.get(peer_id, _NONE)
+        if batch or before:
+            self._peer_batch[peer_id] = _replace(self.peer_batch, before, batch)
+        if ready:
+            self.peer_ready[peer_id] = ready
+        else:
+            self.peer_ready.pop(peer_id, None)
 
     def forget_peer(self, peer_id: str) -> None:
         """A peer that left (or went silent) stops counting."""
         _, previous = self._peers.pop(peer_id, (0.0, _NONE))
         _replace(self._open, previous, _NONE)
         _replace(self.prefilling, self._peer_prefill.pop(peer_id, _NONE), _NONE)
+        _replace(self.peer_batch, self._peer_batch.pop(peer_id, _NONE), _NONE)
+        self.peer_ready.pop(peer_id, None)
 
     def expire_peers(self, older_than_s: float) -> list[str]:
         """Forget peers whose last report arrived before `older_than_s`; their ids."""

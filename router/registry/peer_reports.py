@@ -7,7 +7,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import NamedTuple, TypeGuard
 
 from router.registry.shared_sends import MAX_SHARED_SERVED, MAX_WROTE_PER_WORKER, SharedSends
@@ -18,6 +18,8 @@ MAX_OPEN_PER_WORKER = 100_000
 MAX_PREFILL_PER_WORKER = 100_000_000  # tokens: a report claiming more is not believed
 MAX_PREFIX_KEYS = 32  # a prompt's prefix keys (router.core.parse.prefix_keys_of: CRC-32s)
 MAX_WORKER_ID = 256  # characters
+MAX_READY_MODELS = 32  # models a report says it holds Batch API lines ready for
+MAX_MODEL_NAME = 256  # characters
 # A signed report older than this (by its `sent_at`), or not newer (`seq`) than the last
 # taken from its sender, is a replay: anyone who can read the channel could otherwise
 # publish a captured report again, and keep a stopped replica's requests counting.
@@ -30,7 +32,8 @@ def encode_report(router: str, open_: Mapping[str, int],
                   key: tuple[str, bytes] | None = None, region: str | None = None,
                   prefill: Mapping[str, int] | None = None,
                   affinity: SharedSends | None = None, sent_at_s: float | None = None,
-                  seq: int | None = None) -> bytes:
+                  seq: int | None = None, batch: Mapping[str, int] | None = None,
+                  batch_ready: Collection[str] = ()) -> bytes:
     # Figures past what a peer believes are sent as that much: one too large would get the
     # whole report refused by every peer (a client's absurd request, counted as sent).
     document: dict[str, object] = {"router": router,
@@ -43,6 +46,13 @@ def encode_report(router: str, open_: Mapping[str, int],
         document["region"] = region
     if prefill:
         document["prefill"] = _believable(prefill, MAX_PREFILL_PER_WORKER)
+    if batch:
+        document["batch"] = {worker: min(lines, open_.get(worker, 0))
+                             for worker, lines in batch.items() if open_.get(worker, 0) > 0}
+    if batch_ready:  # (past the limits, not said at all: a peer then keeps its whole room)
+        ready = sorted(batch_ready)
+        if len(ready) <= MAX_READY_MODELS and all(len(m) <= MAX_MODEL_NAME for m in ready):
+            document["batch_ready"] = ready
     if affinity:
         document["affinity"] = {"wrote": affinity.wrote, "served": affinity.served}
     body = json.dumps(document, separators=(",", ":")).encode()
@@ -74,8 +84,11 @@ class PeerReport(NamedTuple):
     it serves (None: it does not say, as replicas before it did not), its prompt tokens
     not yet prefilled per worker (empty: none, or a replica from before they were
     reported), what it sent since its last report (None: nothing, or a replica from
-    before it was reported), and when it sent the report (Unix s) as its how-manyth
-    (None: a replica from before reports carried them)."""
+    before it was reported), when it sent the report (Unix s) as its how-manyth
+    (None: a replica from before reports carried them), and how many of its open
+    requests per worker are Batch API lines (at most its open requests there; empty:
+    none, or a replica from before they were reported), and the models it holds Batch
+    API lines for, to start as room allows (empty: none, or a replica from before)."""
 
     router: str
     open: dict[str, int]
@@ -84,6 +97,8 @@ class PeerReport(NamedTuple):
     shared: SharedSends | None
     sent_at_s: float | None
     seq: int | None
+    batch: dict[str, int]
+    batch_ready: frozenset[str] = frozenset()
 
 
 def decode_report(payload: bytes, keys: Mapping[str, bytes]) -> tuple[str, dict[str, int]]:
@@ -125,6 +140,16 @@ def decode_report_from(payload: bytes, keys: Mapping[str, bytes]) -> PeerReport:
     if not _per_worker(prefill, MAX_PREFILL_PER_WORKER) or not prefill.keys() <= open_.keys():
         raise ReportError("malformed", "`prefill` is not {worker id with open requests: "
                                        "tokens}")
+    batch = document.get("batch", {})
+    if not _per_worker(batch, MAX_OPEN_PER_WORKER) or not all(
+            lines <= open_.get(worker, 0) for worker, lines in batch.items()):
+        raise ReportError("malformed", "`batch` is not {worker id: lines, at most its "
+                                       "open requests there}")
+    ready = document.get("batch_ready", [])
+    if not isinstance(ready, list) or len(ready) > MAX_READY_MODELS or not all(
+            isinstance(model, str) and 0 < len(model) <= MAX_MODEL_NAME for model in ready):
+        raise ReportError("malformed", f"`batch_ready` is not a list of at most "
+                                       f"{MAX_READY_MODELS} model names")
     region = document.get("region")
     region = region if isinstance(region, str) and len(region) <= 64 else None
     sent_at, seq = document.get("sent_at"), document.get("seq")
@@ -133,7 +158,8 @@ def decode_report_from(payload: bytes, keys: Mapping[str, bytes]) -> PeerReport:
             seq is None or (type(seq) is int and seq >= 0)):
         raise ReportError("malformed", "`sent_at` is not a time or `seq` not a count")
     return PeerReport(router, open_, region, prefill, _shared_sends(document.get("affinity")),
-                      None if sent_at is None else float(sent_at), seq)
+                      None if sent_at is None else float(sent_at), seq, batch,
+                      frozenset(ready))
 
 
 def _shared_sends(affinity: object) -> SharedSends | None:

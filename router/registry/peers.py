@@ -24,7 +24,11 @@ router.policy.predicted_ttft), and `"affinity": {"wrote": {"<worker_id>": tokens
 its last report: the prompts with prefix keys each worker got, in order, with the tokens
 they write to its KV cache, and the tokens the others wrote (router.policy.affinity
 `take_shared` / `apply_peer`), so that every replica knows which worker holds a long
-shared prompt, whoever sent it there.
+shared prompt, whoever sent it there; `"batch": {"<worker_id>": n}`, how many of its
+open requests there are Batch API lines (router.policy.batch_room: a peer's lines hold
+slots, but are not interactive load that batch lines must leave room for); and
+`"batch_ready": ["<model>", ...]`, the models it holds Batch API lines for (the replicas
+that hold lines for a worker's models share its room for them: batch_room).
 Every report also says when it was sent (`"sent_at"`, Unix s) and the how-manyth of its
 sender's it is (`"seq"`). When heartbeat signing keys are configured (worker.signing),
 reports are signed with the first key and unsigned or unverifiable reports are dropped:
@@ -131,7 +135,12 @@ class PeerExchange:
         self.router = router or router_id()
         self._clock = clock
         self._max_backoff_s = max_backoff_s
-        self._sent: tuple[dict[str, int], dict[str, int]] | None = None
+        self._sent: tuple[dict[str, int], dict[str, int], dict[str, int],
+                          frozenset[str]] | None = None
+        # This replica's Batch API lines per worker, and the models it holds lines for
+        # (`share_batch`; None: not reported).
+        self._batch_counts: Callable[[], dict[str, int]] | None = None
+        self._batch_ready: Callable[[], frozenset[str]] = frozenset
         self._shared = 0  # entries of the last report's `affinity`
         self._seq = 0  # reports published
         self._wall_clock = time.time
@@ -146,6 +155,14 @@ class PeerExchange:
         with what they send."""
         affinity.shared = SharedSends()
         self.affinity = affinity
+
+    def share_batch(self, counts: Callable[[], dict[str, int]],
+                    ready: Callable[[], frozenset[str]] = frozenset) -> None:
+        """Tell the peers, with each report, how many of this replica's open requests
+        per worker are Batch API lines (`counts()`), and the models it holds lines for
+        (`ready()`): router.policy.batch_room."""
+        self._batch_counts = counts
+        self._batch_ready = ready
 
     async def run(self) -> None:
         """Run until cancelled; never raises for Redis trouble. On cancellation, tells
@@ -173,7 +190,7 @@ class PeerExchange:
                 else:
                     backoff_s = 0.05
         finally:
-            if self._sent is not None and self._sent[0]:
+            if self._sent is not None and (self._sent[0] or self._sent[3]):
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
                     await asyncio.wait_for(self._publish({}), timeout=0.5)
 
@@ -197,7 +214,7 @@ class PeerExchange:
         every peer at most RECEIVER_CPU_SHARE of a core (see the module doc), but never
         beyond KEEPALIVE_S: peers must hear from this replica well within PEER_TTL_S."""
         entries = self._shared + (0 if self._sent is None
-                                  else len(self._sent[0]) + len(self._sent[1]))
+                                  else sum(len(figures) for figures in self._sent))
         replicas = 1 + len(self._inflight.peer_ids())
         spacing_s = APPLY_S_PER_ENTRY * entries * replicas / RECEIVER_CPU_SHARE
         return max(interval_s, min(KEEPALIVE_S, spacing_s))
@@ -205,7 +222,9 @@ class PeerExchange:
     async def _report(self, now_s: float) -> None:
         """Publish this replica's counts if they changed, or what it sent since its last
         report, or as a keepalive."""
-        sent = self._inflight.own_counts(), self._inflight.own_prefill()
+        batch = self._batch_counts() if self._batch_counts is not None else {}
+        sent = (self._inflight.own_counts(), self._inflight.own_prefill(), batch,
+                self._batch_ready())
         affinity = self.affinity
         shared = affinity.take_shared() if affinity is not None else None
         if sent == self._sent and not shared and now_s - self._sent_at_s < KEEPALIVE_S:
@@ -216,10 +235,12 @@ class PeerExchange:
 
     async def _publish(self, counts: Mapping[str, int],
                        prefill: Mapping[str, int] | None = None,
+                       batch: Mapping[str, int] | None = None,
+                       batch_ready: frozenset[str] = frozenset(),
                        shared: SharedSends | None = None) -> None:
         self._seq += 1
         report = encode_report(self.router, counts, self._signing_key, self._region, prefill,
-                               shared, self._wall_clock(), self._seq)
+                               shared, self._wall_clock(), self._seq, batch, batch_ready)
         await publish(self._redis, self._channel, report, sharded=is_cluster(self._redis))
 
     def _apply(self, payload: bytes) -> None:
@@ -249,10 +270,11 @@ class PeerExchange:
             self._siblings[peer] = self._clock()
             self._inflight.echo = min(MAX_ECHO, len(self._siblings))
         report = self._known_only(report)
-        if report.open:
-            self._inflight.apply_peer(peer, report.open, self._clock(), report.prefill)
+        if report.open or report.batch_ready:
+            self._inflight.apply_peer(peer, report.open, self._clock(), report.prefill,
+                                      report.batch, report.batch_ready)
         else:
-            self._inflight.forget_peer(peer)  # it left, or has nothing open
+            self._inflight.forget_peer(peer)  # it left, or has nothing open or waiting
         if report.shared is not None and self.affinity is not None:
             self.affinity.apply_peer(report.shared)
 
@@ -268,7 +290,8 @@ class PeerExchange:
             shared.served = [sent for sent in report.shared.served if sent[0] in known]
         return report._replace(
             open={w: n for w, n in report.open.items() if w in known},
-            prefill={w: n for w, n in report.prefill.items() if w in known}, shared=shared)
+            prefill={w: n for w, n in report.prefill.items() if w in known},
+            batch={w: n for w, n in report.batch.items() if w in known}, shared=shared)
 
     def _check_fresh(self, report: PeerReport) -> None:
         """Raise ReportError ("replayed") unless a signed report is recent and newer than

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI, NotFoundError
 
-from router.app import BATCHES, HOLDER
+from router.app import BATCHES, HOLDER, PROXY
 from router.auth.keys import hash_key
 from router.batch.lines import check_input
 from router.batch.state import BatchStore
@@ -230,6 +230,80 @@ async def test_a_runner_holds_lines_ready_for_the_slots_that_free_before_its_nex
         await until_status(openai, created.id, ("cancelled",))
     # Every running line's slot has a line waiting for it (chunks of 16 lines).
     assert ready >= running, (ready, running)
+
+
+HOG = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
+
+
+async def two_replicas_run_a_batch(fleet: OpsFleet, *, decode_step_ms: float,
+                                   hog: bool) -> dict[str, float]:
+    """Two replicas run one 200-line batch on 3 workers of 16 slots, each carrying 4
+    interactive requests (its heartbeats: those plus the lines its simulator holds, every
+    0.1 s), with a CPU hog taking one of the machine's cores or not. The most lines a
+    worker held, and the highest interactive peak either replica kept."""
+    await fleet.start(WORKERS, replicas=2, config=config(fleet), decode_step_ms=decode_step_ms)
+    rooms = [app[PROXY].policy.context.batch_room for app in fleet.apps]
+    most = {"lines": 0.0, "peak": 0.0}
+
+    async def agents(http: aiohttp.ClientSession) -> None:
+        while True:
+            for worker, sim in fleet.sims.items():
+                async with http.get(f"{sim.url}/metrics") as response:
+                    lines = parse_metrics(await response.text()).in_flight
+                await fleet.publish(worker, running=4 + lines, max_num_seqs=16)
+                most["lines"] = max(most["lines"], lines)
+                for room in rooms:
+                    most["peak"] = max(most["peak"], room.peak_of(worker) or 0.0)
+            await asyncio.sleep(0.1)
+
+    hogging = (await asyncio.create_subprocess_exec(sys.executable, "-c", HOG.format(s=40.0))
+               if hog else None)
+    try:
+        async with client(fleet.url) as openai, aiohttp.ClientSession() as http:
+            publishing = asyncio.create_task(agents(http))
+            try:
+                created = await submit(openai, jsonl(200, max_tokens=20))
+                done = await until_status(openai, created.id, ("completed", "failed"))
+            finally:
+                publishing.cancel()
+    finally:
+        if hogging is not None:
+            hogging.kill()
+            await hogging.wait()
+    assert done.status == "completed" and done.request_counts is not None
+    assert done.request_counts.completed == 200
+    ran = [value(await scrape(url), "globalpool_batch_lines_total", outcome="ok")
+           for url in fleet.urls]
+    print(f"lines run by each replica {ran}; the most seen {most}")
+    assert min(ran) > 0, ran  # both replicas ran lines
+    return most
+
+
+async def test_replicas_sharing_a_batch_do_not_take_each_others_lines_for_interactive_load(
+        fleet: OpsFleet) -> None:
+    # Each replica keeps free the peak of a worker's interactive load. Before the replicas
+    # reported their lines to each other, each took the other's lines for interactive
+    # load and its peak held them for tens of seconds (4 + the other's lines: 11).
+    # Lines of ~0.8 s: a line that ends between a heartbeat's sample and its receipt
+    # looks interactive for that heartbeat (the router cannot tell when it was sampled),
+    # and the peak counts a load two heartbeats in a row show; with lines of ~0.2 s, two
+    # heartbeats in a row sometimes each had 2 such lines (a peak of 6).
+    most = await two_replicas_run_a_batch(fleet, decode_step_ms=40.0, hog=False)
+    assert most["lines"] >= 6, most  # a worker's lines rose well above a heartbeat's swing
+    # ... and neither replica's peak held them: 4 interactive, and a line in transit.
+    assert most["peak"] <= 5, most
+
+
+async def test_replicas_sharing_a_batch_share_each_workers_room(fleet: OpsFleet) -> None:
+    # What all lines may hold on a worker: 16 less a quarter kept free, less the 4
+    # interactive = 8. Before replicas told each other the models they hold lines for,
+    # each filled the whole room before the other's lines showed in its reports or the
+    # heartbeats: 10-11 lines on a worker here, up to 19 in longer runs under a hog. Each
+    # now fills only its half. (The quarter is kept free after the load a heartbeat shows,
+    # and lines started since its sample are not in it yet: with lines of ~0.8 s, one
+    # replica alone also reaches 9-10 lines here, two 9-13.)
+    most = await two_replicas_run_a_batch(fleet, decode_step_ms=10.0, hog=True)
+    assert 6 <= most["lines"] <= 9, most
 
 
 async def test_a_forged_heartbeat_cannot_make_a_replica_run_more_than_its_cap(

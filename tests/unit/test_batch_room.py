@@ -26,6 +26,7 @@ from router.policy.batch_room import (
     PEAK_DECAY_PER_S,
     BatchRoom,
 )
+from router.registry.inflight import InFlight
 from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import FakeClock, make_policy, snapshot, view
 
@@ -226,3 +227,108 @@ def test_a_runner_holds_lines_for_the_slots_that_free_before_its_next_scan() -> 
     assert pace.ahead(running=12, interval_s=0.5) == math.ceil(pace.rate * 0.75)  # ~60
     pace.measure(start + 1.0)  # none started since: the rate falls halfway a scan
     assert pace.rate == pytest.approx(40)
+
+
+def test_a_peers_batch_lines_hold_slots_but_are_not_interactive_load() -> None:
+    # Worker w (32 slots) carries 4 interactive requests and 12 lines of another replica,
+    # as the peer's reports say. Counted as interactive (the rule before they were
+    # reported), the peer's lines made a peak of 16 that held 12 slots back for tens of
+    # seconds after they ended: two replicas sharing a batch ran fewer lines than one.
+    inflight = InFlight()
+    peer_batch = inflight.peer_batch
+    room = BatchRoom(inflight=inflight)
+    blind = BatchRoom()  # (no reports of the peer's lines)
+    for each in (room, blind):
+        learnt(each, 4, slots=32)
+    peer_batch["w"] = 12
+    quarter = math.ceil(32 * MIN_RESERVE_SHARE)
+    for tick in range(4):
+        at = T + 0.5 * (tick + 1)
+        # (what the quarter kept free after everything that runs leaves)
+        assert room.room(beat(at, 32), 4 + 12, now_s=at) == 32 - quarter - 4 - 12
+        blind.room(beat(at, 32), 4 + 12, now_s=at)
+    assert room.peak_of("w") == 4 and blind.peak_of("w") == 16
+    peer_batch.clear()  # the peer's lines ended
+    after = T + 3.0
+    assert room.room(beat(after, 32), 4, now_s=after) == 32 - quarter - 4  # all it may
+    assert blind.room(beat(after, 32), 4, now_s=after) < 32 - quarter - 4
+    # What it reports: its own lines, as a copy.
+    room.started("w")
+    counts = room.counts()
+    room.started("w")
+    assert counts == {"w": 1} and room.counts() == {"w": 2}
+
+
+def test_replicas_that_hold_lines_for_a_workers_model_split_its_room() -> None:
+    # Worker w (16 slots, 2 interactive, learnt): 10 slots for every replica's lines (the
+    # quarter kept free after everything). Replica "a" holds lines for model "m" too: each
+    # may fill half, whatever it knows of the other's lines meanwhile.
+    inflight = InFlight()
+    room = BatchRoom(inflight=inflight, me="b")
+    learnt(room, 2)
+    whole = min(16 - 2 - MARGIN_SLOTS, 16 - math.ceil(16 * MIN_RESERVE_SHARE) - 2)
+    assert room.room(beat(T + 0.5), 2, now_s=T + 0.5) == whole  # no peer holds lines
+    inflight.apply_peer("a", {}, 1.0, ready=frozenset({"m"}))
+    assert room.room(beat(T + 1.0), 2, now_s=T + 1.0) == whole // 2
+    for _ in range(whole // 2):
+        room.started("w")
+    assert room.room(beat(T + 1.5), 2 + whole // 2, now_s=T + 1.5) == 0  # its half, full
+    # A peer that holds lines only for another model leaves this worker's room alone.
+    other = BatchRoom(inflight=InFlight(), me="b")
+    learnt(other, 2)
+    other._inflight.apply_peer("a", {}, 1.0, ready=frozenset({"other-model"}))
+    assert other.room(beat(T + 0.5), 2, now_s=T + 0.5) == whole
+    # Once the peer holds no more lines, this replica may fill what the peer left.
+    inflight.apply_peer("a", {"w": 1}, 2.0)
+    assert inflight.peer_ready == {}
+    assert room.room(beat(T + 2.0), 3 + whole // 2, now_s=T + 2.0) == whole - whole // 2 - 1
+
+
+@pytest.mark.parametrize("whole_slots", [16, 17])
+def test_a_rooms_shares_add_up_to_it_the_remainder_going_first_by_id(whole_slots: int) -> None:
+    peers = ["a", "b", "c"]
+    shares = []
+    for me in peers:
+        inflight = InFlight()
+        for peer in peers:
+            if peer != me:
+                inflight.apply_peer(peer, {}, 1.0, ready=frozenset({"m"}))
+        shares.append(BatchRoom(inflight=inflight, me=me).share(beat(0.0), whole_slots))
+    assert sum(shares) == whole_slots and max(shares) - min(shares) <= 1
+    assert shares == sorted(shares, reverse=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    interactive=st.integers(0, 12),
+    # How many of the other's lines each replica knows of at each of its looks: its last
+    # report (sent every 50 ms) may be old by any number of lines.
+    seen_a=st.lists(st.floats(0, 1), min_size=1, max_size=40),
+    seen_b=st.lists(st.floats(0, 1), min_size=1, max_size=40),
+)
+def test_two_replicas_never_start_more_lines_than_the_room_whatever_they_know_of_each_other(
+        interactive: int, seen_a: list[float], seen_b: list[float]) -> None:
+    # Two replicas that both hold lines for model "m" look for room on worker w in turns
+    # and start a line whenever they see some. The heartbeat in their hands shows the
+    # interactive load and none of the lines (they are on their way); each knows only
+    # part of the other's lines (its reports lag). Before rooms were shared, each could
+    # fill the whole room: up to twice the lines the worker may hold.
+    rooms = {}
+    for me, other in (("a", "b"), ("b", "a")):
+        inflight = InFlight()
+        inflight.apply_peer(other, {}, 1.0, ready=frozenset({"m"}))
+        rooms[me] = BatchRoom(inflight=inflight, me=me)
+        learnt(rooms[me], interactive)
+    whole = min(16 - interactive - MARGIN_SLOTS, 16 - math.ceil(16 * MIN_RESERVE_SHARE)
+                - interactive)
+    at = T + 0.5
+    for look_a, look_b in itertools.zip_longest(seen_a, seen_b):
+        for me, other, look in (("a", "b", look_a), ("b", "a", look_b)):
+            if look is None:
+                continue
+            known = int(look * rooms[other].batch_of("w"))
+            rooms[me]._inflight.peer_batch["w"] = known
+            if rooms[me].room(beat(T), interactive + rooms[me].batch_of("w") + known,
+                              now_s=at) > 0:
+                rooms[me].started("w")
+    assert rooms["a"].batch_of("w") + rooms["b"].batch_of("w") <= max(0, whole)

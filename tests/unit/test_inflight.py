@@ -3,6 +3,8 @@ and the peer reports' wire format (router.registry.peers)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from router.core.outcome import Attempt
@@ -13,6 +15,7 @@ from router.registry.inflight import InFlight
 from router.registry.peer_reports import (
     MAX_OPEN_PER_WORKER,
     MAX_PREFILL_PER_WORKER,
+    MAX_READY_MODELS,
     MAX_REPORT_BYTES,
     ReportError,
     decode_report,
@@ -63,6 +66,44 @@ def test_silent_and_departed_peers_stop_counting() -> None:
     assert inflight.peers() == {}
 
 
+def test_a_peers_batch_lines_are_reported_kept_and_forgotten_with_it() -> None:
+    # A report says how many of a replica's open requests per worker are Batch API lines
+    # (never more than it has open there: a claim past that is sent as that much).
+    report = decode_report_from(encode_report("r2", {"w1": 3, "w2": 1}, batch={
+        "w1": 2, "w2": 5, "w3": 1}), {})
+    assert report.batch == {"w1": 2, "w2": 1}
+    assert decode_report_from(encode_report("r2", {"w1": 3}), {}).batch == {}  # none, or
+    # a replica from before reports carried them: its lines count as interactive load
+    inflight = InFlight()
+    inflight.apply_peer("r2", report.open, 1.0, batch=report.batch)
+    inflight.apply_peer("r3", {"w1": 4}, 1.0, batch={"w1": 4})
+    assert inflight.peer_batch == {"w1": 6, "w2": 1}
+    inflight.apply_peer("r2", {"w1": 1}, 1.1, batch={})  # its lines ended
+    assert inflight.peer_batch == {"w1": 4}
+    inflight.forget_peer("r3")
+    assert inflight.peer_batch == {} and dict(inflight.counts) == {"w1": 1}
+
+
+def test_a_peer_that_holds_batch_lines_is_known_to_until_it_holds_none() -> None:
+    # The models a replica holds Batch API lines for travel with its reports, even when
+    # it has nothing open (the peers' lines fill the room it waits for: batch_room).
+    report = decode_report_from(encode_report("r2", {}, batch_ready=frozenset({"m", "n"})), {})
+    assert report.batch_ready == {"m", "n"} and report.open == {}
+    assert decode_report_from(encode_report("r2", {"w": 1}), {}).batch_ready == frozenset()
+    # More models than a report may name are not said at all (the peers keep their room).
+    many = frozenset(f"m{i}" for i in range(MAX_READY_MODELS + 1))
+    assert decode_report_from(encode_report("r2", {}, batch_ready=many), {}).batch_ready == set()
+    exchange = PeerExchange(redis=None, pubsub_redis=None, channel="c",  # type: ignore[arg-type]
+                            inflight=(inflight := InFlight()), interval_s=lambda: 0.05)
+    exchange._apply(encode_report("r2", {}, batch_ready=frozenset({"m"})))
+    assert inflight.peer_ready == {"r2": {"m"}} and inflight.peer_ids() == ["r2"]
+    exchange._apply(encode_report("r2", {"w": 1}))  # its lines all started or ended
+    assert inflight.peer_ready == {}
+    exchange._apply(encode_report("r2", {}, batch_ready=frozenset({"m"})))
+    inflight.forget_peer("r2")  # gone silent
+    assert inflight.peer_ready == {} and inflight.peer_ids() == []
+
+
 def test_reports_round_trip_signed_and_unsigned() -> None:
     counts = {"us-east-1": 3, "eu:w@2": 1}
     assert decode_report(encode_report("r1", counts), {}) == ("r1", counts)
@@ -105,6 +146,20 @@ def test_with_keys_only_verified_reports_are_believed(payload: bytes, reason: st
      % (MAX_PREFILL_PER_WORKER + 1), "`prefill` is not"),
     # prompts waiting on a worker where it has nothing open: a forgery, not a report
     (b'v1 - - {"router": "r", "open": {"w": 1}, "prefill": {"v": 10}}', "`prefill` is not"),
+    # batch lines: at most the open requests on that worker, whole numbers
+    (b'v1 - - {"router": "r", "open": {"w": 1}, "batch": {"w": 2}}', "`batch` is not"),
+    (b'v1 - - {"router": "r", "open": {"w": 1}, "batch": {"v": 1}}', "`batch` is not"),
+    (b'v1 - - {"router": "r", "open": {"w": 1}, "batch": {"w": -1}}', "`batch` is not"),
+    (b'v1 - - {"router": "r", "open": {"w": 3}, "batch": {"w": 1.0}}', "`batch` is not"),
+    (b'v1 - - {"router": "r", "open": {"w": 3}, "batch": [["w", 1]]}', "`batch` is not"),
+    # the models it holds lines for: a short list of names
+    (b'v1 - - {"router": "r", "open": {}, "batch_ready": "m"}', "`batch_ready` is not"),
+    (b'v1 - - {"router": "r", "open": {}, "batch_ready": [1]}', "`batch_ready` is not"),
+    (b'v1 - - {"router": "r", "open": {}, "batch_ready": [""]}', "`batch_ready` is not"),
+    (b'v1 - - {"router": "r", "open": {}, "batch_ready": ["' + b"m" * 300 + b'"]}',
+     "`batch_ready` is not"),
+    (b'v1 - - {"router": "r", "open": {}, "batch_ready": ' + json.dumps(
+        [f"m{i}" for i in range(40)]).encode() + b'}', "`batch_ready` is not"),
     *((b'v1 - - {"router": "r", "open": {}, "affinity": %s}' % affinity, "`affinity")
       for affinity in (
         b"[]", b'{"wrote": {}}', b'{"served": []}', b'{"wrote": {"w": -1}, "served": []}',
@@ -131,9 +186,10 @@ def test_reports_of_large_fleets_are_spaced_to_bound_the_receivers_cpu() -> None
     inflight = InFlight()
     exchange = PeerExchange(redis=None, pubsub_redis=None, channel="c",  # type: ignore[arg-type]
                             inflight=inflight, interval_s=lambda: 0.05)
-    exchange._sent = {"w1": 1, "w2": 3}, {}
+    exchange._sent = {"w1": 1, "w2": 3}, {}, {}, frozenset()
     assert exchange._spacing_s(0.05) == 0.05  # small: as configured
-    exchange._sent = {f"w{i}": 1 for i in range(500)}, {f"w{i}": 80 for i in range(500)}
+    exchange._sent = ({f"w{i}": 1 for i in range(500)}, {f"w{i}": 80 for i in range(500)}, {},
+                      frozenset())
     for peer in range(9):
         inflight.apply_peer(f"r{peer}", {"w1": 1}, now_s=0.0)
     # 10 replicas x 1,000 entries x 1 us each, at most 5 % of a core: every 0.2 s.
@@ -158,6 +214,8 @@ def test_a_router_keeps_of_peer_reports_only_known_workers_and_so_many_senders(
     assert inflight.peers() == {"r0": 1, "r1": 1, "r2": 1}  # the ghost left out
     assert inflight.counts == {"w1": 3}
     assert stats.peer_reports_dropped["too_many_peers"] == 2
+    exchange._apply(encode_report("r1", {"w1": 1, "ghost": 7}, batch={"w1": 1, "ghost": 7}))
+    assert inflight.peer_batch == {"w1": 1}  # (its lines, known workers only)
     exchange._apply(encode_report("r0", {"ghost": 5}))  # a known sender, nothing known
     assert inflight.peers() == {"r1": 1, "r2": 1}
     exchange._apply(encode_report("r3", {"w2": 2}))  # room again

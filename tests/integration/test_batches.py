@@ -284,14 +284,16 @@ async def test_replicas_sharing_a_batch_do_not_take_each_others_lines_for_intera
     # Each replica keeps free the peak of a worker's interactive load. Before the replicas
     # reported their lines to each other, each took the other's lines for interactive
     # load and its peak held them for tens of seconds (4 + the other's lines: 11).
-    # Lines of ~0.8 s: a line that ends between a heartbeat's sample and its receipt
-    # looks interactive for that heartbeat (the router cannot tell when it was sampled),
-    # and the peak counts a load two heartbeats in a row show; with lines of ~0.2 s, two
-    # heartbeats in a row sometimes each had 2 such lines (a peak of 6).
+    # What a peak may still take for interactive: lines in transit. A line that ended
+    # after a heartbeat was sampled, or that the other replica started before it was
+    # sampled and has not reported yet (reports every 50 ms), is in the heartbeat's load
+    # and not among the lines known. The peak counts a load once two heartbeats in a row
+    # show it; with lines of ~0.2 s two heartbeats in a row sometimes had 2 such lines
+    # (a peak of 6, in 2 of 10 runs), with lines of ~0.8 s once in 16 runs.
     most = await two_replicas_run_a_batch(fleet, decode_step_ms=40.0, hog=False)
     assert most["lines"] >= 6, most  # a worker's lines rose well above a heartbeat's swing
-    # ... and neither replica's peak held them: 4 interactive, and a line in transit.
-    assert most["peak"] <= 5, most
+    # ... and neither replica's peak held them: 4 interactive, and lines in transit.
+    assert most["peak"] <= 6, most
 
 
 async def test_replicas_sharing_a_batch_share_each_workers_room(fleet: OpsFleet) -> None:

@@ -51,7 +51,7 @@ def encode_report(router: str, open_: Mapping[str, int],
                              for worker, lines in batch.items() if open_.get(worker, 0) > 0}
     if batch_ready:  # (past the limits, not said at all: a peer then keeps its whole room)
         ready = sorted(batch_ready)
-        if len(ready) <= MAX_READY_MODELS and all(len(m) <= MAX_MODEL_NAME for m in ready):
+        if _model_names(ready):
             document["batch_ready"] = ready
     if affinity:
         document["affinity"] = {"wrote": affinity.wrote, "served": affinity.served}
@@ -146,8 +146,7 @@ def decode_report_from(payload: bytes, keys: Mapping[str, bytes]) -> PeerReport:
         raise ReportError("malformed", "`batch` is not {worker id: lines, at most its "
                                        "open requests there}")
     ready = document.get("batch_ready", [])
-    if not isinstance(ready, list) or len(ready) > MAX_READY_MODELS or not all(
-            isinstance(model, str) and 0 < len(model) <= MAX_MODEL_NAME for model in ready):
+    if not _model_names(ready):
         raise ReportError("malformed", f"`batch_ready` is not a list of at most "
                                        f"{MAX_READY_MODELS} model names")
     region = document.get("region")
@@ -184,6 +183,13 @@ def _shared_sends(affinity: object) -> SharedSends | None:
                                            "keys], tokens], ...]")
         sends.served.append((item[0], tuple(item[1]), item[2]))
     return sends
+
+
+def _model_names(names: object) -> TypeGuard[list[str]]:
+    """Whether `names` is a list of at most MAX_READY_MODELS model names, each 1 to
+    MAX_MODEL_NAME characters (what a report's `batch_ready` may be)."""
+    return isinstance(names, list) and len(names) <= MAX_READY_MODELS and all(
+        isinstance(name, str) and 0 < len(name) <= MAX_MODEL_NAME for name in names)
 
 
 def _per_worker(figures: object, limit: int) -> TypeGuard[dict[str, int]]:

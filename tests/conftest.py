@@ -15,6 +15,8 @@ from lab.devstack.valkey import EmbeddedValkey
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# A CPU hog: a Python program that spins on one core for {s} seconds, then ends itself.
+CPU_HOG = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
 
 
 def skip_unless_slow_tests_are_asked_for(config: pytest.Config, why: str) -> None:

@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from router.app import BATCHES, HOLDER, PROXY
 from router.auth.keys import hash_key
 from router.batch.lines import check_input
 from router.batch.state import BatchStore
-from tests.conftest import ROOT
+from tests.conftest import CPU_HOG, ROOT
 from tests.integration.operators_fleet import (
     OpsFleet,
     admin,
@@ -75,6 +76,23 @@ async def until_status(openai: AsyncOpenAI, batch_id: str, statuses: tuple[str, 
             return batch
         assert time.monotonic() < deadline, (batch.status, batch.request_counts)
         await asyncio.sleep(0.1)
+
+
+async def beat_as_agents(fleet: OpsFleet, http: aiohttp.ClientSession,
+                         interactive: Mapping[str, int], *, every_s: float,
+                         seen: Callable[[str, int], None], max_num_seqs: int = 8) -> None:
+    """Each worker's heartbeat as an agent would send it, every `every_s` until cancelled:
+    its `interactive` requests (read at each beat) plus the lines its simulator holds,
+    which `seen(worker, lines)` is told: the simulators, not the router, count what
+    reaches them."""
+    while True:
+        for worker, sim in fleet.sims.items():
+            async with http.get(f"{sim.url}/metrics") as response:
+                lines = parse_metrics(await response.text()).in_flight
+            await fleet.publish(worker, running=interactive[worker] + lines,
+                                max_num_seqs=max_num_seqs)
+            seen(worker, lines)
+        await asyncio.sleep(every_s)
 
 
 async def lines_of(openai: AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
@@ -173,18 +191,13 @@ async def test_lines_leave_free_the_interactive_load_a_worker_carried_lately(
     ended = {"at": math.inf}
     most = dict.fromkeys(WORKERS, 0)  # lines at once on each, in the 5 s after that end
 
-    async def agents(http: aiohttp.ClientSession) -> None:
-        while True:
-            for worker, sim in fleet.sims.items():
-                async with http.get(f"{sim.url}/metrics") as response:
-                    lines = parse_metrics(await response.text()).in_flight
-                await fleet.publish(worker, running=interactive[worker] + lines)
-                if 0 <= time.monotonic() - ended["at"] <= 5.0:
-                    most[worker] = max(most[worker], lines)
-            await asyncio.sleep(0.02)
+    def seen(worker: str, lines: int) -> None:
+        if 0 <= time.monotonic() - ended["at"] <= 5.0:
+            most[worker] = max(most[worker], lines)
 
     async with client(fleet.url) as openai, aiohttp.ClientSession() as http:
-        publishing = asyncio.create_task(agents(http))
+        publishing = asyncio.create_task(
+            beat_as_agents(fleet, http, interactive, every_s=0.02, seen=seen))
         try:
             created = await submit(openai, jsonl(90, max_tokens=20))
             await until_status(openai, created.id, ("in_progress",))
@@ -232,9 +245,6 @@ async def test_a_runner_holds_lines_ready_for_the_slots_that_free_before_its_nex
     assert ready >= running, (ready, running)
 
 
-HOG = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
-
-
 async def two_replicas_run_a_batch(fleet: OpsFleet, *, decode_step_ms: float,
                                    hog: bool) -> dict[str, float]:
     """Two replicas run one 200-line batch on 3 workers of 16 slots, each carrying 4
@@ -245,22 +255,17 @@ async def two_replicas_run_a_batch(fleet: OpsFleet, *, decode_step_ms: float,
     rooms = [app[PROXY].policy.context.batch_room for app in fleet.apps]
     most = {"lines": 0.0, "peak": 0.0}
 
-    async def agents(http: aiohttp.ClientSession) -> None:
-        while True:
-            for worker, sim in fleet.sims.items():
-                async with http.get(f"{sim.url}/metrics") as response:
-                    lines = parse_metrics(await response.text()).in_flight
-                await fleet.publish(worker, running=4 + lines, max_num_seqs=16)
-                most["lines"] = max(most["lines"], lines)
-                for room in rooms:
-                    most["peak"] = max(most["peak"], room.peak_of(worker) or 0.0)
-            await asyncio.sleep(0.1)
+    def seen(worker: str, lines: int) -> None:
+        most["lines"] = max(most["lines"], lines)
+        for room in rooms:
+            most["peak"] = max(most["peak"], room.peak_of(worker) or 0.0)
 
-    hogging = (await asyncio.create_subprocess_exec(sys.executable, "-c", HOG.format(s=40.0))
+    hogging = (await asyncio.create_subprocess_exec(sys.executable, "-c", CPU_HOG.format(s=40.0))
                if hog else None)
     try:
         async with client(fleet.url) as openai, aiohttp.ClientSession() as http:
-            publishing = asyncio.create_task(agents(http))
+            publishing = asyncio.create_task(beat_as_agents(
+                fleet, http, dict.fromkeys(WORKERS, 4), every_s=0.1, seen=seen, max_num_seqs=16))
             try:
                 created = await submit(openai, jsonl(200, max_tokens=20))
                 done = await until_status(openai, created.id, ("completed", "failed"))

@@ -21,12 +21,12 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.conftest import CPU_HOG
 from tests.integration.stack import RunningUp, pid_alive, small_config, start_up
 
 pytestmark = pytest.mark.integration
 
 HOG_S = 25.0  # each hog process ends itself after this long
-HOG = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
 REQUESTS = 36
 CONCURRENCY = 3  # well under us-east's 8 batch slots
 
@@ -75,7 +75,7 @@ def _penalty(url: str, region: str) -> float:
 def test_a_cpu_hog_beside_the_router_sends_nothing_away(up: RunningUp) -> None:
     for index in range(6):  # warm up: the engines report their figures
         _stream(up.url, index)
-    hogs = [subprocess.Popen([sys.executable, "-c", HOG.format(s=HOG_S)]) for _ in range(3)]
+    hogs = [subprocess.Popen([sys.executable, "-c", CPU_HOG.format(s=HOG_S)]) for _ in range(3)]
     try:
         with ThreadPoolExecutor(CONCURRENCY) as pool:
             results = list(pool.map(lambda i: _stream(up.url, i), range(REQUESTS)))

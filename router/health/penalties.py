@@ -19,7 +19,17 @@ what is learnt from an attempt is only what the path and nothing else explains:
   of its streams' overrunning, not only once those slow first bytes have come and been
   averaged in (seconds, during which every new request went there too: the 300 ms
   slow-region drill was avoided after 0.95 s, against 1.35-2.2 s); and a decayed penalty
-  that sends requests back to a region still slow is restored by the first few of them.
+  that sends requests back to a region still slow is restored by the first few of them;
+- a region that traffic left is tried again by one stream at a time (`dispatched`): while
+  its penalty is below what its workers were last found at (it decays while nothing is
+  learnt), a stream sent there is a probe, and until that probe has been learnt from (or
+  for PROBE_HOLD_S) the region is scored as its workers were last found. Without it, the
+  decay sent a wave of requests back to a region still slow, each of them late (the
+  slow-region drill: 4-12 streams at ~630 ms, once or twice during the fault, and with
+  6 or more its P99). What the probe finds holds for the region (`_probed`): still slow,
+  its penalty is back; healed, traffic comes back at once. A region in use is found
+  again at every answer: its penalty decays by less than PENALTY_FLOOR_MS between
+  them, and none of this applies to it.
 
 One `RegionPenalties` per router, held by router.health.tracker.Health, which feeds it the
 attempts that finish and answers the policy's and the operators' questions with it.
@@ -54,6 +64,11 @@ WORKERS_FOR_EVIDENCE = 2
 JUMP_MS = 100.0
 JUMP_SAMPLES = 2
 
+# A probe holds its region at its learnt penalty until it is learnt from, at most this
+# long after it was sent (s): a long stream does not keep the region away while its
+# penalty decays (when the hold lapses, the next stream sent there is the next probe).
+PROBE_HOLD_S = 5.0
+
 _NO_OVERRUNS: dict[str, float] = {}
 
 
@@ -82,6 +97,10 @@ class RegionPenalties:
         # region -> worker -> the largest overrun of its streams still waiting (ms), as
         # of the last `overdue` round: at least that much excess, now.
         self._overdue_ms: dict[str, dict[str, float]] = {}
+        # region -> its penalty as its workers were last found, where their decay has
+        # taken it lower since: what a probe holds it at (see `dispatched`).
+        self._peaks: dict[str, float] = {}
+        self._probes: dict[str, Attempt] = {}  # region -> its probe (see `dispatched`)
         self._usual_ms = 0.0  # see usual_ms
         self._gap_s = 0.0  # the least time between recomputations for new samples
         self.skipped_lagged = 0  # samples not learnt: mostly the router's own delay
@@ -99,7 +118,43 @@ class RegionPenalties:
         if region not in self._excess_ms:
             return 0.0
         self._refresh_if_due(now_s)
-        return self._penalties.get(region, 0.0)
+        penalty = self._penalties.get(region, 0.0)
+        if self._probes:  # (the usual case: no region is being probed)
+            return self._held(region, penalty, now_s)
+        return penalty
+
+    def _held(self, region: str, penalty: float, now_s: float) -> float:
+        """`penalty`, or the region's learnt peak while a probe of it is out (see
+        `dispatched`)."""
+        probe = self._probes.get(region)
+        if probe is None:
+            return penalty
+        if probe.finished_s is None and now_s - probe.started_s < PROBE_HOLD_S:
+            return max(penalty, self._peaks.get(region, penalty))
+        del self._probes[region]
+        return penalty
+
+    def dispatched(self, attempt: Attempt) -> None:
+        """`attempt` was sent. A stream to a region whose penalty has decayed below what
+        its workers were last found at (by more than PENALTY_FLOOR_MS: traffic left it)
+        is that region's probe, unless one is out: the region is scored as last found
+        until the probe is learnt from (it finishes) or PROBE_HOLD_S has passed. So one
+        stream at a time finds out whether a region that traffic left is still slow,
+        not every request its decayed penalty sends back. The region is never ruled
+        out, only scored as it was last found."""
+        region = attempt.region
+        if not attempt.streamed or region not in self._excess_ms:
+            return  # (the usual case: a region with nothing learnt, or a whole answer)
+        now_s = attempt.started_s
+        self._refresh_if_due(now_s)
+        peak = self._peaks.get(region)
+        if peak is None:
+            return
+        probe = self._probes.get(region)
+        if (probe is not None and probe.finished_s is None
+                and now_s - probe.started_s < PROBE_HOLD_S):
+            return  # one is out already (this one went there all the same)
+        self._probes[region] = attempt
 
     def _refresh_if_due(self, now_s: float) -> None:
         """Recompute if PENALTY_REFRESH_S has passed, or a sample came and the least gap
@@ -114,13 +169,15 @@ class RegionPenalties:
         if not self._excess_ms:
             return {}
         self._refresh(now_s)
-        return dict(self._penalties)
+        return {region: self._held(region, penalty, now_s)
+                for region, penalty in self._penalties.items()}
 
     def _refresh(self, now_s: float) -> None:
         half_life_s = self._half_life_s
         forget_before_s = now_s - FORGET_HALF_LIVES * half_life_s
         counts = self._workers_in()
         current: dict[str, float] = {}
+        found: dict[str, float] = {}  # the same, each worker as last found (undecayed)
         overdue = self._overdue_ms
         for region, workers in list(self._excess_ms.items()):
             for worker, (_, at_s) in list(workers.items()):
@@ -133,20 +190,33 @@ class RegionPenalties:
             if sampled >= needed:
                 by_worker = {worker: ewma * 0.5 ** ((now_s - at_s) / half_life_s)
                              for worker, (ewma, at_s) in workers.items()}
+                as_found = min(ewma for ewma, _ in workers.values()) if workers else 0.0
                 for worker, overrun_ms in late.items():
                     by_worker[worker] = max(by_worker.get(worker, overrun_ms), overrun_ms)
                 current[region] = min(by_worker.values())
+                # (an overrun raises its worker's finding too; the least stays a bound)
+                found[region] = max(as_found, current[region]) if workers else current[region]
             elif not workers and not late:
                 del self._excess_ms[region]
         learnt = [min(ewma for ewma, _ in workers.values())
                   for region, workers in self._excess_ms.items() if workers]
         self._usual_ms = max(0.0, min(learnt, default=0.0))
         penalties: dict[str, float] = {region: 0.0 for region in self._excess_ms}
+        peaks: dict[str, float] = {}
         for region, excess in current.items():
             others = [value for other, value in current.items() if other != region]
-            baseline = min(others) if others else 0.0
-            penalties[region] = max(0.0, excess - max(0.0, baseline) - PENALTY_FLOOR_MS)
-        self._penalties = penalties
+            baseline = max(0.0, min(others) if others else 0.0)
+            penalties[region] = max(0.0, excess - baseline - PENALTY_FLOOR_MS)
+            # What a probe holds the region at: its penalty as its workers were last
+            # found, before their decay (see `dispatched`); only once that decay is
+            # more than noise (a region in use is found again at every answer).
+            peak = found[region] - baseline - PENALTY_FLOOR_MS
+            if peak > penalties[region] + PENALTY_FLOOR_MS:
+                peaks[region] = peak
+        self._penalties, self._peaks = penalties, peaks
+        if self._probes:
+            for region in [region for region in self._probes if region not in peaks]:
+                del self._probes[region]  # not decaying any more
         self._penalties_at_s = now_s
         self._dirty = False
         sampled = sum(len(workers) for workers in self._excess_ms.values())
@@ -177,9 +247,11 @@ class RegionPenalties:
                      - _expected_ms(attempt, engine_ttft_ms))
         workers = self._excess_ms.setdefault(attempt.region, {})
         worker_id = attempt.worker_id
-        previous = workers.get(worker_id)
         if lower_bound and excess <= 0.0:
             return
+        if self._probes.get(attempt.region) is attempt:
+            self._probed(attempt.region, workers, excess, now_s, lower_bound)
+        previous = workers.get(worker_id)
         if previous is None:
             ewma = excess
         else:
@@ -209,6 +281,32 @@ class RegionPenalties:
                 self._steps.pop(worker_id, None)
         workers[worker_id] = (ewma, now_s)
         self._dirty = True  # recompute at the next question (see PENALTY_REFRESH_S)
+
+    def _probed(self, region: str, workers: dict[str, tuple[float, float]], excess: float,
+                now_s: float, lower_bound: bool) -> None:
+        """The region's probe (see `dispatched`) answered with `excess` (ms): what it
+        says holds for the region, as a breaker's half-open probe does for a worker.
+        Nearer what the region's workers were last found at than what that has decayed
+        to, the region is still as found: their findings count from now (its penalty is
+        back, and decays again). At or below the decayed value (only a whole answer can
+        say that, not a copy's lower bound), the region has healed: its workers' means
+        start from it (traffic comes back at once, not after a wave of samples)."""
+        del self._probes[region]
+        if not workers:
+            return
+        half_life_s = self._half_life_s
+        found = min(ewma for ewma, _ in workers.values())
+        decayed = min(ewma * 0.5 ** ((now_s - at_s) / half_life_s)
+                      for ewma, at_s in workers.values())
+        if excess >= (found + decayed) / 2:
+            for worker, (ewma, _) in list(workers.items()):
+                workers[worker] = (ewma, now_s)
+        elif excess <= decayed and not lower_bound:
+            healed = max(0.0, excess)
+            for worker, (ewma, at_s) in list(workers.items()):
+                workers[worker] = (min(ewma * 0.5 ** ((now_s - at_s) / half_life_s), healed),
+                                   now_s)
+                self._steps.pop(worker, None)
 
     def usual_ms(self, now_s: float) -> float:
         """How much every region's first bytes miss their predictions lately (ms, >= 0):

@@ -155,6 +155,7 @@ class Health:
         # Until its first byte (a non-streaming answer's first byte is its whole body):
         # see check_stalls.
         self._stalls.dispatched(attempt)
+        self._penalties.dispatched(attempt)  # (a region traffic left: one stream at a time)
 
     def attempt_finished(self, attempt: Attempt) -> None:
         now_s = self._clock()

@@ -8,6 +8,7 @@ mid-stream; a drain fails nothing; a killed region is rerouted within 1 s.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -118,9 +119,31 @@ async def test_partition_region(tmp_path: Path) -> None:
 
 
 async def test_slow_region(tmp_path: Path) -> None:
-    report = await _drill(tmp_path, "slow-region", extra_rtt_ms=300.0)
+    """Avoided once found slow; then, while its penalty decays (half-life 10 s) during a
+    30 s fault, us-east is tried again one stream at a time, each finding it still slow
+    (router.health.penalties: `dispatched`, `_probed`). Before, the decayed penalty sent
+    waves back: 4-6 late streams, overlapping, in each of three full drills."""
+    # eu-west 80 ms away, as in regions.yaml: us-east wins again once its penalty has
+    # decayed below that, ~1.8 half-lives into the fault.
+    regions = yaml.safe_load(drill_config(tmp_path).read_text())["regions"]
+    regions["us-east"]["rtt_ms"]["eu-west"] = 80
+    report = await _drill(tmp_path, "slow-region", fault_s=30.0, config={"regions": regions},
+                          extra_rtt_ms=300.0)
     _no_failure_before_first_byte(report)
-    assert report["time_to_detect_s"] is not None
+    detect_s = report["time_to_detect_s"]
+    assert detect_s is not None
+    (fault_at_s,) = (event["t_s"] for event in report["events"]
+                     if event["what"].startswith("slow us-east"))
+    (cleared_at_s,) = (event["t_s"] for event in report["events"]
+                       if event["what"].startswith("restore us-east"))
+    rows = [json.loads(line) for line in
+            (tmp_path / "out" / "requests.jsonl").read_text().splitlines()]
+    tried = sorted((row["start_s"], row["end_s"]) for row in rows
+                   if row["region"] == "us-east"
+                   and fault_at_s + detect_s + 1.0 <= row["start_s"] < cleared_at_s)
+    for (_, ended_s), (started_s, _) in itertools.pairwise(tried):
+        assert started_s >= ended_s - 0.05, tried  # one at a time
+    assert len(tried) <= 4, tried  # one per decay of its penalty (here: 1)
 
 
 async def test_redis_outage(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 from router.core.outcome import Attempt, Failure, Prediction
 from router.health import Breaker, BreakerPolicy, BreakerState, Health, RetryBudget
 from router.health.loop_lag import LoopLag
-from router.health.penalties import PENALTY_FLOOR_MS, RegionPenalties
+from router.health.penalties import PENALTY_FLOOR_MS, PROBE_HOLD_S, RegionPenalties
 from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import FakeClock, view
 
@@ -537,21 +537,28 @@ def test_copies_that_outran_their_originals_confirm_a_step_up() -> None:
     assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(300.0 - FLOOR, abs=1)
 
 
-def test_outrun_originals_restore_a_penalty_that_has_decayed() -> None:
-    """A slow region's penalty decays while traffic stays away; the requests then sent
-    back are outrun by their copies, and what they waited, a lower bound below the old
-    peak but above the decayed mean, must bring the penalty back."""
+def us_east_slowed_by_300_ms(clock: FakeClock) -> Health:
+    """A Health whose two us-east workers each answered once as predicted, then twice
+    300 ms late (a step, believed), at `clock`'s time."""
     views = {"us-1": view("us-1"), "us-2": view("us-2")}
-    clock = FakeClock(0.0)
     health = Health(POLICY, clock=clock, views=lambda: views)
     for ttfb_s in (0.050, 0.350, 0.350):
         for worker_id in views:
             health.attempt_finished(attempt(worker_id, None, "us-east", ttfb_s=ttfb_s))
+    return health
+
+
+def test_outrun_originals_restore_a_penalty_that_has_decayed() -> None:
+    """A slow region's penalty decays while traffic stays away; the requests then sent
+    back are outrun by their copies, and what they waited, a lower bound below the old
+    peak but above the decayed mean, must bring the penalty back."""
+    clock = FakeClock(0.0)
+    health = us_east_slowed_by_300_ms(clock)
     assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(300.0 - FLOOR, abs=1)
     clock.now = 40.0  # four half-lives (10 s): decayed to ~19 ms, below the floor
     assert health.region_penalty_ms("us-east", clock.now) == 0.0
     for _ in range(2):
-        for worker_id in views:
+        for worker_id in ("us-1", "us-2"):
             late = attempt(worker_id, None, "us-east", ttfb_s=None)
             late.outrun, late.finished_s = True, 0.250  # outrun after 250 ms
             health.attempt_finished(late)
@@ -582,3 +589,81 @@ def test_a_miss_the_whole_fleet_shares_sends_nothing_away_from_busy_local_worker
     health.check_overdue()
     assert health.region_penalties(10.2) == {"us-east": 0.0, "eu-west": 0.0}
     assert health.overdue_ms == {}
+
+
+def test_a_region_traffic_left_is_tried_again_by_one_stream_at_a_time() -> None:
+    """While a slow region's penalty decays with nothing learnt from it, the first stream
+    sent there is a probe: until it is learnt from, the region is scored at the penalty
+    it was last learnt at, so the decay sends one stream back, not a wave of them."""
+    clock = FakeClock(0.0)
+    health = us_east_slowed_by_300_ms(clock)
+    learnt = 300.0 - FLOOR
+    assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(learnt, abs=1)
+
+    def sent(worker_id: str, at_s: float, *, stream: bool = True) -> Attempt:
+        sent_now = attempt(worker_id, None, "us-east", ttfb_s=None)
+        sent_now.started_s, sent_now.streamed = at_s, stream
+        health.dispatched(sent_now)
+        return sent_now
+
+    # A region in use (found again within a second: decayed by less than the noise
+    # floor) has no probe: its streams are scored at its penalty.
+    recent = sent("us-1", 1.0)
+    assert health.region_penalty_ms("us-east", 1.0) == pytest.approx(
+        300.0 * 0.5 ** 0.1 - FLOOR, abs=1)
+    recent.finished_s = 1.1  # (its client left: nothing learnt)
+    clock.now = 20.0  # two half-lives: decayed to a quarter
+    decayed = 300.0 / 4 - FLOOR
+    assert health.region_penalty_ms("us-east", clock.now) == pytest.approx(decayed, abs=1)
+    # A non-streaming request teaches nothing of the path: it is no probe.
+    sent("us-1", 20.0, stream=False)
+    assert health.region_penalty_ms("us-east", 20.0) == pytest.approx(decayed, abs=1)
+    probe = sent("us-1", 20.0)
+    assert health.region_penalty_ms("us-east", 20.0) == pytest.approx(learnt, abs=1)
+    assert health.region_penalties(20.0)["us-east"] == pytest.approx(learnt, abs=1)
+    sent("us-2", 20.1)  # sent there all the same (its only choice, say): not a probe
+    assert health.region_penalty_ms("us-east", 20.2) == pytest.approx(learnt, abs=1)
+    # The probe's first byte is 300 ms late again: the region is still as it was found,
+    # its penalty is back and decays from now (as a breaker's failed half-open probe
+    # opens it again), though only one of its workers answered.
+    probe.first_byte_s, probe.finished_s = 20.35, 20.5
+    clock.now = 20.5
+    health.attempt_finished(probe)
+    assert health.region_penalty_ms("us-east", 20.5) == pytest.approx(learnt, abs=1)
+    assert health.region_penalty_ms("us-east", 40.5) == pytest.approx(decayed, abs=1)
+    # Two half-lives on, the next stream there is the next probe. One never learnt from
+    # holds its region for PROBE_HOLD_S at most.
+    second = sent("us-2", 40.5)
+    assert health.region_penalty_ms("us-east", 40.5) == pytest.approx(learnt, abs=1)
+    assert health.region_penalty_ms("us-east", 40.5 + PROBE_HOLD_S + 0.1) < decayed
+    assert second.finished_s is None
+
+
+def test_a_probe_that_finds_the_region_healed_lets_traffic_back() -> None:
+    """A probe that answers as predicted (or faster than the decayed penalty says) has
+    found the region healed: traffic goes back at once, not after a wave of samples."""
+    clock = FakeClock(0.0)
+    health = us_east_slowed_by_300_ms(clock)
+    clock.now = 20.0
+    probe = attempt("us-1", None, "us-east", ttfb_s=None)
+    probe.started_s = clock.now
+    health.dispatched(probe)
+    assert health.region_penalty_ms("us-east", clock.now) > 250.0
+    # A copy that outran it says only that it took at least so long: not healed.
+    probe.outrun, probe.finished_s = True, 20.06
+    clock.now = 20.06
+    health.attempt_finished(probe)
+    assert health.region_penalty_ms("us-east", clock.now) > 40.0
+    clock.now = 21.0
+    probe = attempt("us-2", None, "us-east", ttfb_s=None)
+    probe.started_s = clock.now
+    health.dispatched(probe)
+    probe.first_byte_s = clock.now + 0.05  # as predicted: the path healed
+    clock.now += 0.2
+    probe.finished_s = clock.now
+    health.attempt_finished(probe)
+    assert health.region_penalty_ms("us-east", clock.now) == 0.0
+    follow = attempt("us-1", None, "us-east", ttfb_s=None)
+    follow.started_s = clock.now + 2.0
+    health.dispatched(follow)
+    assert health.region_penalty_ms("us-east", clock.now + 2.0) == 0.0

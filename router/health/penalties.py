@@ -129,7 +129,7 @@ class RegionPenalties:
         probe = self._probes.get(region)
         if probe is None:
             return penalty
-        if probe.finished_s is None and now_s - probe.started_s < PROBE_HOLD_S:
+        if _out(probe, now_s):
             return max(penalty, self._peaks.get(region, penalty))
         del self._probes[region]
         return penalty
@@ -147,12 +147,10 @@ class RegionPenalties:
             return  # (the usual case: a region with nothing learnt, or a whole answer)
         now_s = attempt.started_s
         self._refresh_if_due(now_s)
-        peak = self._peaks.get(region)
-        if peak is None:
+        if region not in self._peaks:
             return
         probe = self._probes.get(region)
-        if (probe is not None and probe.finished_s is None
-                and now_s - probe.started_s < PROBE_HOLD_S):
+        if probe is not None and _out(probe, now_s):
             return  # one is out already (this one went there all the same)
         self._probes[region] = attempt
 
@@ -190,12 +188,12 @@ class RegionPenalties:
             if sampled >= needed:
                 by_worker = {worker: ewma * 0.5 ** ((now_s - at_s) / half_life_s)
                              for worker, (ewma, at_s) in workers.items()}
-                as_found = min(ewma for ewma, _ in workers.values()) if workers else 0.0
                 for worker, overrun_ms in late.items():
                     by_worker[worker] = max(by_worker.get(worker, overrun_ms), overrun_ms)
                 current[region] = min(by_worker.values())
                 # (an overrun raises its worker's finding too; the least stays a bound)
-                found[region] = max(as_found, current[region]) if workers else current[region]
+                found[region] = max(current[region], min(
+                    (ewma for ewma, _ in workers.values()), default=0.0))
             elif not workers and not late:
                 del self._excess_ms[region]
         learnt = [min(ewma for ewma, _ in workers.values())
@@ -296,16 +294,16 @@ class RegionPenalties:
             return
         half_life_s = self._half_life_s
         found = min(ewma for ewma, _ in workers.values())
-        decayed = min(ewma * 0.5 ** ((now_s - at_s) / half_life_s)
-                      for ewma, at_s in workers.values())
+        by_worker = {worker: ewma * 0.5 ** ((now_s - at_s) / half_life_s)
+                     for worker, (ewma, at_s) in workers.items()}
+        decayed = min(by_worker.values())
         if excess >= (found + decayed) / 2:
             for worker, (ewma, _) in list(workers.items()):
                 workers[worker] = (ewma, now_s)
         elif excess <= decayed and not lower_bound:
             healed = max(0.0, excess)
-            for worker, (ewma, at_s) in list(workers.items()):
-                workers[worker] = (min(ewma * 0.5 ** ((now_s - at_s) / half_life_s), healed),
-                                   now_s)
+            for worker, mean in by_worker.items():
+                workers[worker] = (min(mean, healed), now_s)
                 self._steps.pop(worker, None)
 
     def usual_ms(self, now_s: float) -> float:
@@ -347,6 +345,12 @@ class RegionPenalties:
             self._dirty = True
             self._gap_s = 0.0  # an overrun counts at the next question
         return overdue
+
+
+def _out(probe: Attempt, now_s: float) -> bool:
+    """Whether a region's probe still holds it: not finished, and sent less than
+    PROBE_HOLD_S ago."""
+    return probe.finished_s is None and now_s - probe.started_s < PROBE_HOLD_S
 
 
 def handshake_s(attempt: Attempt) -> float:

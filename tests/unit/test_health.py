@@ -548,6 +548,15 @@ def us_east_slowed_by_300_ms(clock: FakeClock) -> Health:
     return health
 
 
+def sent_to_us_east(health: Health, worker_id: str, at_s: float, *,
+                    stream: bool = True) -> Attempt:
+    """An attempt on `worker_id` in us-east, sent at `at_s` and told to `health`."""
+    sent = attempt(worker_id, None, "us-east", ttfb_s=None)
+    sent.started_s, sent.streamed = at_s, stream
+    health.dispatched(sent)
+    return sent
+
+
 def test_outrun_originals_restore_a_penalty_that_has_decayed() -> None:
     """A slow region's penalty decays while traffic stays away; the requests then sent
     back are outrun by their copies, and what they waited, a lower bound below the old
@@ -600,15 +609,9 @@ def test_a_region_traffic_left_is_tried_again_by_one_stream_at_a_time() -> None:
     learnt = 300.0 - FLOOR
     assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(learnt, abs=1)
 
-    def sent(worker_id: str, at_s: float, *, stream: bool = True) -> Attempt:
-        sent_now = attempt(worker_id, None, "us-east", ttfb_s=None)
-        sent_now.started_s, sent_now.streamed = at_s, stream
-        health.dispatched(sent_now)
-        return sent_now
-
     # A region in use (found again within a second: decayed by less than the noise
     # floor) has no probe: its streams are scored at its penalty.
-    recent = sent("us-1", 1.0)
+    recent = sent_to_us_east(health, "us-1", 1.0)
     assert health.region_penalty_ms("us-east", 1.0) == pytest.approx(
         300.0 * 0.5 ** 0.1 - FLOOR, abs=1)
     recent.finished_s = 1.1  # (its client left: nothing learnt)
@@ -616,12 +619,12 @@ def test_a_region_traffic_left_is_tried_again_by_one_stream_at_a_time() -> None:
     decayed = 300.0 / 4 - FLOOR
     assert health.region_penalty_ms("us-east", clock.now) == pytest.approx(decayed, abs=1)
     # A non-streaming request teaches nothing of the path: it is no probe.
-    sent("us-1", 20.0, stream=False)
+    sent_to_us_east(health, "us-1", 20.0, stream=False)
     assert health.region_penalty_ms("us-east", 20.0) == pytest.approx(decayed, abs=1)
-    probe = sent("us-1", 20.0)
+    probe = sent_to_us_east(health, "us-1", 20.0)
     assert health.region_penalty_ms("us-east", 20.0) == pytest.approx(learnt, abs=1)
     assert health.region_penalties(20.0)["us-east"] == pytest.approx(learnt, abs=1)
-    sent("us-2", 20.1)  # sent there all the same (its only choice, say): not a probe
+    sent_to_us_east(health, "us-2", 20.1)  # sent there all the same: not a probe
     assert health.region_penalty_ms("us-east", 20.2) == pytest.approx(learnt, abs=1)
     # The probe's first byte is 300 ms late again: the region is still as it was found,
     # its penalty is back and decays from now (as a breaker's failed half-open probe
@@ -633,7 +636,7 @@ def test_a_region_traffic_left_is_tried_again_by_one_stream_at_a_time() -> None:
     assert health.region_penalty_ms("us-east", 40.5) == pytest.approx(decayed, abs=1)
     # Two half-lives on, the next stream there is the next probe. One never learnt from
     # holds its region for PROBE_HOLD_S at most.
-    second = sent("us-2", 40.5)
+    second = sent_to_us_east(health, "us-2", 40.5)
     assert health.region_penalty_ms("us-east", 40.5) == pytest.approx(learnt, abs=1)
     assert health.region_penalty_ms("us-east", 40.5 + PROBE_HOLD_S + 0.1) < decayed
     assert second.finished_s is None
@@ -645,9 +648,7 @@ def test_a_probe_that_finds_the_region_healed_lets_traffic_back() -> None:
     clock = FakeClock(0.0)
     health = us_east_slowed_by_300_ms(clock)
     clock.now = 20.0
-    probe = attempt("us-1", None, "us-east", ttfb_s=None)
-    probe.started_s = clock.now
-    health.dispatched(probe)
+    probe = sent_to_us_east(health, "us-1", clock.now)
     assert health.region_penalty_ms("us-east", clock.now) > 250.0
     # A copy that outran it says only that it took at least so long: not healed.
     probe.outrun, probe.finished_s = True, 20.06
@@ -655,15 +656,11 @@ def test_a_probe_that_finds_the_region_healed_lets_traffic_back() -> None:
     health.attempt_finished(probe)
     assert health.region_penalty_ms("us-east", clock.now) > 40.0
     clock.now = 21.0
-    probe = attempt("us-2", None, "us-east", ttfb_s=None)
-    probe.started_s = clock.now
-    health.dispatched(probe)
+    probe = sent_to_us_east(health, "us-2", clock.now)
     probe.first_byte_s = clock.now + 0.05  # as predicted: the path healed
     clock.now += 0.2
     probe.finished_s = clock.now
     health.attempt_finished(probe)
     assert health.region_penalty_ms("us-east", clock.now) == 0.0
-    follow = attempt("us-1", None, "us-east", ttfb_s=None)
-    follow.started_s = clock.now + 2.0
-    health.dispatched(follow)
+    sent_to_us_east(health, "us-1", clock.now + 2.0)
     assert health.region_penalty_ms("us-east", clock.now + 2.0) == 0.0

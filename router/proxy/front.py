@@ -43,6 +43,10 @@ READ_AHEAD_BYTES = 256 * 1024
 # bytes, the router reads and drops before it closes (see FrontProtocol._linger).
 LINGER_S = 5.0
 LINGER_MAX_BYTES = 64 * 1024 * 1024
+# Stopping: how long a connection that has not sent its first request yet (or is part way
+# through a head) is kept for it. Its client opened it to send one: closing it would
+# fail that request (Go's http.Server.Shutdown waits 5 s too).
+FIRST_REQUEST_GRACE_S = 5.0
 
 
 class Listener(Protocol):
@@ -318,10 +322,23 @@ class FrontProtocol(asyncio.Protocol):
         return None if exchange is None else exchange.path
 
     def close_when_idle(self) -> None:
-        """Shutting down: close now if no request is being served, else after it."""
+        """Shutting down: close now if idle between requests, else after the request it
+        serves. A connection whose first request has not come yet (no task: see
+        _next_request), or whose next head is part way in, is kept for that request (and
+        closed after it) up to FIRST_REQUEST_GRACE_S: a client that has just connected
+        is about to send one, and would see the connection break."""
         self.closing = True
-        if self._exchange is None:
+        if self._exchange is not None:
+            return
+        if self._task is not None and not self._buffer:
             self.transport.close()
+            return
+        due_s = self._loop.time() + FIRST_REQUEST_GRACE_S
+        if due_s < self._head_due_s:
+            self._cancel_timer()
+            self._head_due_s = due_s
+            self._head_grace = False
+            self._timer = self._loop.call_at(due_s, self._check_head)
 
     def _hand_over(self) -> None:
         """From here on aiohttp serves this connection, starting with the unread bytes."""

@@ -46,6 +46,7 @@ class FrontSite(web.TCPSite):
         self._sock = sock
         self._shares = shares
         self._accepting: asyncio.Task[None] | None = None  # accepting on `sock`
+        self._waiting = False  # `_accepting` waits (for a connection, or its turn)
         self.handler = handler
         self.header_timeout_s = header_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -98,8 +99,12 @@ class FrontSite(web.TCPSite):
             shares.set_open(len(self.connections))
         listening.set_result(None)
         defers = 0
+        # `stop` cancels this task only while it waits (`_waiting`): cancelled while it
+        # sets up a connection it has accepted, the connection would be closed under its
+        # client, who has just sent a request. Stopping then, it ends after the set-up.
         try:
-            while True:
+            while not self.stopping:
+                self._waiting = True
                 if shares is not None:
                     shares.set_open(len(self.connections))
                     if defers < MAX_DEFERS and shares.over_share():
@@ -117,12 +122,14 @@ class FrontSite(web.TCPSite):
                     log.warning("accept failed: %s", exc)
                     await asyncio.sleep(0.1)
                     continue
+                self._waiting = False
                 connection.setblocking(False)
                 try:
                     await loop.connect_accepted_socket(lambda: FrontProtocol(self), connection)
                 except OSError:
                     connection.close()  # gone before it was set up
         finally:
+            self._waiting = False
             loop.remove_reader(sock.fileno())
             if shares is not None:
                 shares.stop_accepting()
@@ -130,7 +137,8 @@ class FrontSite(web.TCPSite):
     async def stop(self) -> None:
         self.stopping = True
         if self._accepting is not None and self._sock is not None:
-            self._accepting.cancel()
+            if self._waiting:
+                self._accepting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._accepting
             self._accepting = None

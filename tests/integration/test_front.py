@@ -7,7 +7,9 @@ what it hands over to aiohttp, and how connections end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -572,27 +574,31 @@ async def test_stopping_the_site_lets_a_stream_in_progress_finish() -> None:
     chunks = [b"data: %d\n\n" % n for n in range(10)]
 
     async def slow_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(_SSE_HEAD)
-        for chunk in chunks:
-            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            await writer.drain()
-            await asyncio.sleep(0.05)
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError):
+            while True:  # keep-alive: the router's pool sends the next request here
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(_SSE_HEAD)
+                for chunk in chunks:
+                    writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
 
     worker, pool, runner, site = await _relay_site(slow_worker)
     port = site.port
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
+        idle_writer.write(_post("/v1/chat/completions", b"{}"))  # served: idle after it
+        assert (await _read_answer(idle_reader)).status == 200
         writer.write(_post("/v1/chat/completions", b"{}"))
         started = await asyncio.wait_for(reader.readuntil(b"data: 0"), 5)
         stopping = asyncio.create_task(runner.cleanup())  # SIGTERM, as `run` handles it
         answer = started + await asyncio.wait_for(reader.read(), 5)  # to its end, then EOF
         assert b"data: 9\n\n\r\n0\r\n\r\n" in answer  # every event and the last chunk
         await asyncio.wait_for(stopping, 5)
-        assert await asyncio.wait_for(idle_reader.read(), 5) == b""  # idle: closed at once
+        assert await asyncio.wait_for(idle_reader.read(), 1) == b""  # idle: closed at once
         with pytest.raises(OSError):
             await asyncio.open_connection("127.0.0.1", port)  # no longer listening
         writer.close()
@@ -600,3 +606,88 @@ async def test_stopping_the_site_lets_a_stream_in_progress_finish() -> None:
     finally:
         await pool.close()
         worker.close()
+
+
+async def _echo_site(sock: socket.socket | None = None) -> tuple[web.AppRunner, FrontSite]:
+    """A front answering each request with its body; on `sock` (a listening socket shared
+    with sibling sites, as router processes share theirs) or a port of its own."""
+
+    async def echo(exchange: Exchange) -> Reply:
+        return Reply(200, {"Content-Type": "text/plain"}, await exchange.read_body(5.0))
+
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    site = FrontSite(runner, "127.0.0.1", 0, handler=echo, header_timeout_s=30.0, sock=sock)
+    await site.start()
+    return runner, site
+
+
+async def test_stopping_answers_a_connection_whose_first_request_is_on_its_way() -> None:
+    """A client that has just connected is about to send its request: stopping must not
+    close its connection as idle (it would see it break), but answer that request and
+    close after it. One that never sends is closed after FIRST_REQUEST_GRACE_S."""
+    runner, site = await _echo_site()
+    reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+    silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", site.port)
+    try:
+        for _ in range(100):  # both accepted: the front has them
+            if len(site.connections) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(site.connections) == 2
+        stopped = time.monotonic()
+        stopping = asyncio.create_task(runner.cleanup())
+        await asyncio.sleep(0.3)
+        writer.write(_post("/v1/chat/completions", b"late"))
+        answer = await _read_answer(reader)
+        assert (answer.status, answer.body) == (200, b"late")
+        assert answer.headers.get("connection") == "close"
+        assert await asyncio.wait_for(reader.read(), 1) == b""
+        assert await asyncio.wait_for(silent_reader.read(), 10) == b""
+        await asyncio.wait_for(stopping, 10)
+        assert 4.5 < time.monotonic() - stopped < 8  # FIRST_REQUEST_GRACE_S, not header_s
+    finally:
+        writer.close()
+        silent_writer.close()
+        await runner.cleanup()
+
+
+async def test_a_site_stopped_among_siblings_on_one_socket_breaks_no_new_connection() -> None:
+    """Router processes share one listening socket; one of them stops (a graceful restart)
+    while clients keep opening connections, each sending its request a moment after it
+    connects. Every request is answered, by the stopping site or a sibling: none is cut
+    while its connection is being set up, or closed before its request came."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    port = listener.getsockname()[1]
+    broken: list[str] = []
+    answered = 0
+
+    async def client(n: int) -> None:
+        nonlocal answered
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError as exc:
+            broken.append(f"connect {n}: {exc!r}")
+            return
+        try:
+            await asyncio.sleep(0.002 * (n % 5))  # its request follows a moment later
+            writer.write(_post("/v1/chat/completions", b"%d" % n, "Connection: close"))
+            answer = await _read_answer(reader, timeout_s=10)
+            assert (answer.status, answer.body) == (200, b"%d" % n)
+            answered += 1
+        except (OSError, asyncio.IncompleteReadError, AssertionError) as exc:
+            broken.append(f"request {n}: {exc!r}")
+        finally:
+            writer.close()
+
+    for round_ in range(20):
+        sites = [await _echo_site(socket.socket(fileno=os.dup(listener.fileno())))
+                 for _ in range(2)]
+        clients = [asyncio.create_task(client(n)) for n in range(40)]
+        await asyncio.sleep(0.001 * round_)  # the stop falls at a different moment each round
+        await sites[0][0].cleanup()
+        await asyncio.wait_for(asyncio.gather(*clients), 20)
+        await sites[1][0].cleanup()
+    listener.close()
+    assert broken == [], broken[:5]
+    assert answered == 20 * 40

@@ -108,6 +108,9 @@ class Attempt:
     # wait is a lower bound of its TTFT).
     hedge_delay_s: float | None = None
     outrun: bool = False
+    # Its region's probe (router.health.penalties): traffic left the region, and this
+    # stream finds out whether it is still slow.
+    probe: bool = False
     # Of its wait for the first byte, how long opening a new connection to the worker
     # took (0: a kept-alive one), and whether it is opening one now: a one-off cost,
     # which passive health excuses up to what the handshakes should take

@@ -68,6 +68,10 @@ JUMP_SAMPLES = 2
 # long after it was sent (s): a long stream does not keep the region away while its
 # penalty decays (when the hold lapses, the next stream sent there is the next probe).
 PROBE_HOLD_S = 5.0
+# A region whose workers a lower bound found (streams outrun by hedged copies) is probed
+# once its penalty has decayed this much (ms), not PENALTY_FLOOR_MS: it was at least that
+# slow, maybe much slower, and a wave of streams sent back would find out.
+BOUNDED_NOISE_MS = 1.0
 
 _NO_OVERRUNS: dict[str, float] = {}
 
@@ -94,6 +98,8 @@ class RegionPenalties:
         # worker -> (samples running beyond JUMP_MS of its mean: + above, - below, their
         # sum, the mean before them)
         self._steps: dict[str, tuple[int, float, float]] = {}
+        # Workers whose mean a lower bound set last (see BOUNDED_NOISE_MS).
+        self._bounded: set[str] = set()
         # region -> worker -> the largest overrun of its streams still waiting (ms), as
         # of the last `overdue` round: at least that much excess, now.
         self._overdue_ms: dict[str, dict[str, float]] = {}
@@ -153,6 +159,7 @@ class RegionPenalties:
         if probe is not None and _out(probe, now_s):
             return  # one is out already (this one went there all the same)
         self._probes[region] = attempt
+        attempt.probe = True
 
     def _refresh_if_due(self, now_s: float) -> None:
         """Recompute if PENALTY_REFRESH_S has passed, or a sample came and the least gap
@@ -182,6 +189,7 @@ class RegionPenalties:
                 if at_s < forget_before_s:
                     del workers[worker]
                     self._steps.pop(worker, None)
+                    self._bounded.discard(worker)
             late = overdue.get(region, _NO_OVERRUNS)
             sampled = len(workers) + sum(1 for worker in late if worker not in workers)
             needed = min(WORKERS_FOR_EVIDENCE, max(1, counts.get(region, sampled)))
@@ -209,7 +217,9 @@ class RegionPenalties:
             # found, before their decay (see `dispatched`); only once that decay is
             # more than noise (a region in use is found again at every answer).
             peak = found[region] - baseline - PENALTY_FLOOR_MS
-            if peak > penalties[region] + PENALTY_FLOOR_MS:
+            noise = (BOUNDED_NOISE_MS if self._bounded and not self._bounded.isdisjoint(
+                self._excess_ms[region]) else PENALTY_FLOOR_MS)
+            if peak > penalties[region] + noise:
                 peaks[region] = peak
         self._penalties, self._peaks = penalties, peaks
         if self._probes:
@@ -278,6 +288,10 @@ class RegionPenalties:
             elif count:
                 self._steps.pop(worker_id, None)
         workers[worker_id] = (ewma, now_s)
+        if lower_bound:
+            self._bounded.add(worker_id)
+        elif self._bounded:
+            self._bounded.discard(worker_id)
         self._dirty = True  # recompute at the next question (see PENALTY_REFRESH_S)
 
     def _probed(self, region: str, workers: dict[str, tuple[float, float]], excess: float,
@@ -298,8 +312,12 @@ class RegionPenalties:
                      for worker, (ewma, at_s) in workers.items()}
         decayed = min(by_worker.values())
         if excess >= (found + decayed) / 2:
+            # (A whole answer slower than found: the region is that slow, found from
+            # copies' lower bounds before. A lower bound only says "as found" at least.)
+            again = found if lower_bound else max(found, excess)
             for worker, (ewma, _) in list(workers.items()):
-                workers[worker] = (ewma, now_s)
+                workers[worker] = (max(ewma, again), now_s)
+                self._steps.pop(worker, None)
         elif excess <= decayed and not lower_bound:
             healed = max(0.0, excess)
             for worker, mean in by_worker.items():

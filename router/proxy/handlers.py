@@ -315,6 +315,7 @@ class Proxy:
         """A stream that may be hedged (router.proxy.hedging): sent again elsewhere if its
         first event is late, then passed on from whichever copy opened first."""
         hedge = self.hedges.prepare(config.hedging, decision, attempt, route)
+        self.hedges.warm(hedge, self.upstreams, self.policy, self.holder.current, self.inflight)
         winner, opened = await self.hedges.first_to_start(
             open_stream(self.upstreams, target_of(decision.worker.endpoint), payload,
                         config.timeouts, attempt), hedge,

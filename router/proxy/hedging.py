@@ -14,6 +14,13 @@ answer once, not twice; while a place stays slow, every late stream there gets i
 
 Only streams are hedged: a non-streaming answer shows no first token, so a hedge there
 would run the whole answer twice.
+
+A region's probe (router.health.penalties: traffic left a slow region, and one stream
+finds out whether it is still slow) is hedged at the delay of its prediction without the
+region's penalty, which is what the probe tests: its client waits no longer than a healed
+region would make it. A probe outrun by its copy is not cancelled but kept until its
+first byte (at most PROBE_KEPT_S), then closed: what it finds holds for its region, and
+a probe cut short would find nothing and make the next stream there a probe again.
 """
 
 from __future__ import annotations
@@ -24,15 +31,30 @@ from typing import Any
 
 from router.config import HedgingConfig
 from router.core.outcome import Attempt, RequestRecord
-from router.policy import Decision, RouteRequest
+from router.health.penalties import PROBE_HOLD_S
+from router.policy import Decision, NoRoute, Policy, RouteRequest
 from router.proxy.failures import UpstreamFailure
+from router.proxy.targets import target_of
 from router.proxy.upstream.connection import UpstreamConnection
+from router.proxy.upstream.pool import UpstreamPool
+from router.registry.inflight import InFlight
+from router.registry.snapshot import Snapshot
 
 HEDGE_HEADER = "x-globalpool-hedge"  # on | off: the client's choice for this request
 
 # The delay's ratio until MIN_SAMPLES streams were measured: twice the prediction.
 DEFAULT_RATIO = 2.0
 MIN_SAMPLES = 20
+# Where a copy would go is looked up again this often, per model and region of the
+# original, and connections opened there ahead (`Hedges.warm`): to this many workers, as
+# many to each as this router's streams in the original's region would need if they all
+# moved there, up to WARM_PER_WORKER.
+WARM_EVERY_S = 0.5
+WARM_WORKERS = 2
+WARM_PER_WORKER = 8
+# An outrun probe is kept this long at most for its first byte (as long as its region is
+# held for it).
+PROBE_KEPT_S = PROBE_HOLD_S
 
 # What `open_stream` gives: the connection, its first bytes, whether it was refused.
 Opened = tuple[UpstreamConnection, bytes, bool]
@@ -152,18 +174,54 @@ class Hedges:
     """A replica's hedging: its budget and its delay (`HedgeDelay` learns from every
     stream's attempt, through the proxy)."""
 
-    __slots__ = ("budget", "delay")
+    __slots__ = ("_warm_at", "budget", "delay")
 
     def __init__(self) -> None:
         self.budget = HedgeBudget()
         self.delay = HedgeDelay()
+        self._warm_at: dict[tuple[str, str], float] = {}
+
+    def warm(self, hedge: Hedge, pool: UpstreamPool, policy: Policy, snapshot: Snapshot,
+             inflight: InFlight) -> None:
+        """Connections opened ahead to where `hedge`'s copy would go now, every
+        WARM_EVERY_S at most per model and region of the original: to the WARM_WORKERS
+        workers its route ranks first, enough to each for this router's open requests in
+        the original's region to move there (up to WARM_PER_WORKER). A copy that must
+        first connect to another region waits a round trip more there (TLS, more), and
+        copies are sent just when a region turns slow, before traffic (and with it kept
+        connections) has gone elsewhere."""
+        route, region, now_s = hedge.route, hedge.primary.region, hedge.primary.started_s
+        key = (route.model, region)
+        if self._warm_at.get(key, 0.0) > now_s:
+            return
+        if len(self._warm_at) > 4096:  # models x regions: bounded by the fleet, but bound it
+            self._warm_at.clear()
+        self._warm_at[key] = now_s + WARM_EVERY_S
+        workers = snapshot.workers
+        moving = 0
+        for worker_id, open_requests in inflight.own_counts().items():
+            view = workers.get(worker_id)
+            if view is not None and view.region == region:
+                moving += open_requests
+        count = min(WARM_PER_WORKER, 1 + moving // WARM_WORKERS)
+        for _ in range(WARM_WORKERS):
+            try:
+                worker = policy.pick(snapshot, route).worker
+            except NoRoute:
+                return
+            target = target_of(worker.endpoint)
+            pool.warm(target.host, target.port, count, target.ssl)
+            route = route._replace(exclude=route.exclude | {worker.worker_id})
 
     def prepare(self, settings: HedgingConfig, decision: Decision, attempt: Attempt,
                 route: RouteRequest) -> Hedge:
         """An eligible stream's hedge: when, and where its copy may go (not its worker;
         another region if one can take it)."""
         self.budget.eligible(settings.max_fraction, settings.max_burst)
-        delay_s = self.delay.delay_s(decision.predicted_ttft_ms, settings)
+        predicted_ms = decision.predicted_ttft_ms
+        if attempt.probe and decision.prediction is not None:
+            predicted_ms -= decision.prediction.penalty_ms  # (see the module's doc)
+        delay_s = self.delay.delay_s(predicted_ms, settings)
         budget_ms = route.ttft_budget_ms
         if budget_ms is not None:  # a copy while half the client's budget is left
             delay_s = min(delay_s, max(settings.min_delay_ms, budget_ms / 2) / 1000.0)
@@ -254,8 +312,12 @@ async def _first_opened(
             error = task.exception()
             if error is None:
                 (other,) = (t for t in tasks if t is not task)
-                _stop(other)
-                lost(tasks[other], failures.get(other))
+                outrun = tasks[other]
+                if outrun.probe and not other.done():
+                    _keep_probe(other, outrun, lost)
+                else:
+                    _stop(other)
+                    lost(outrun, failures.get(other))
                 return tasks[task], task.result()
             if not isinstance(error, UpstreamFailure):
                 raise error
@@ -263,6 +325,26 @@ async def _first_opened(
     (hedge,) = (t for t in tasks if t is not primary)
     lost(tasks[hedge], failures[hedge])
     raise failures[primary]
+
+
+def _keep_probe(task: asyncio.Future[Opened], attempt: Attempt,
+                lost: Callable[[Attempt, UpstreamFailure | None], None]) -> None:
+    """An outrun probe: left to open (its first byte learnt from), then closed and `lost`;
+    cancelled after PROBE_KEPT_S."""
+    timer = asyncio.get_running_loop().call_later(PROBE_KEPT_S, task.cancel)
+
+    def ended(task: asyncio.Future[Opened]) -> None:
+        timer.cancel()
+        failure = None
+        if not task.cancelled():
+            error = task.exception()
+            if error is None:
+                task.result()[0].close()
+            elif isinstance(error, UpstreamFailure):
+                failure = error
+        lost(attempt, failure)
+
+    task.add_done_callback(ended)
 
 
 def _stop(task: asyncio.Future[Opened]) -> None:

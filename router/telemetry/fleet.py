@@ -54,7 +54,7 @@ class FleetCollector:
     retry_budget: RetryBudgetView | None = None
     hedge_budget: HedgeBudgetView | None = None
     queue: Backlog[Any] | None = None
-    # The upstream pool's {"opened", "reused", "idle"} (router.proxy.upstream.pool.UpstreamPool).
+    # The upstream pool's {"opened", "reused", "idle", "warmed"} (router.proxy.upstream.pool).
     upstream_stats: Callable[[], Mapping[str, int]] | None = None
     # The heartbeat collector's counts (router.registry.HeartbeatCollector.counts).
     heartbeat_counts: Callable[[], Mapping[str, int]] | None = None
@@ -167,6 +167,10 @@ class FleetCollector:
         yield _counter("globalpool_upstream_connections_reused",
                        "Requests sent on a kept-alive connection to a worker.",
                        float(stats["reused"]))
+        yield _counter("globalpool_upstream_connections_warmed",
+                       "Of the connections opened, those opened ahead of a hedged copy "
+                       "(router.hedging: to where copies would go now).",
+                       float(stats["warmed"]))
         yield _gauge("globalpool_upstream_idle_connections",
                      "Kept-alive connections to workers waiting for a request.",
                      float(stats["idle"]))

@@ -102,6 +102,26 @@ async def test_a_first_token_in_time_sends_no_copy(fleet_factory: FleetFactory) 
     assert await fleet.running("b") == 0
 
 
+async def test_a_copy_goes_over_a_connection_opened_ahead(fleet_factory: FleetFactory) -> None:
+    """Hedged streams keep a connection open ahead to where their copies would go: `b`
+    serves nothing while `a` is fast, yet when `a` turns slow the copy finds a connection
+    to `b` open (in another region a new one costs a round trip more, and TLS more)."""
+    fleet = await fleet_factory({"a": "us-east", "b": "eu-west"})
+    answer = await stream(fleet.router_url, HEDGE)
+    assert answer.worker == "a" and "hedge" not in answer.headers["server-timing"]
+    metrics = await scrape(fleet.router_url)
+    assert value(metrics, "globalpool_upstream_connections_warmed_total") == 1
+    opened = value(metrics, "globalpool_upstream_connections_opened_total")
+    assert opened == 2  # a's, and the one to b opened ahead
+    assert await fleet.running("b") == 0
+    await fleet.faults("a", **SLOW)
+    answer = await stream(fleet.router_url, HEDGE)
+    assert answer.worker == "b" and answer.headers["x-globalpool-route"] == "hedge"
+    assert_one_whole_stream(answer.body, "chat", TOKENS)
+    metrics = await scrape(fleet.router_url)
+    assert value(metrics, "globalpool_upstream_connections_opened_total") == opened
+
+
 async def test_nothing_is_hedged_unless_asked(fleet_factory: FleetFactory) -> None:
     fleet = await fleet_factory({"a": "us-east", "b": "eu-west"})
     await fleet.faults("a", slow_factor=300.0)  # first token ~0.33 s

@@ -664,3 +664,34 @@ def test_a_probe_that_finds_the_region_healed_lets_traffic_back() -> None:
     assert health.region_penalty_ms("us-east", clock.now) == 0.0
     sent_to_us_east(health, "us-1", clock.now + 2.0)
     assert health.region_penalty_ms("us-east", clock.now + 2.0) == 0.0
+
+
+def test_a_region_found_only_by_outrun_streams_is_probed_once_it_decays_at_all() -> None:
+    """A region turns slow; its streams' hedged copies outrun them, so what it is found
+    at is a lower bound (here 150 ms late at least, where the path is 300 ms slower).
+    Its penalty must not decay into a wave of streams sent back: the first stream sent
+    there is a probe, as soon as the penalty has decayed at all, and the probe's whole
+    answer (300 ms late) is what the region is found at from then on."""
+    views = {"us-1": view("us-1"), "us-2": view("us-2")}
+    clock = FakeClock(0.0)
+    health = Health(POLICY, clock=clock, views=lambda: views)
+    for worker_id in views:
+        health.attempt_finished(attempt(worker_id, None, "us-east", ttfb_s=0.050))
+        for _ in range(2):
+            late = attempt(worker_id, None, "us-east", ttfb_s=None)
+            late.outrun, late.finished_s = True, 0.200  # its copy answered at 200 ms
+            health.attempt_finished(late)
+    bound = 150.0 - FLOOR
+    assert health.region_penalty_ms("us-east", 0.0) == pytest.approx(bound, abs=1)
+    clock.now = 2.0  # decayed by ~19 ms: less than the noise floor
+    assert health.region_penalty_ms("us-east", 2.0) == pytest.approx(150.0 * 0.5 ** 0.2 - FLOOR,
+                                                                   abs=1)
+    probe = sent_to_us_east(health, "us-1", 2.0)
+    assert probe.probe
+    assert health.region_penalty_ms("us-east", 2.0) == pytest.approx(bound, abs=1)
+    sent = sent_to_us_east(health, "us-2", 2.05)  # while it is out: not another probe
+    assert not sent.probe
+    probe.first_byte_s, probe.finished_s = 2.35, 2.4  # its whole answer: 300 ms late
+    clock.now = 2.4
+    health.attempt_finished(probe)
+    assert health.region_penalty_ms("us-east", 2.4) == pytest.approx(300.0 - FLOOR, abs=1)

@@ -1,7 +1,11 @@
-"""Hedging's budget, its delay and who may be hedged (router.proxy.hedging); the race
-itself runs on real simulators in tests/integration/test_hedging.py."""
+"""Hedging's budget, its delay and who may be hedged (router.proxy.hedging), and how a
+race ends for a region's probe (on real loopback connections); the race itself runs on
+real simulators in tests/integration/test_hedging.py."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import pytest
 from hypothesis import given
@@ -9,16 +13,21 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from router.config import HedgingConfig
-from router.core.outcome import Attempt
+from router.core.outcome import Attempt, Prediction
 from router.policy import Decision, RouteRequest
+from router.proxy import hedging
+from router.proxy.failures import UpstreamFailure
 from router.proxy.hedging import (
     DEFAULT_RATIO,
     MIN_SAMPLES,
     HedgeBudget,
     HedgeDelay,
     Hedges,
+    Opened,
+    first_to_start,
     hedge_wanted,
 )
+from router.proxy.upstream.pool import UpstreamPool
 from tests.unit.test_queue import view
 
 
@@ -173,3 +182,118 @@ def test_a_copy_goes_while_half_the_clients_budget_is_left(budget_ms: float | No
     assert hedge.delay_s == pytest.approx(delay_s)
     # Its copy goes elsewhere: not to `a`, another region if one can take it.
     assert "w" in hedge.route.exclude and hedge.route.avoid_regions == {"r"}
+
+
+def test_a_probe_is_hedged_at_the_delay_of_a_healed_region() -> None:
+    """A region's probe tests whether the region's penalty still holds: its client waits
+    for a copy only as long as a healed region would take, not the penalty too."""
+    hedges = Hedges()  # nothing measured yet: twice the prediction
+    settings = HedgingConfig(min_delay_ms=50.0)
+    route = RouteRequest(model="m", origin_region="us-east", prompt_tokens=10, stream=True)
+    prediction = Prediction(rtt_ms=1.0, penalty_ms=200.0, queue_ms=0.0, prefill_ms=9.0,
+                            first_step_ms=20.0)
+    decision = Decision(worker=view("a"), predicted_ttft_ms=prediction.total_ms,
+                        reason="local", candidates=2, prediction=prediction)
+    for probe, delay_s in ((False, 0.46), (True, 0.06)):
+        attempt = _stream(0.0, prediction.total_ms)
+        attempt.probe = probe
+        hedge = hedges.prepare(settings, decision, attempt, route)
+        assert hedge.delay_s == pytest.approx(delay_s)
+
+
+class _Worker:
+    """A loopback server that answers nothing: what matters is when the router closes
+    each connection."""
+
+    def __init__(self) -> None:
+        self.closed: list[float] = []
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> _Worker:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the router closes it
+        self.closed.append(time.monotonic())
+        writer.close()
+
+    def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+
+
+async def _opening(pool: UpstreamPool, port: int, after_s: float) -> Opened:
+    """A stream opened on a real connection, its first event `after_s` after it was sent
+    (the part of `open_stream` the race sees: cancelled, it closes its connection)."""
+    connection = await pool.send("127.0.0.1", port, b"GET / HTTP/1.1\r\nHost: w\r\n\r\n")
+    try:
+        await asyncio.sleep(after_s)
+    except asyncio.CancelledError:
+        connection.close()
+        raise
+    return connection, b"data: {}\n\n", False
+
+
+def _attempt(reason: str, *, probe: bool = False) -> Attempt:
+    return Attempt(worker_id=reason, region=reason, predicted_ttft_ms=10.0, reason=reason,
+                   started_s=time.monotonic(), streamed=True, probe=probe)
+
+
+@pytest.mark.parametrize("probe", [False, True])
+async def test_an_outrun_probe_is_kept_until_its_first_byte(probe: bool) -> None:
+    """The copy answers first. An original that is not a probe is cancelled at once (its
+    connection closed: the engine aborts it); a probe is kept until its first byte, so
+    that its region learns whether it is still slow, and then closed."""
+    worker = await _Worker().start()
+    pool = UpstreamPool(connect_timeout_s=1.0)
+    original, copy = _attempt("original", probe=probe), _attempt("copy")
+    lost: list[tuple[Attempt, UpstreamFailure | None, float]] = []
+    try:
+        started = time.monotonic()
+        winner, opened = await first_to_start(
+            _opening(pool, worker.port, 0.4), 0.05,
+            lambda: (copy, _opening(pool, worker.port, 0.02)), original,
+            lambda attempt, failure: lost.append((attempt, failure, time.monotonic())))
+        assert winner is copy
+        opened[0].close()
+        for _ in range(200):
+            if lost and len(worker.closed) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert [(attempt, failure) for attempt, failure, _ in lost] == [(original, None)]
+        lost_after_s = lost[0][2] - started
+        if probe:  # its first event came at 0.4 s: then it was closed and given up
+            assert 0.4 <= lost_after_s < 1.0, lost_after_s
+        else:
+            assert lost_after_s < 0.2, lost_after_s
+        assert len(worker.closed) == 2  # both connections closed
+    finally:
+        await pool.close()
+        worker.stop()
+
+
+async def test_a_probe_kept_for_its_first_byte_is_given_up_after_the_hold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hedging, "PROBE_KEPT_S", 0.2)
+    worker = await _Worker().start()
+    pool = UpstreamPool(connect_timeout_s=1.0)
+    original, copy = _attempt("original", probe=True), _attempt("copy")
+    lost: list[Attempt] = []
+    try:
+        winner, opened = await first_to_start(
+            _opening(pool, worker.port, 30.0), 0.05,
+            lambda: (copy, _opening(pool, worker.port, 0.0)), original,
+            lambda attempt, failure: lost.append(attempt))
+        opened[0].close()
+        assert winner is copy and lost == []
+        for _ in range(100):
+            if lost and len(worker.closed) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert lost == [original] and len(worker.closed) == 2  # cancelled: closed
+    finally:
+        await pool.close()
+        worker.stop()

@@ -264,7 +264,7 @@ async def test_a_body_until_close_is_read_whole_and_not_reused(
                           answer(ok())])
     assert await roundtrip(pool, worker) == (200, b"until the end")
     assert await roundtrip(pool, worker) == (200, b"ok")
-    assert pool.stats() == {"opened": 2, "reused": 0, "idle": 1}
+    assert pool.stats() == {"opened": 2, "reused": 0, "idle": 1, "warmed": 0}
 
 
 async def test_a_body_until_close_aborted_by_the_caller_is_not_complete(
@@ -284,8 +284,44 @@ async def test_keep_alive_reuses_one_connection(
     worker = await serve([answer(ok(b"%d" % n)) for n in range(3)])
     assert [await roundtrip(pool, worker) for _ in range(3)] == [
         (200, b"0"), (200, b"1"), (200, b"2")]
-    assert pool.stats() == {"opened": 1, "reused": 2, "idle": 1}
+    assert pool.stats() == {"opened": 1, "reused": 2, "idle": 1, "warmed": 0}
     assert worker.connections == 1
+
+
+async def test_a_connection_warmed_ahead_serves_the_next_request(
+        serve: Callable[[list[Reply]], Awaitable[Worker]], pool: UpstreamPool) -> None:
+    """A hedged copy's connection is opened ahead (`warm`): the request that comes takes
+    it, even while it is still being opened, and no second one is opened."""
+    worker = await serve([answer(ok(b"%d" % n)) for n in range(3)])
+    pool.warm("127.0.0.1", worker.port)
+    pool.warm("127.0.0.1", worker.port)  # one is being opened: not another
+    assert await roundtrip(pool, worker) == (200, b"0")  # sent as it is being opened
+    assert pool.stats() == {"opened": 1, "reused": 1, "idle": 1, "warmed": 1}
+    pool.warm("127.0.0.1", worker.port)  # one is idle: nothing to do
+    await asyncio.sleep(0.05)
+    assert await roundtrip(pool, worker) == (200, b"1")
+    assert pool.stats() == {"opened": 1, "reused": 2, "idle": 1, "warmed": 1}
+    assert worker.connections == 1
+
+
+async def test_a_warmed_connection_is_parked_and_one_that_fails_is_dropped(
+        serve: Callable[[list[Reply]], Awaitable[Worker]]) -> None:
+    pool = UpstreamPool(connect_timeout_s=1.0, keepalive_s=0.3)
+    worker = await serve([answer(ok())])
+    with socket.socket() as unused:  # a port nobody listens on: refused
+        unused.bind(("127.0.0.1", 0))
+        refused = unused.getsockname()[1]
+    try:
+        pool.warm("127.0.0.1", worker.port)
+        pool.warm("127.0.0.1", refused)
+        await until(lambda: worker.connections == 1 and pool.stats()["idle"] == 1)
+        with pytest.raises(ConnectFailed, match="refused"):  # the request connects itself
+            await pool.send("127.0.0.1", refused, get(refused))
+        await until(lambda: pool.stats()["idle"] == 0)  # unused for keepalive_s: closed
+        await until(lambda: worker.closed_by_client == 1)
+        assert pool.stats()["warmed"] == 1
+    finally:
+        await pool.close()
 
 
 @pytest.mark.parametrize("answer_bytes", [
@@ -363,7 +399,7 @@ async def test_bytes_on_an_idle_connection_drop_it(
     assert await roundtrip(pool, worker) == (200, b"ok")
     await until(lambda: pool.stats()["idle"] == 0)
     assert await roundtrip(pool, worker) == (200, b"2")
-    assert pool.stats() == {"opened": 2, "reused": 0, "idle": 1}
+    assert pool.stats() == {"opened": 2, "reused": 0, "idle": 1, "warmed": 0}
 
 
 async def test_bytes_after_the_answer_forbid_reuse(
@@ -384,7 +420,7 @@ async def test_idle_connections_expire_after_keepalive(
         await until(lambda: worker.closed_by_client == 1)  # the timer closed it
         assert pool.stats()["idle"] == 0
         assert await roundtrip(pool, worker) == (200, b"2")
-        assert pool.stats() == {"opened": 2, "reused": 0, "idle": 1}
+        assert pool.stats() == {"opened": 2, "reused": 0, "idle": 1, "warmed": 0}
     finally:
         await pool.close()
 
@@ -622,7 +658,7 @@ async def _uvloop_scenario() -> None:
         with pytest.raises(ConnectionBroken) as broken:
             await connection.head()
         assert broken.value.stale
-        assert pool.stats() == {"opened": 1, "reused": 2, "idle": 0}
+        assert pool.stats() == {"opened": 1, "reused": 2, "idle": 0, "warmed": 0}
     finally:
         await pool.close()
         await worker.stop()

@@ -8,6 +8,7 @@ import collections
 import contextlib
 import functools
 import ssl as ssl_module
+from typing import cast
 
 from router.proxy.upstream.connection import UpstreamConnection
 from router.proxy.upstream.errors import ConnectFailed, UpstreamError
@@ -15,6 +16,8 @@ from router.proxy.upstream.errors import ConnectFailed, UpstreamError
 _SWEEP_SLACK_S = 0.005  # the sweeper may close a connection this much early (timer rounding)
 # A connect whose deadline passed is looked at once more this much later (see _connect).
 CONNECT_GRACE_S = 0.05
+# `warm` counts an idle connection only if it stays usable this much longer.
+WARM_SPARE_S = 1.0
 
 
 class UpstreamPool:
@@ -41,8 +44,11 @@ class UpstreamPool:
         self._local_addr = (local_host, 0) if local_host else None
         self._idle: dict[tuple[str, int], collections.deque[UpstreamConnection]] = {}
         self._open: set[UpstreamConnection] = set()
+        # Connections being opened ahead (`warm`), per (host, port), until parked.
+        self._warming: dict[tuple[str, int], set[asyncio.Task[None]]] = {}
         self._opened = 0
         self._reused = 0
+        self._warmed = 0
         self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -69,6 +75,12 @@ class UpstreamPool:
         connection = self.send_idle(host, port, payload)
         if connection is not None:
             return connection
+        warming = self._warming.get((host, port))
+        if warming:  # opened ahead: the first of them comes sooner than a new one
+            await asyncio.wait(set(warming), return_when=asyncio.FIRST_COMPLETED)
+            connection = self.send_idle(host, port, payload)
+            if connection is not None:
+                return connection
         connection = await self._connect((host, port), ssl)
         connection.begin(payload, reused=False)
         return connection
@@ -84,10 +96,52 @@ class UpstreamPool:
             connection.begin(payload, reused=True)
         return connection
 
+    def warm(self, host: str, port: int, count: int = 1,
+             ssl: ssl_module.SSLContext | None = None) -> None:
+        """Open connections to the worker ahead of requests that may come (hedged copies),
+        until `count` are idle (for a second more at least) or being opened: each parked
+        once open, as a released one is (closed after `keepalive_s` unused). A `send`
+        meanwhile waits for the first of them rather than open another. A failed connect
+        is dropped: the request that comes connects itself."""
+        if self._closed:
+            return
+        key = (host, port)
+        warming = self._warming.get(key)
+        missing = count - self._idle_for(key, WARM_SPARE_S) - (len(warming) if warming else 0)
+        if missing <= 0:
+            return
+        if warming is None:
+            warming = self._warming[key] = set()
+        for _ in range(missing):
+            warming.add(self.loop.create_task(self._warm(key, ssl), name="upstream-warm"))
+
+    async def _warm(self, key: tuple[str, int], ssl: ssl_module.SSLContext | None) -> None:
+        try:
+            connection = await self._connect(key, ssl)
+        except UpstreamError:
+            return
+        finally:
+            warming = self._warming[key]
+            warming.discard(cast("asyncio.Task[None]", asyncio.current_task()))
+            if not warming:
+                del self._warming[key]
+        self._warmed += 1
+        self.park(connection)
+
+    def _idle_for(self, key: tuple[str, int], spare_s: float) -> int:
+        """Idle connections to `key` that stay usable for `spare_s` more at least."""
+        idle = self._idle.get(key)
+        if not idle:
+            return 0
+        due_s = idle[0].clock() + spare_s - self._keepalive_s
+        return sum(1 for connection in idle if connection.idle_since > due_s)
+
     def stats(self) -> dict[str, int]:
-        """Connections opened and reuses since the start, and idle connections now."""
+        """Connections opened (of them, ahead of a request: `warmed`) and reuses since the
+        start, and idle connections now."""
         idle = sum(len(connections) for connections in self._idle.values())
-        return {"opened": self._opened, "reused": self._reused, "idle": idle}
+        return {"opened": self._opened, "reused": self._reused, "idle": idle,
+                "warmed": self._warmed}
 
     async def close(self) -> None:
         """Abort every connection, idle or in use; `send` fails from now on."""
@@ -95,6 +149,9 @@ class UpstreamPool:
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
+        for warming in list(self._warming.values()):
+            for task in list(warming):
+                task.cancel()
         for connection in list(self._open):
             connection.close()
         self._idle.clear()

@@ -64,6 +64,9 @@ class SimHandlers:
         # Handlers parked by the `hang` and `misbehave` faults; released at shutdown so that
         # stopping the server does not wait for requests that would never end.
         self.parked: set[asyncio.Future[None]] = set()
+        # Those parked by `hang` alone: clearing it lets them go on (an engine that stalled
+        # and came back, as a SIGSTOPped or starved one does).
+        self.hung: set[asyncio.Future[None]] = set()
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -119,6 +122,9 @@ class SimHandlers:
         except ValidationError as exc:
             return ApiError(HTTPStatus.BAD_REQUEST, str(exc)).response()
         self._engine.slow_factor = knobs.slow_factor
+        if not knobs.hang:
+            for waiter in self.hung:
+                _wake(waiter)
         if knobs.crash:
             return await self._crash(request)
         return json_response(knobs.model_dump())
@@ -145,7 +151,10 @@ class SimHandlers:
         self.faults.arrived()
         knobs = self.faults.knobs
         if knobs.hang:
-            await self.park()
+            await self.park(hung=True)
+            if request.transport is None or request.transport.is_closing():
+                return web.Response()  # its client left meanwhile (never sent: vLLM aborts)
+            knobs = self.faults.knobs
         if knobs.misbehave != "none":
             return await self._misbehave(request, generation, knobs, id_prefix)
         if self.faults.draw_error():
@@ -217,16 +226,20 @@ class SimHandlers:
         await response.write_eof()
         return response
 
-    async def park(self, timeout_s: float | None = None) -> None:
-        """Wait until released at shutdown (CancelledError), or `timeout_s` has passed."""
+    async def park(self, timeout_s: float | None = None, *, hung: bool = False) -> None:
+        """Wait until released at shutdown (CancelledError), or `timeout_s` has passed, or
+        (`hung`) the `hang` knob is cleared."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         timer = None if timeout_s is None else loop.call_later(timeout_s, _wake, waiter)
         self.parked.add(waiter)
+        if hung:
+            self.hung.add(waiter)
         try:
             await waiter
         finally:
             self.parked.discard(waiter)
+            self.hung.discard(waiter)
             if timer is not None:
                 timer.cancel()
 

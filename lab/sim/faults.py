@@ -44,7 +44,8 @@ class FaultKnobs(BaseModel):
         description="fraction of completion requests whose connection is cut after 1-3 tokens",
     )
     hang: bool = Field(
-        default=False, description="completion requests are accepted and never answered"
+        default=False, description="completion requests are accepted and not answered while "
+        "it is set (not counted by the engine either); clearing it serves those still waiting"
     )
     slow_factor: float = Field(
         default=1.0, gt=0.0, description="multiplies prefill and decode time"

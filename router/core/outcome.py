@@ -88,6 +88,10 @@ class Attempt:
     # While waiting for the first byte: the deadline that `abandon` brings forward.
     first_byte_deadline: Reschedulable | None = None
     abandoned: str | None = None
+    # Whether its request could be sent to another worker now (its retry would find
+    # one): passive health abandons an attempt on a worker found stalled only then, and
+    # otherwise lets it wait, since that worker may only be slow (None: abandon).
+    elsewhere: Callable[[], bool] | None = None
     # A non-streaming answer whose head has come: its body is arriving on this connection
     # (passive health tells a worker sending a large body from one that went silent).
     answering: ReadCounter | None = None

@@ -156,6 +156,12 @@ class StallWatch:
         return (f"while its heartbeat counts {view.reported_load} sequences of the "
                 f"{sent_before} sent there before it"), oldest
 
+    def past_hope(self, attempt: Attempt, now_s: float) -> bool:
+        """Whether `attempt`, on a worker found stalled, has waited `stall_factor` x
+        `stall_after_s` (30 s by default): given up then even when its request has
+        nowhere else to go (router.health.tracker.Health.check_stalls)."""
+        return self._waited_s(attempt, now_s) >= self._stall_factor * self._stall_after_s
+
     def _waited_s(self, attempt: Attempt, now_s: float) -> float:
         """How long `attempt` has waited, less the time this process was not running."""
         return now_s - attempt.started_s - self._paused_s.get(id(attempt), 0.0)

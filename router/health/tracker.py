@@ -262,8 +262,12 @@ class Health:
     # --- stalls: a worker that answers nobody while the others answer -------------------
     def check_stalls(self) -> list[str]:
         """Find workers that have stopped answering (StallWatch.find says how); eject them
-        and abandon the attempts waiting on them (retried elsewhere: nothing has reached
-        their clients yet).
+        and abandon the attempts waiting on them that can go to another worker now
+        (Attempt.elsewhere: retried there; nothing has reached their clients yet). The
+        others keep waiting, and go once a later check finds somewhere (or fail once
+        they have waited `stall_factor` x `stall_after_s`): a worker found stalled may
+        only be slow (an engine starved of CPU reports stale counts), and its answer
+        late beats an error now.
 
         A hung worker so shows within `stall_after_s` whatever the kind of request, not
         after `timeouts.first_byte_s` or `total_s` (which must stay long enough for the
@@ -274,16 +278,30 @@ class Health:
         for stall in self._stalls.find(now_s):
             worker_id = stall.worker_id
             stalled.append(worker_id)
-            detail = stall.detail
             breaker = self._breakers.get(worker_id)
             if breaker is None:
                 breaker = self._breakers[worker_id] = Breaker(self._policy)
-            if breaker.failed(now_s, severe=True):
+            # Ejected first (no retry goes back there); once while out (kept attempts show
+            # the stall at every check), again for longer once its backoff has run out.
+            breaker.admits(now_s)
+            ejected = breaker.state is BreakerState.OPEN
+            if not ejected and breaker.failed(now_s, severe=True):
                 self.ejections_total += 1
-                detail += f"; back in {breaker.open_until_s - now_s:.1f} s"
-            self._event(now_s, worker_id, stall.region, "ejected", detail)
+            kept = abandoned = 0
             for attempt in stall.attempts:
-                attempt.abandon(f"worker {worker_id} stalled")
+                if (attempt.elsewhere is not None and not attempt.elsewhere()
+                        and not self._stalls.past_hope(attempt, now_s)):
+                    kept += 1
+                elif attempt.abandon(f"worker {worker_id} stalled"):
+                    abandoned += 1
+            if ejected and not abandoned:
+                continue  # said already
+            detail = stall.detail
+            if not ejected:
+                detail += f"; back in {breaker.open_until_s - now_s:.1f} s"
+            if kept:
+                detail += f"; {kept} kept waiting there: no other worker can take them"
+            self._event(now_s, worker_id, stall.region, "ejected", detail)
         return stalled
 
     def check_overdue(self, *, late: bool = False) -> None:

@@ -40,7 +40,7 @@ from router.proxy.replies import (
 )
 from router.proxy.request_id import request_id_of
 from router.proxy.responses import ResponsesApi
-from router.proxy.retries import Retries, gave_up, note_failure
+from router.proxy.retries import Retries, could_retry, gave_up, never, note_failure, pick_now
 from router.proxy.routing_hints import origin_region, route_request, routing_hints
 from router.proxy.stream import forward_stream, open_stream
 from router.proxy.stream_failover import continue_broken_stream, failover_for, stream_ended
@@ -172,7 +172,7 @@ class Proxy:
         failover = failover_for(router_config, exchange, parsed, body, record.kind)
         retries: Retries | None = None  # made when an attempt fails
         self.retry_budget.request_arrived()
-        for _ in range(router_config.max_attempts):
+        for tries_left in range(router_config.max_attempts - 1, -1, -1):
             if retries is not None:
                 if not retries.free and not self.retry_budget.try_spend():
                     log.warning("retry budget exhausted; not retrying %s", parsed.model)
@@ -195,6 +195,8 @@ class Proxy:
             continuing = retries is not None and retries.broken_stream is not None
             attempt = self._dispatched(decision, record, route, headers, config,
                                        queue is not None, continuing)
+            attempt.elsewhere = never if not tries_left else functools.partial(
+                could_retry, self.policy, self.holder, route, record)
             try:
                 if failover is not None and continuing:
                     return await continue_broken_stream(
@@ -231,19 +233,17 @@ class Proxy:
         """Wait in the queue for a worker with room (counted in flight there), routed again
         when its turn comes (the tenants take turns)."""
         decision, record.queued_s = await queue.turn(
-            decision, functools.partial(self._pick, route),
+            decision, functools.partial(pick_now, self.policy, self.holder, route),
             model=route.model, traffic_class=route.traffic_class, arrived_s=record.received_s,
             budget_ms=route.ttft_budget_ms, tenant=principal.tenant if principal else "")
         return decision
-
-    def _pick(self, route: RouteRequest) -> Decision:
-        return self.policy.pick(self.holder.current, route)  # (on the view of this moment)
 
     async def _count_prompt(self, config: GlobalConfig, route: RouteRequest, tried: str,
                             headers: dict[str, str], body: bytes) -> int | None:
         """`prompt_count` by a worker of the model other than `tried` (None: there is none)."""
         try:
-            worker = self._pick(route._replace(exclude=route.exclude | {tried})).worker
+            worker = pick_now(self.policy, self.holder,
+                              route._replace(exclude=route.exclude | {tried})).worker
         except NoRoute:
             return None
         self._worker_auth.authorize(headers, config, worker.region)

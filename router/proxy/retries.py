@@ -8,13 +8,15 @@ unless it is failover (`free`). When no attempt is left, `gave_up` answers the c
 from __future__ import annotations
 
 from router.core.outcome import Attempt, Failure, RequestRecord
-from router.policy import RouteRequest
+from router.health.breaker import BreakerState
+from router.policy import Decision, NoRoute, Policy, RouteRequest
 from router.proxy.continuation import Failover
 from router.proxy.exchange import Exchange, Reply
 from router.proxy.failures import StreamBroken, UpstreamFailure
 from router.proxy.replies import upstream_failed_reply
 from router.proxy.stream import end_broken_stream
 from router.registry.drained import Drained
+from router.registry.snapshot import SnapshotHolder
 
 _PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
 
@@ -58,6 +60,30 @@ class Retries:
         self.tried.add(attempt.worker_id)
         self.broken_stream = self.failure = broken
         self.free = True  # failover: the budget guards against amplification
+
+
+def pick_now(policy: Policy, holder: SnapshotHolder, route: RouteRequest) -> Decision:
+    """`policy`'s pick for `route` on the fleet view of this moment."""
+    return policy.pick(holder.current, route)
+
+
+def could_retry(policy: Policy, holder: SnapshotHolder, route: RouteRequest,
+                record: RequestRecord) -> bool:
+    """Whether a retry of the request would find a worker it has not tried, now (an
+    attempt's `elsewhere`: passive health abandons it on a stalled worker only then)."""
+    tried = route.exclude.union(attempt.worker_id for attempt in record.attempts)
+    try:
+        worker_id = pick_now(policy, holder, route._replace(exclude=tried)).worker.worker_id
+    except NoRoute:
+        return False
+    # Not to an ejected worker (the health filter offers those when it has nothing else).
+    health = policy.context.health
+    return health is None or health.state_of(worker_id) is not BreakerState.OPEN
+
+
+def never() -> bool:
+    """An attempt's `elsewhere` when it is the request's last: its retry would not be made."""
+    return False
 
 
 def note_failure(attempt: Attempt, failed: UpstreamFailure) -> None:

@@ -173,3 +173,45 @@ async def test_a_whole_answer_whose_body_never_ends_is_served_elsewhere(up: Runn
           f"{slowest_s:.2f} s")
     assert slowest_s < 5.0 + 1.0
     await _wait_until_served_by(up, "us-east-1")
+
+
+async def _admin(up: RunningUp, path: str, body: dict[str, str]) -> None:
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{up.url}{path}", json=body,
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as response:
+        assert response.status == 200, await response.text()
+
+
+OTHERS = ({"worker": "us-east-2"}, {"region": "eu-west"})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+async def test_a_stalled_worker_keeps_what_could_go_nowhere_else_and_serves_it_when_back(
+        up: RunningUp, stream: bool) -> None:
+    # The engine stops counting and answering its requests for 6 s, then comes back (a
+    # host that starves it of CPU, a SIGSTOP): found stalled after 3 s and ejected, but
+    # every other worker is drained, so that nothing else could take its four requests.
+    # They wait there, and are served when it is back, instead of failing with a 504.
+    for drained in OTHERS:
+        await _admin(up, "/admin/drain", drained)
+    started_unix_s = time.time()
+    await _faults(up, "sim-us-east-1", hang=True)
+    try:
+        async with aiohttp.ClientSession() as session:
+            sending = asyncio.gather(
+                *(_send(session, up.url, {**BODY, "stream": stream}) for _ in range(4)))
+            await asyncio.sleep(6.0)
+            await _faults(up, "sim-us-east-1", hang=False)
+            results = await asyncio.wait_for(sending, 30)
+    finally:
+        await _faults(up, "sim-us-east-1", **CLEAR)
+        for drained in OTHERS:
+            await _admin(up, "/admin/undrain", drained)
+    assert [status for status, _, _, _ in results] == [200] * 4, results
+    assert {worker for _, worker, _, _ in results} == {"us-east-1"}
+    assert min(elapsed for _, _, elapsed, _ in results) > 5.5  # they did wait it out
+    ejected = [e for e in await _events(up) if e["at_unix_s"] >= started_unix_s
+               and e["subject"].startswith("worker us-east-1 ") and e["kind"] == "ejected"]
+    assert ejected and all("stalled" in e["detail"] for e in ejected), ejected
+    assert "4 kept waiting there: no other worker can take them" in ejected[-1]["detail"]
+    await _wait_until_served_by(up, "us-east-1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -119,6 +120,23 @@ async def test_hang_accepts_and_never_answers(
         assert response.status == 200
     await set_faults(http, sim, hang=False)
     assert await chat_status(http, sim) == 200
+
+
+async def test_clearing_hang_serves_the_requests_still_waiting(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    # An engine that stalled and came back (SIGSTOP then SIGCONT, a starved host): what
+    # waited is served then, and not counted by the engine before.
+    sim = await start_sim()
+    await set_faults(http, sim, hang=True)
+    waiting = asyncio.ensure_future(chat_status(http, sim))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    async with http.get(sim.url + "/metrics") as response:
+        assert re.search(r"^vllm:num_requests_running\{[^}]*\} 0\.0$", await response.text(),
+                         re.MULTILINE)
+    await set_faults(http, sim, hang=False)
+    assert await asyncio.wait_for(waiting, 10) == 200
 
 
 async def test_hung_requests_do_not_hold_up_shutdown(start_sim: StartSim) -> None:

@@ -304,6 +304,62 @@ async def test_a_worker_that_answers_nobody_is_stalled_and_its_waits_abandoned()
     assert health.state_of("a") is BreakerState.HALF_OPEN
 
 
+async def test_a_stalled_workers_attempt_with_nowhere_else_to_go_keeps_waiting() -> None:
+    # The worker's heartbeat counts none of three requests (a hung engine, or one starved
+    # of CPU whose counts are late): each is abandoned only once its request could go to
+    # another worker, or once it has waited stall_factor x stall_after_s (30 s).
+    clock = FakeClock(0.0)
+    views = {"a": view("a", running=0, received_at_s=3.5)}
+    health = Health(POLICY, clock=clock, stall_after_s=3.0, stall_factor=10.0,
+                    views=lambda: views)
+    room = {"retry": False, "last": False}
+    retry, last, unasked = (streaming("a", "us-east", 0.0) for _ in range(3))
+    retry.elsewhere = lambda: room["retry"]
+    last.elsewhere = lambda: room["last"]
+    async with asyncio.timeout(60) as deadline:  # noqa: ASYNC100 (what abandon reschedules)
+        for attempt in (retry, last, unasked):
+            attempt.first_byte_deadline = deadline
+            health.dispatched(attempt)
+        clock.now = 3.6
+        assert health.check_stalls() == ["a"]
+        assert (retry.abandoned, last.abandoned) == (None, None)
+        assert unasked.abandoned == "worker a stalled"  # (no `elsewhere`: as before)
+        assert health.state_of("a") is BreakerState.OPEN
+        said = [e.detail for e in health.events if e.kind == "ejected"]
+        assert len(said) == 1 and said[0].endswith(
+            "2 kept waiting there: no other worker can take them"), said
+        clock.now = 3.85  # found again at the next check: not ejected, nor said, again
+        assert health.check_stalls() == ["a"]
+        assert len([e for e in health.events if e.kind == "ejected"]) == 1
+        clock.now = 4.65  # its 1 s backoff has run out, and it is still stalled: out again
+        assert health.check_stalls() == ["a"]
+        said = [e.detail for e in health.events if e.kind == "ejected"]
+        assert len(said) == 2 and "back in 2.0 s" in said[-1], said
+        assert health.state_of("a") is BreakerState.OPEN
+        room["retry"] = True  # another worker can take one of them now
+        clock.now = 4.9
+        health.check_stalls()
+        assert retry.abandoned == "worker a stalled" and last.abandoned is None
+        assert "1 kept waiting" in health.events[-1].detail
+        clock.now = 29.9
+        health.check_stalls()
+        assert last.abandoned is None
+        clock.now = 30.1  # past hope: an error now, not at timeouts.total_s (900 s)
+        health.check_stalls()
+        assert last.abandoned == "worker a stalled"
+    # A kept attempt that is answered after all readmits its worker.
+    late = streaming("a", "us-east", 40.0)
+    late.elsewhere = lambda: False
+    health.dispatched(late)
+    clock.now = 43.6
+    views["a"] = view("a", running=0, received_at_s=43.5)
+    assert health.check_stalls() == ["a"] and late.abandoned is None
+    late.first_byte_s = late.finished_s = clock.now = 45.0
+    late.status = 200
+    health.attempt_finished(late)
+    assert health.state_of("a") is BreakerState.CLOSED
+
+
 def test_no_stall_when_nobody_answers_or_the_worker_answered_since() -> None:
     clock = FakeClock(0.0)
     health = Health(POLICY, clock=clock, stall_after_s=3.0)

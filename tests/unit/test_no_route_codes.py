@@ -1,13 +1,20 @@
 """Why no worker can take a request: one NoRoute code per cause, on literal snapshots,
-through the real policies; and the snapshot's memory of models whose workers left."""
+through the real policies; the snapshot's memory of models whose workers left; and whether
+a retry could find a worker (router.proxy.retries.could_retry)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.policy import NoRoute, RouteRequest
+from router.core.outcome import Attempt, RequestRecord
+from router.health.breaker import BreakerPolicy
+from router.health.tracker import Health
+from router.policy import NoRoute, RouteRequest, create_policy
+from router.proxy.retries import could_retry
 from router.registry.drained import NOTHING_DRAINED, Drained
 from router.registry.snapshot import (
     MODEL_MEMORY_MAX,
@@ -214,3 +221,30 @@ def test_views_keep_their_identity_in_remembered_snapshots() -> None:
     assert holder.current is not now  # a copy that remembers "m"
     kept: WorkerView = holder.current.workers["w2"]
     assert kept is now.workers["w2"] and holder.current.by_model is now.by_model
+
+
+def test_a_retry_could_go_only_to_a_worker_untried_and_not_ejected() -> None:
+    # Passive health asks this before it abandons an attempt on a stalled worker
+    # (Attempt.elsewhere): a retry that would find no worker, or only an ejected one
+    # (which the health filter offers when it has nothing else), is no better than waiting.
+    clock = FakeClock(100.0)
+    health = Health(BreakerPolicy(), clock=clock)
+    policy = create_policy("predicted_ttft",
+                           dataclasses.replace(make_policy(clock=clock).context, health=health))
+    holder = SnapshotHolder(fleet())
+    route = RouteRequest(model="m", origin_region="us-east", prompt_tokens=10)
+    record = RequestRecord(model="m", kind="chat", stream=False, origin_region="us-east",
+                           received_s=100.0)
+    record.attempts.append(Attempt(worker_id="us-0", region="us-east", predicted_ttft_ms=5.0,
+                                   reason="local", started_s=100.0))
+    assert could_retry(policy, holder, route, record)  # eu-0: untried, admitted
+    health.reported_down("eu-0", "eu-west", "degraded")  # ejected
+    assert not could_retry(policy, holder, route, record)
+    assert could_retry(policy, holder, route._replace(exclude=frozenset()),
+                       RequestRecord(model="m", kind="chat", stream=False,
+                                     origin_region="us-east", received_s=100.0))
+    clock.now = 200.0  # eu-0's backoff has run out: half-open, its next request the probe
+    assert could_retry(policy, holder, route, record)
+    record.attempts.append(Attempt(worker_id="eu-0", region="eu-west", predicted_ttft_ms=5.0,
+                                   reason="retry", started_s=200.0))
+    assert not could_retry(policy, holder, route, record)  # both tried

@@ -36,6 +36,7 @@ from tests.vllm.pool import (
     MODEL,
     RealPool,
     alive,
+    descendants,
     pss_mib,
 )
 from worker.engine_metrics import parse_metrics
@@ -633,6 +634,53 @@ async def router_failovers(pool: RealPool, outcome: str) -> float:
                for sample in family.samples
                if sample.name == "globalpool_stream_failovers_total"
                and sample.labels.get("outcome") == outcome)
+
+
+async def test_a_paused_engine_keeps_requests_that_have_nowhere_else_to_go(
+    pool: RealPool, measurements: dict[str, Any]
+) -> None:
+    # us-east's engine stops computing for 6 s (its engine-core process SIGSTOPped: what
+    # a host that starves it of CPU, or a wedged accelerator, looks like from outside)
+    # while its API server answers /health and /metrics with the counts of before. The
+    # router finds it stalled: its heartbeats count none of the requests sent there. This
+    # router makes one attempt per request, so nothing could retry them: they wait, and
+    # are served once the engine is back, instead of failing with a 504 (as a burst did
+    # in CI on 2026-12-07, its retries refused by a full us-east, on an engine starved
+    # for seconds).
+    url, router = pool.start_router(settings={"max_attempts": 1})
+    pool.routers.append(router)
+    server = pool.agents["us-east"].engine_pid()
+    assert server is not None
+    cores = descendants(server)
+    assert cores, "no engine-core process below the API server"
+    await until_served_in(pool, "us-east", "us-east")
+    router_log = pool.work / f"router-{url.rsplit(':', 1)[1]}.log"
+    client = pool.async_client("us-east", url=url)
+    try:
+        for pid in cores:
+            os.kill(pid, signal.SIGSTOP)
+        paused_at = time.monotonic()
+        sent = [asyncio.ensure_future(chat(client, 8, stream=i % 3 == 2)) for i in range(6)]
+        await asyncio.sleep(6.0)
+    finally:
+        for pid in cores:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*sent, return_exceptions=True), 120)
+        served_s = time.monotonic() - paused_at
+    finally:
+        await client.close()
+    served = [r for r in results if not isinstance(r, BaseException)]
+    assert [tokens for _, _, tokens in served] == [8] * 6, results
+    stalls = [line for line in router_log.read_text(errors="replace").splitlines()
+              if "ejected: stalled" in line]
+    kept = [line for line in stalls if "kept waiting there" in line]
+    local = sum(region == "us-east" for region, _, _ in served)
+    assert kept or local == 0, (served, stalls)
+    await until_served_in(pool, "us-east", "us-east", times=3)
+    measurements["engine paused 6 s: requests there, all served after (s), stall events"] = (
+        local, round(served_s, 1), len(stalls))
 
 
 async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarted(

@@ -20,6 +20,9 @@ from router.registry.worker_view import WorkerView
 # (real vLLM on a busy 2-core host: seconds). The evidence waits that long after the
 # request, and at least this long (s).
 HEARTBEAT_SLACK_S = 0.5
+# Kept attempts on a stalled worker asked, at most, each check whether their requests
+# could go elsewhere now (StallWatch.release): each ask is a routing decision.
+ASKS_PER_CHECK = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,11 +159,30 @@ class StallWatch:
         return (f"while its heartbeat counts {view.reported_load} sequences of the "
                 f"{sent_before} sent there before it"), oldest
 
-    def past_hope(self, attempt: Attempt, now_s: float) -> bool:
-        """Whether `attempt`, on a worker found stalled, has waited `stall_factor` x
-        `stall_after_s` (30 s by default): given up then even when its request has
-        nowhere else to go (router.health.tracker.Health.check_stalls)."""
-        return self._waited_s(attempt, now_s) >= self._stall_factor * self._stall_after_s
+    def release(self, stall: Stall, now_s: float) -> tuple[int, int]:
+        """Abandon the attempts of `stall` whose requests could go to another worker now
+        (Attempt.elsewhere), or that have waited `stall_factor` x `stall_after_s` (30 s
+        by default: given up then even with nowhere else to go); keep the others. Each
+        ask is a routing decision: at most ASKS_PER_CHECK a call, from a place that moves
+        on with the clock, so that every kept attempt is asked in turn. (kept, abandoned)"""
+        reason = f"worker {stall.worker_id} stalled"
+        attempts = stall.attempts
+        count = len(attempts)
+        start = int(now_s * 4) * ASKS_PER_CHECK % count if count > ASKS_PER_CHECK else 0
+        hopeless_s = self._stall_factor * self._stall_after_s
+        kept = abandoned = 0
+        asks = ASKS_PER_CHECK
+        for index in range(count):
+            attempt = attempts[(start + index) % count]
+            elsewhere = attempt.elsewhere
+            if elsewhere is not None and self._waited_s(attempt, now_s) < hopeless_s:
+                asks -= 1
+                if asks < 0 or not elsewhere():
+                    kept += 1
+                    continue
+            if attempt.abandon(reason):
+                abandoned += 1
+        return kept, abandoned
 
     def _waited_s(self, attempt: Attempt, now_s: float) -> float:
         """How long `attempt` has waited, less the time this process was not running."""

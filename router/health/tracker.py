@@ -287,13 +287,7 @@ class Health:
             ejected = breaker.state is BreakerState.OPEN
             if not ejected and breaker.failed(now_s, severe=True):
                 self.ejections_total += 1
-            kept = abandoned = 0
-            for attempt in stall.attempts:
-                if (attempt.elsewhere is not None and not attempt.elsewhere()
-                        and not self._stalls.past_hope(attempt, now_s)):
-                    kept += 1
-                elif attempt.abandon(f"worker {worker_id} stalled"):
-                    abandoned += 1
+            kept, abandoned = self._stalls.release(stall, now_s)
             if ejected and not abandoned:
                 continue  # said already
             detail = stall.detail

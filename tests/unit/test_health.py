@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections import Counter
 
 import pytest
 
@@ -11,6 +13,7 @@ from router.core.outcome import Attempt, Failure, Prediction
 from router.health import Breaker, BreakerPolicy, BreakerState, Health, RetryBudget
 from router.health.loop_lag import LoopLag
 from router.health.penalties import PENALTY_FLOOR_MS, PROBE_HOLD_S, RegionPenalties
+from router.health.stalls import ASKS_PER_CHECK
 from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import FakeClock, view
 
@@ -358,6 +361,30 @@ async def test_a_stalled_workers_attempt_with_nowhere_else_to_go_keeps_waiting()
     late.status = 200
     health.attempt_finished(late)
     assert health.state_of("a") is BreakerState.CLOSED
+
+
+def test_kept_attempts_are_asked_in_turn_a_bounded_number_a_check() -> None:
+    # 40 requests wait on a stalled worker with nowhere else to go: each check asks at
+    # most ASKS_PER_CHECK of them (each ask is a routing decision), every one in turn.
+    clock = FakeClock(0.0)
+    health = Health(POLICY, clock=clock, stall_after_s=3.0, stall_factor=10.0,
+                    views=lambda: {"a": view("a", running=0, received_at_s=3.5)})
+    asked: Counter[int] = Counter()
+
+    def nowhere(number: int) -> bool:
+        asked[number] += 1
+        return False
+
+    for number in range(40):
+        waiting = streaming("a", "us-east", 0.0)
+        waiting.elsewhere = functools.partial(nowhere, number)
+        health.dispatched(waiting)
+    clock.now = 3.6
+    health.check_stalls()
+    assert sum(asked.values()) == ASKS_PER_CHECK
+    clock.now = 3.85
+    health.check_stalls()
+    assert sum(asked.values()) == 2 * ASKS_PER_CHECK and set(asked) == set(range(40))
 
 
 def test_no_stall_when_nobody_answers_or_the_worker_answered_since() -> None:

@@ -310,7 +310,12 @@ async def test_replicas_sharing_a_batch_share_each_workers_room(fleet: OpsFleet)
     # and lines started since its sample are not in it yet: with lines of ~0.8 s, one
     # replica alone also reaches 9-10 lines here, two 9-13.)
     most = await two_replicas_run_a_batch(fleet, decode_step_ms=10.0, hog=True)
-    assert 6 <= most["lines"] <= 9, most
+    # More than one replica's half (4): both ran lines on one worker at once. Not the
+    # whole room: with lines of ~0.2 s and starts every 50 ms (runner.DISPATCH_S), a slot
+    # freed waits for the next start, so the room is ~80 % used and the most a worker
+    # held at the test's samples (every 0.1 s, in the process the hog slows) was 6 in 6
+    # of 8 runs (7 and 8 once each), 5 in CI (2026-12-07): a bound of 6 was the average.
+    assert 5 <= most["lines"] <= 9, most
 
 
 async def test_a_forged_heartbeat_cannot_make_a_replica_run_more_than_its_cap(

@@ -109,6 +109,21 @@ def _packed(vector: list[float], encoding: Any) -> list[float] | str:
 Handler = Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
 
 
+
+def _top_n(document: dict[str, Any]) -> int:
+    """`top_n` as vLLM's RerankRequest (pydantic: `int`, default 0) takes it: an integer,
+    or a float without a fractional part; anything else (a fraction, a boolean, null, a
+    string) is a 400. (Pydantic would also take a numeric string: refused here.)"""
+    if "top_n" not in document:
+        return 0
+    top_n = document["top_n"]
+    if type(top_n) is float and top_n.is_integer():
+        return int(top_n)
+    if type(top_n) is not int:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "top_n: Input should be a valid integer.",
+                       param="top_n")
+    return top_n
+
 class PoolingHandlers:
     """Handlers for one simulator's engine and config."""
 
@@ -196,8 +211,8 @@ class PoolingHandlers:
         order = sorted(range(len(documents)), key=lambda i: -scores[i])
         results = [{"index": i, "document": {"text": documents[i], "multi_modal": None},
                     "relevance_score": scores[i]} for i in order]
-        top_n = document.get("top_n")
-        if type(top_n) is int and top_n > 0:
+        top_n = _top_n(document)
+        if top_n > 0:
             results = results[:top_n]
         return {"id": "score-" + uuid.uuid4().hex[:16], "model": model,
                 "usage": _usage(_tokens([query, *documents]), short=True), "results": results}

@@ -109,7 +109,6 @@ def _packed(vector: list[float], encoding: Any) -> list[float] | str:
 Handler = Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
 
 
-
 def _top_n(document: dict[str, Any]) -> int:
     """`top_n` as vLLM's RerankRequest (pydantic: `int`, default 0) takes it: an integer,
     or a float without a fractional part; anything else (a fraction, a boolean, null, a
@@ -123,6 +122,7 @@ def _top_n(document: dict[str, Any]) -> int:
         raise ApiError(HTTPStatus.BAD_REQUEST, "top_n: Input should be a valid integer.",
                        param="top_n")
     return top_n
+
 
 class PoolingHandlers:
     """Handlers for one simulator's engine and config."""

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from lab.devstack.valkey import free_port
+from tests.integration.operators_fleet import admin
 from tests.integration.stack import RunningUp, pid_alive, start_up
 
 pytestmark = pytest.mark.integration
@@ -175,13 +176,6 @@ async def test_a_whole_answer_whose_body_never_ends_is_served_elsewhere(up: Runn
     await _wait_until_served_by(up, "us-east-1")
 
 
-async def _admin(up: RunningUp, path: str, body: dict[str, str]) -> None:
-    async with aiohttp.ClientSession() as session, session.post(
-            f"{up.url}{path}", json=body,
-            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as response:
-        assert response.status == 200, await response.text()
-
-
 OTHERS = ({"worker": "us-east-2"}, {"region": "eu-west"})
 
 
@@ -193,7 +187,8 @@ async def test_a_stalled_worker_keeps_what_could_go_nowhere_else_and_serves_it_w
     # every other worker is drained, so that nothing else could take its four requests.
     # They wait there, and are served when it is back, instead of failing with a 504.
     for drained in OTHERS:
-        await _admin(up, "/admin/drain", drained)
+        assert (await admin(up.url, "POST", "/admin/drain", token=ADMIN_TOKEN,
+                            body=drained))[0] == 200
     started_unix_s = time.time()
     await _faults(up, "sim-us-east-1", hang=True)
     try:
@@ -206,7 +201,8 @@ async def test_a_stalled_worker_keeps_what_could_go_nowhere_else_and_serves_it_w
     finally:
         await _faults(up, "sim-us-east-1", **CLEAR)
         for drained in OTHERS:
-            await _admin(up, "/admin/undrain", drained)
+            assert (await admin(up.url, "POST", "/admin/undrain", token=ADMIN_TOKEN,
+                                body=drained))[0] == 200
     assert [status for status, _, _, _ in results] == [200] * 4, results
     assert {worker for _, worker, _, _ in results} == {"us-east-1"}
     assert min(elapsed for _, _, elapsed, _ in results) > 5.5  # they did wait it out

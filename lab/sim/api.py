@@ -122,6 +122,7 @@ class SimHandlers:
         except ValidationError as exc:
             return ApiError(HTTPStatus.BAD_REQUEST, str(exc)).response()
         self._engine.slow_factor = knobs.slow_factor
+        self._engine.wedged = knobs.wedge
         if not knobs.hang:
             for waiter in self.hung:
                 _wake(waiter)
@@ -132,6 +133,8 @@ class SimHandlers:
     async def release_parked(self, app: web.Application) -> None:
         for waiter in self.parked:
             waiter.cancel()
+        if self._engine.wedged:  # what a wedged engine holds fails as it stops
+            self._engine.abort_all()
 
     async def _crash(self, request: web.Request) -> web.StreamResponse:
         # Send the answer first so the caller knows the crash was on purpose, then die

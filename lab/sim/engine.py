@@ -98,6 +98,24 @@ class Engine:
         self._wakeup: asyncio.Event = asyncio.Event()
         self.slow_factor = config.slow_factor
         """Multiplies every step's duration (the `slow_factor` fault knob)."""
+        self._running_steps = asyncio.Event()
+        self._running_steps.set()
+        self._aborts_held: list[tuple[Sequence, FinishReason]] = []
+
+    @property
+    def wedged(self) -> bool:
+        """No step runs while set (the `wedge` fault knob); aborts wait until it is not."""
+        return not self._running_steps.is_set()
+
+    @wedged.setter
+    def wedged(self, wedged: bool) -> None:
+        if wedged:
+            self._running_steps.clear()
+            return
+        self._running_steps.set()
+        held, self._aborts_held = self._aborts_held, []
+        for seq, reason in held:
+            self.abort(seq, reason)
 
     @property
     def num_running(self) -> int:
@@ -159,6 +177,9 @@ class Engine:
         """Stop a sequence now (client gone, injected fault); frees its slot and blocks."""
         if seq.finished:
             return
+        if self.wedged:  # (an engine core that does not run takes no abort either)
+            self._aborts_held.append((seq, reason))
+            return
         if seq.state is SequenceState.WAITING:
             self._waiting.remove(seq)
         self._finish(seq, reason)
@@ -171,12 +192,20 @@ class Engine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
+                if self.wedged:
+                    await self._running_steps.wait()
+                    continue
                 step = self._schedule()
                 await self._clock.sleep(step.duration_s)
                 self._complete(step)
         finally:
-            for seq in [*self._running, *self._waiting]:
-                self.abort(seq)
+            self.abort_all()
+
+    def abort_all(self) -> None:
+        """Stop every sequence now (the engine stops: a wedged one too)."""
+        self.wedged = False
+        for seq in [*self._running, *self._waiting]:
+            self.abort(seq)
 
     def _schedule(self) -> _Step:
         self._reserve_decode_blocks()

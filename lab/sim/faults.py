@@ -47,6 +47,12 @@ class FaultKnobs(BaseModel):
         default=False, description="completion requests are accepted and not answered while "
         "it is set (not counted by the engine either); clearing it serves those still waiting"
     )
+    wedge: bool = Field(
+        default=False, description="the engine runs no step while it is set, as on a wedged "
+        "accelerator: requests are taken in and counted (running, waiting) as usual, "
+        "/health and /metrics answer, and no token comes nor is any request aborted (an "
+        "engine core that does not run cannot); clearing it resumes them all"
+    )
     slow_factor: float = Field(
         default=1.0, gt=0.0, description="multiplies prefill and decode time"
     )

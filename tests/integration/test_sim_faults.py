@@ -15,6 +15,8 @@ import pytest
 
 from lab.sim.server import SimServer
 from tests.integration.conftest import StartSim
+from worker.engine_metrics import MetricsSample, parse_metrics
+from worker.progress import steps_of
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +51,7 @@ async def test_knobs_read_and_partial_update(
             "error_rate": 0.25,
             "mid_stream_error_rate": 0.0,
             "hang": False,
+            "wedge": False,
             "slow_factor": 2.0,
             "busy_in_stream": False,
             "misbehave": "none",
@@ -139,17 +142,55 @@ async def test_clearing_hang_serves_the_requests_still_waiting(
     assert await asyncio.wait_for(waiting, 10) == 200
 
 
-async def test_hung_requests_do_not_hold_up_shutdown(start_sim: StartSim) -> None:
+async def engine_metrics(http: aiohttp.ClientSession, sim: SimServer) -> MetricsSample:
+    async with http.get(sim.url + "/metrics") as response:
+        assert response.status == 200
+        return parse_metrics(await response.text())
+
+
+async def test_a_wedged_engine_counts_what_it_holds_runs_no_step_and_resumes_when_cleared(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    # A wedged accelerator: the engine takes requests in and counts them, /health and
+    # /metrics answer, and no step runs; nor is the request of a client that left
+    # aborted (an engine core that does not run takes no abort either) until it is back.
+    sim = await start_sim()
+    assert await chat_status(http, sim) == 200
+    before = await engine_metrics(http, sim)
+    await set_faults(http, sim, wedge=True)
+    held = [asyncio.ensure_future(chat_status(http, sim)) for _ in range(3)]
+    with pytest.raises(asyncio.TimeoutError):
+        async with http.post(sim.url + "/v1/chat/completions", json=CHAT,
+                             timeout=aiohttp.ClientTimeout(total=0.3)) as response:
+            await response.read()
+    await asyncio.sleep(0.3)
+    wedged = await engine_metrics(http, sim)
+    assert wedged.in_flight == 4 and steps_of(wedged) == steps_of(before)
+    async with http.get(sim.url + "/health") as response:
+        assert response.status == 200
+    assert not any(task.done() for task in held)
+    await set_faults(http, sim, wedge=False)
+    assert await asyncio.wait_for(asyncio.gather(*held), 10) == [200] * 3
+    after = await engine_metrics(http, sim)
+    assert after.in_flight == 0  # the abandoned one aborted once the engine ran again
+    assert (steps_of(after) or 0) > (steps_of(before) or 0)
+
+
+@pytest.mark.parametrize("knob", ["hang", "wedge"])
+async def test_hung_requests_do_not_hold_up_shutdown(start_sim: StartSim, knob: str) -> None:
     sim = await start_sim()
     async with aiohttp.ClientSession() as http:
-        await set_faults(http, sim, hang=True)
+        await set_faults(http, sim, **{knob: True})
         pending = asyncio.create_task(chat_status(http, sim))
         await asyncio.sleep(0.05)
         started = time.monotonic()
         await sim.stop()
         assert time.monotonic() - started < 1.0
-        with pytest.raises(aiohttp.ClientError):
-            await pending
+        if knob == "hang":
+            with pytest.raises(aiohttp.ClientError):
+                await pending
+        else:  # what the wedged engine held is aborted as it stops: an error answer
+            assert await pending >= 500
 
 
 async def test_mid_stream_error_cuts_the_stream(

@@ -204,7 +204,7 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
                             keys, app[SECURITY_STATS]),
         # A worker whose heartbeat turns `degraded` is ejected like a refused connection.
         on_down=lambda view: health.reported_down(view.worker_id, view.region,
-                                                  view.heartbeat.state.value),
+                                                  view.heartbeat.condition()),
         cpu_share=lambda: app[OPERATIONS].configs.current.router.fleet_view_cpu_share,
         agent_interval_s=lambda: app[OPERATIONS].configs.current.heartbeat.interval_s,
     )

@@ -230,6 +230,11 @@ class RouterConfig(_Strict):
 class HeartbeatConfig(_Strict):
     interval_s: float = Field(default=0.5, gt=0, le=60)
     ttl_s: float = Field(default=2.0, gt=0, le=600)
+    stuck_after_s: float = Field(
+        default=15.0, gt=0, le=86_400,
+        description="an agent says its worker is `degraded` once the engine has held "
+        "requests this long without running a step (a wedged accelerator: /health and "
+        "/metrics still answer); routers then retry what waits there elsewhere")
     max_clock_skew_s: float = Field(
         default=5.0, ge=0, le=600,
         description="signed heartbeats sent further in the future, or older than their "

@@ -42,6 +42,7 @@ from worker.supervisor import EngineCommand, RestartPolicy
 
 DEFAULT_INTERVAL_S = 0.5
 DEFAULT_TTL_S = 2.0
+DEFAULT_STUCK_AFTER_S = 15.0
 DEFAULT_KEY_PREFIX = "globalpool"
 # vLLM's default --max-num-seqs; /metrics does not expose the configured value.
 DEFAULT_MAX_NUM_SEQS = 256
@@ -74,6 +75,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl-s", type=float,
                         help=f"heartbeat lifetime in Redis (default: --config, then "
                         f"{DEFAULT_TTL_S})")
+    parser.add_argument("--stuck-after-s", type=float,
+                        help="say `degraded` once the engine has held requests this long "
+                        "without running an engine step (a wedged GPU) (default: --config's "
+                        f"heartbeat.stuck_after_s, then {DEFAULT_STUCK_AFTER_S:g})")
     parser.add_argument("--max-num-seqs", type=int,
                         help="the engine's --max-num-seqs: sequences it runs at once "
                         "(default: the launched command's, then "
@@ -88,8 +93,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-kind", choices=("vllm", "sim", "openai"), default="vllm",
                         help="what the engine is, as heartbeats report it (default: vllm)")
     parser.add_argument("--config", type=Path,
-                        help="regions.yaml: redis.url, redis.key_prefix, heartbeat.interval_s "
-                        "and heartbeat.ttl_s when the flags are not given")
+                        help="regions.yaml: redis.url, redis.key_prefix, heartbeat.interval_s, "
+                        "heartbeat.ttl_s and heartbeat.stuck_after_s when the flags are not "
+                        "given")
     launch = parser.add_argument_group(
         "launching the engine", "--launch -- COMMAND...: run the engine as a child process, "
         "restart it when it exits, stop it after the drain")
@@ -192,6 +198,10 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
             f"--ttl-s {ttl_s:g}: must be at least twice the interval ({interval_s:g}s) so that "
             "one late heartbeat does not drop the worker, and at most 3600"
         )
+    stuck_after_s: float = _first(args.stuck_after_s, config.heartbeat.stuck_after_s,
+                                  DEFAULT_STUCK_AFTER_S)
+    if not 0 < stuck_after_s < math.inf:
+        raise WorkerConfigError(f"--stuck-after-s {stuck_after_s:g}: must be a number > 0")
     max_num_seqs = _max_num_seqs(args, launch)
     if not 0 <= args.drain_timeout_s < math.inf:
         raise WorkerConfigError("--drain-timeout-s: must be a number >= 0")
@@ -209,7 +219,8 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         # While Redis is down, retry at least once per TTL (at most every 5 s) so that the
         # worker is back in the pool about one TTL after Redis is.
         timing=HeartbeatTiming(interval_s=interval_s, ttl_s=ttl_s,
-                               max_backoff_s=max(interval_s, min(ttl_s, 5.0))),
+                               max_backoff_s=max(interval_s, min(ttl_s, 5.0)),
+                               stuck_after_s=stuck_after_s),
         drain_timeout_s=args.drain_timeout_s,
         probe_timeout_s=probe_timeout_s,
         launch=launch,
@@ -334,6 +345,7 @@ class _RedisSection(_Section):
 class _HeartbeatSection(_Section):
     interval_s: float | None = Field(default=None, gt=0, le=60)
     ttl_s: float | None = Field(default=None, gt=0, le=600)
+    stuck_after_s: float | None = Field(default=None, gt=0, le=86_400)
 
 
 class _ConfigView(_Section):

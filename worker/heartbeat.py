@@ -24,6 +24,7 @@ from worker.lifecycle import EngineView as EngineView
 from worker.lifecycle import Lifecycle
 from worker.lifecycle import next_state as next_state
 from worker.probe import ProbeResult, ServedModels
+from worker.progress import ProgressWatch
 from worker.publisher import RedisUnavailableError
 from worker.schema import Capacity, EngineInfo, Heartbeat, LifecycleState, Load, Performance
 
@@ -71,7 +72,9 @@ class HeartbeatTiming:
     a `ready` worker says `degraded` (a busy vLLM on few cores sometimes answers /metrics
     late once; a launched engine that exits is `degraded` at once, whatever this says);
     `good_probes_to_recover`: probes in a row that must succeed before a `degraded` worker
-    is `ready` again (so that an engine whose /health flaps is not advertised)."""
+    is `ready` again (so that an engine whose /health flaps is not advertised);
+    `stuck_after_s`: how long an engine may hold requests without running a step before
+    the worker says `degraded` (worker.progress)."""
 
     interval_s: float
     ttl_s: float
@@ -79,6 +82,7 @@ class HeartbeatTiming:
     failed_probes_to_degrade: int = 2
     probe_window: int = 4
     good_probes_to_recover: int = 3
+    stuck_after_s: float = 15.0
 
 
 def jittered(interval_s: float, rng: random.Random, fraction: float = JITTER_FRACTION) -> float:
@@ -100,6 +104,7 @@ def build_heartbeat(
     seq: int,
     sent_at_s: float,
     ttl_s: float,
+    stuck_for_s: float | None = None,
 ) -> Heartbeat:
     """A heartbeat from what is known of the engine (zero load before the first scrape).
 
@@ -131,6 +136,7 @@ def build_heartbeat(
             version=view.version.version if view.version else None,
             kv_usage_metric=metrics.kv_usage_metric if metrics else None,
             metric_names=metrics.metric_names if metrics else (),
+            stuck_for_s=stuck_for_s,
         ),
         seq=seq,
         sent_at_s=sent_at_s,
@@ -180,6 +186,10 @@ class HeartbeatLoop:
         self._seq = 0
         self._view = EngineView()
         self._tracker = PerformanceTracker()
+        # (a beat later than twice the interval counts as two intervals, at least 2 s)
+        self._progress = ProgressWatch(timing.stuck_after_s,
+                                       max_gap_s=max(2.0, 2 * timing.interval_s))
+        self._stuck_for_s: float | None = None
         self._performance = Performance()
         self._wake = asyncio.Event()
         self._beat_done = asyncio.Event()
@@ -236,6 +246,7 @@ class HeartbeatLoop:
             seq=self._seq,
             sent_at_s=self.sent_at_s(),
             ttl_s=self._timing.ttl_s,
+            stuck_for_s=self._stuck_for_s,
         )
         self._seq += 1
         try:
@@ -254,6 +265,8 @@ class HeartbeatLoop:
         self._view = self._view.merge(probe)
         if probe.metrics is not None:
             self._performance = self._tracker.update(probe.metrics)
+            # (A probe without /metrics keeps the last verdict: it degrades on its own.)
+            self._stuck_for_s = self._progress.observe(probe.metrics, self._monotonic())
             if probe.metrics.kv_usage_metric is None and not self._warned_no_kv:
                 self._warned_no_kv = True
                 log.warning(
@@ -262,7 +275,7 @@ class HeartbeatLoop:
                 )
         engine_down = self._engine_process is not None and self._engine_process.down
         self._lifecycle.advance(probe, self._view, draining=self._draining,
-                                engine_down=engine_down)
+                                engine_down=engine_down, stuck_for_s=self._stuck_for_s)
 
     def sent_at_s(self) -> float:
         """The wall-clock time for the next heartbeat, never earlier than the last one's

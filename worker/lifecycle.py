@@ -63,15 +63,17 @@ def next_state(
     *,
     draining: bool,
     engine_down: bool = False,
+    stuck: bool = False,
 ) -> LifecycleState:
     """`starting` until the engine is first healthy, measurable and lists its models; then
     `ready` while /health and /metrics answer (and the models were listed since /health
-    last failed), `degraded` while they do not, or while a supervised engine process is
-    down (crashed, or past its start deadline) whatever an earlier answer said; `draining`
-    once a drain has begun, whatever the engine does."""
+    last failed), `degraded` while they do not, while a supervised engine process is
+    down (crashed, or past its start deadline), or while the engine is `stuck` (it holds
+    requests and runs no step: worker.progress), whatever an earlier answer said;
+    `draining` once a drain has begun, whatever the engine does."""
     if draining:
         return LifecycleState.DRAINING
-    if engine_down:
+    if engine_down or (stuck and current is not LifecycleState.STARTING):
         return LifecycleState.DEGRADED
     if probe.engine_ok and view.models is not None and not view.models_unconfirmed:
         return LifecycleState.READY
@@ -109,8 +111,8 @@ class Lifecycle:
 
     A `ready` worker turns `degraded` once `failures_to_degrade` of its last `window`
     probes failed; a `degraded` one is `ready` again after `goods_to_recover` good probes
-    in a row. A supervised engine process that is down degrades the worker at once, and a
-    drain wins over everything, as in `next_state`.
+    in a row. A supervised engine process that is down, or an engine that is stuck,
+    degrades the worker at once, and a drain wins over everything, as in `next_state`.
     """
 
     def __init__(self, worker_id: str, *, failures_to_degrade: int, window: int,
@@ -125,14 +127,18 @@ class Lifecycle:
         self.state = LifecycleState.STARTING
 
     def advance(self, probe: ProbeResult, view: EngineView, *, draining: bool,
-                engine_down: bool) -> LifecycleState:
-        """The state after `probe`; logs a transition, and why a worker is still starting."""
+                engine_down: bool, stuck_for_s: float | None = None) -> LifecycleState:
+        """The state after `probe`; logs a transition, and why a worker is still starting.
+        `stuck_for_s`: how long the engine has held requests without a step, once it is
+        stuck (worker.progress.ProgressWatch), else None."""
+        stuck = stuck_for_s is not None
         state = next_state(self.state, probe, view, draining=draining,
-                           engine_down=engine_down)
-        if not (draining or engine_down):
+                           engine_down=engine_down, stuck=stuck)
+        if not (draining or engine_down or (stuck and state is LifecycleState.DEGRADED)):
             state = self._settled(state, probe)
         if state is not self.state:
-            self._log_transition(state, probe, view, engine_down=engine_down)
+            self._log_transition(state, probe, view, engine_down=engine_down,
+                                 stuck_for_s=stuck_for_s)
             self._recent.clear()
             self._recent.append(state is LifecycleState.READY)
             self._good_in_a_row = 0
@@ -165,7 +171,7 @@ class Lifecycle:
         return state
 
     def _log_transition(self, state: LifecycleState, probe: ProbeResult, view: EngineView,
-                        *, engine_down: bool) -> None:
+                        *, engine_down: bool, stuck_for_s: float | None) -> None:
         if state is LifecycleState.READY:
             served = ", ".join(view.models.models) if view.models else ""
             version = view.version
@@ -177,6 +183,16 @@ class Lifecycle:
             detail = "; ".join(probe.errors)
             if engine_down:
                 detail = "; ".join(filter(None, ("the engine process is down", detail)))
+            elif stuck_for_s is not None and view.metrics is not None:
+                detail = "; ".join(filter(None, (stuck_detail(stuck_for_s, view.metrics),
+                                                 detail)))
         level = logging.WARNING if state is LifecycleState.DEGRADED else logging.INFO
         log.log(level, "worker %s: %s -> %s%s", self._worker_id,
                 self.state.value, state.value, f" ({detail})" if detail else "")
+
+
+def stuck_detail(stuck_for_s: float, metrics: MetricsSample) -> str:
+    """Why a stuck engine's worker is `degraded`, for logs and the status page."""
+    return (f"the engine has run no step for {stuck_for_s:.0f} s while holding "
+            f"{metrics.running} running and {metrics.waiting} waiting requests (a wedged "
+            "accelerator?)")

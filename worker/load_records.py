@@ -129,9 +129,13 @@ RECORD_REFUSALS = frozenset({
 
 def static_digest(heartbeat: Heartbeat) -> int:
     """A CRC-32 of everything in `heartbeat` a load record does not carry (identity,
-    state, models, capacity, engine, TTL, signing key): equal digests, same worker."""
+    state, models, capacity, engine, TTL, signing key): equal digests, same worker. Of
+    `engine.stuck_for_s`, only whether it is set (its value grows with every beat of a
+    stuck engine; routers take it from the heartbeat that said so), and nothing while it
+    is not: digests of heartbeats without it are those of the routers before it."""
     capacity, engine = heartbeat.capacity, heartbeat.engine
-    text = "\x1f".join((
+    stuck = "" if engine.stuck_for_s is None else "\x1fstuck"
+    text = stuck + "\x1f".join((
         heartbeat.worker_id, heartbeat.region, heartbeat.endpoint,
         "\x1e".join(heartbeat.models), "\x1e".join(heartbeat.lora_adapters),
         heartbeat.state.value, str(capacity.max_num_seqs), str(capacity.kv_blocks_total),

@@ -12,7 +12,14 @@ from collections.abc import Iterator
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, GetPydanticSchema
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetPydanticSchema,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 from pydantic_core import ErrorDetails, ValidationError, core_schema
 
 SCHEMA_VERSION: Literal[1] = 1
@@ -34,6 +41,7 @@ MAX_DIGEST = 2**32 - 1  # static_digest is a CRC-32
 MAX_SENT_AT_S = 1e11  # Unix time (the year 5138)
 MAX_TTL_S = 3600.0
 MAX_LATENCY_MS = 86_400_000.0  # a day
+MAX_STUCK_S = 86_400.0  # a day (an agent reports longer as this)
 MAX_TOKENS_PER_S = 1e12
 # Sizes. The byte limits are checked before parsing (`parse_heartbeat`, `record_items`):
 # what a router keeps per worker is bounded whatever a heartbeat lists. A heartbeat as
@@ -72,6 +80,7 @@ TTL_SCHEMA = _number(MAX_TTL_S, above_low=True)
 KV_USAGE_SCHEMA = _number(1.0)
 LATENCY_SCHEMA = _number(MAX_LATENCY_MS)
 RATE_SCHEMA = _number(MAX_TOKENS_PER_S)
+STUCK_SCHEMA = _number(MAX_STUCK_S)
 
 
 def _checked_by(schema: core_schema.CoreSchema) -> GetPydanticSchema:
@@ -90,6 +99,7 @@ TtlS = Annotated[float, _checked_by(TTL_SCHEMA)]
 KvUsage = Annotated[float, _checked_by(KV_USAGE_SCHEMA)]
 LatencyMs = Annotated[float, _checked_by(LATENCY_SCHEMA)]
 TokensPerS = Annotated[float, _checked_by(RATE_SCHEMA)]
+StuckS = Annotated[float, _checked_by(STUCK_SCHEMA)]
 Names = Annotated[tuple[Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)], ...],
                   Field(max_length=MAX_NAMES)]
 
@@ -146,6 +156,19 @@ class EngineInfo(_Frozen):
         description="the metric KV usage was read from, e.g. vllm:kv_cache_usage_perc")
     metric_names: tuple[Annotated[str, Field(max_length=MAX_NAME_CHARS)], ...] = Field(
         default=(), max_length=MAX_NAMES)
+    stuck_for_s: StuckS | None = Field(
+        default=None,
+        description="how long the engine has held requests without running a step, once "
+        "that is past the agent's --stuck-after-s (a wedged GPU: its /health and /metrics "
+        "still answer); the worker is then `degraded`. None otherwise, and then left out "
+        "of the JSON, so that routers older than the field still read the heartbeat")
+
+    @model_serializer(mode="wrap")
+    def _stuck_only_when_stuck(self, handler: SerializerFunctionWrapHandler) -> object:
+        data = handler(self)
+        if self.stuck_for_s is None and isinstance(data, dict):
+            del data["stuck_for_s"]
+        return data
 
 
 class Heartbeat(_Frozen):
@@ -180,6 +203,14 @@ class Heartbeat(_Frozen):
 
     def to_json(self) -> str:
         return self.model_dump_json()
+
+    def condition(self) -> str:
+        """Its state, and why when its agent says the engine is stuck (for events)."""
+        stuck_for_s = self.engine.stuck_for_s
+        if stuck_for_s is None:
+            return self.state.value
+        return (f"{self.state.value}: its engine has run no step for {stuck_for_s:.0f} s "
+                "while holding requests")
 
     @classmethod
     def from_json(cls, payload: str | bytes) -> Heartbeat:

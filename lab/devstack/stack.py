@@ -246,6 +246,7 @@ class LocalStack:
             "--redis-url", self.redis_url, "--key-prefix", self.key_prefix,
             "--interval-s", str(self.config.heartbeat.interval_s),
             "--ttl-s", str(self.config.heartbeat.ttl_s),
+            "--stuck-after-s", str(self.config.heartbeat.stuck_after_s),
             "--max-num-seqs", str(spec.max_num_seqs),
         ]
         worker = await self._spawn(f"worker-{worker_id}", "worker", sim.region, args, "worker ",

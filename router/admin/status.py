@@ -153,7 +153,9 @@ def _worker(context: AdminContext, seen: _Seen, now_s: float) -> dict[str, Any]:
                  "router_inflight": context.inflight.own_of(view.worker_id)},
         "performance": {"ttft_ms": view.ttft_ms, "itl_ms": view.itl_ms,
                         "e2e_ms": view.e2e_ms},
-        "engine": {"kind": heartbeat.engine.kind, "version": heartbeat.engine.version},
+        "engine": {"kind": heartbeat.engine.kind, "version": heartbeat.engine.version,
+                   # set while its agent says the engine holds requests and runs no step
+                   "stuck_for_s": heartbeat.engine.stuck_for_s},
     }
 
 

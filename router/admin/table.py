@@ -111,7 +111,7 @@ def render(status: dict[str, Any]) -> str:
     lines += _table(["REGION", "HEALTH", "WORKERS", "LOAD/CAP", "KV", "SHARE", "REQ/1m",
                      "TTFT p50/p99", "ERRORS"], rows)
     lines.append("")
-    rows = [[w["id"], w["region"], w["status"],
+    rows = [[w["id"], w["region"], _status(w),
              f"{w['load']['running']}+{w['load']['waiting']}/{w['capacity']['max_num_seqs']}",
              _pct(w["load"]["kv_cache_usage"]), str(w["load"]["router_inflight"]),
              _ms(w["performance"]["ttft_ms"]), f"{w['heartbeat_age_s']:.1f}s"]
@@ -151,3 +151,10 @@ def run_status(args: argparse.Namespace) -> int:
             time.sleep(args.interval)
         except KeyboardInterrupt:
             return 0
+
+
+def _status(worker: dict[str, Any]) -> str:
+    """A worker's status, and whether its agent says its engine is stuck (no step while
+    it holds requests)."""
+    stuck_for_s = worker.get("engine", {}).get("stuck_for_s")
+    return worker["status"] if stuck_for_s is None else f"{worker['status']} (engine stuck)"

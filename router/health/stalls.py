@@ -90,9 +90,13 @@ class StallWatch:
           (they never reached its engine: a hung API server, a partition of the data
           path), or the worker has left the fleet view (its
           heartbeats stopped; the view drops a worker only while Redis answers, so an
-          outage of Redis is not taken for one). A non-streaming answer whose head came
-          `stall_after_s` ago and whose body has not ended counts as silent too (an
-          engine writes a whole answer at once: a body that never ends).
+          outage of Redis is not taken for one), or its heartbeat says that its engine
+          has run no step for a while with requests in it (`engine.stuck_for_s`: a wedged
+          accelerator, whose engine counts what it holds; this takes every attempt there
+          that has received nothing for `stall_after_s`, answered before or not). A
+          non-streaming answer whose head came `stall_after_s` ago and whose body has
+          not ended counts as silent too (an engine writes a whole answer at once: a
+          body that never ends).
         """
         # Only attempts sent `stall_after_s` ago or earlier can show a stall (every rule
         # needs that long a wait): the usual check, with every request young, stops here.
@@ -142,10 +146,19 @@ class StallWatch:
                   and (self._unending(a, now_s)
                        or (a.started_s > answered_s
                            and self._silent_s(a, now_s) >= self._stall_after_s))]
+        view = views.get(worker_id)
+        stuck_for_s = None if view is None else view.heartbeat.engine.stuck_for_s
+        if stuck_for_s is not None:
+            # Its agent says its engine has run no step for a while, with requests in it
+            # (worker.progress): whatever answered there before, nothing moves now.
+            quiet = [a for a in attempts if self._waited_s(a, now_s) >= self._stall_after_s
+                     and self._silent_s(a, now_s) >= self._stall_after_s]
+            if quiet:
+                return (f"while its agent reports no engine step for {stuck_for_s:.0f} s "
+                        "with requests in it"), min(quiet, key=_started)
         if not silent:
             return None
         oldest = min(silent, key=_started)
-        view = views.get(worker_id)
         if view is None:
             # Out of the fleet view: its heartbeats stopped or it said it is gone. (An
             # empty view says nothing: the router has not read the fleet yet.)

@@ -1,10 +1,17 @@
 """A hung worker is found within 5 s with the default settings, streaming or not, and what
-waited on it is served elsewhere; a long legitimate generation is never cut.
+waited on it is served elsewhere; a long legitimate generation is never cut. A wedged
+engine (it takes requests in and counts them, /health and /metrics answer, and it runs no
+step: a hung accelerator) is found by its agent within `heartbeat.stuck_after_s`, and the
+router retries what waits there elsewhere and sends it nothing new until it steps again.
 
 Runs `globalpool up` as a user would (real router, agents, simulators and Valkey), with the
 router's timeouts and health settings left at their defaults: `total_s` is 900 s, so a
 non-streaming request on a hung worker is rescued only if the router finds the hang
-itself (its agent's heartbeats count none of the requests sent there).
+itself (its agent's heartbeats count none of the requests sent there). The agents are
+told `heartbeat.stuck_after_s: 2` (15 s by default). Before they said so, a
+non-streaming request on a wedged engine waited for `total_s`: the engine counts it as
+running, as it counts a long generation, so no stall rule of the router's own could
+tell it from one.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ BODY = {"model": "tiny-llama", "max_tokens": 8,
         "messages": [{"role": "user", "content": "ping"}]}
 FROM_US_EAST = {"x-globalpool-client-region": "us-east"}
 ADMIN_TOKEN = "hung-workers-admin-token"
+STUCK_AFTER_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +47,11 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningUp]:
     config.write_text(yaml.safe_dump({
         "apiVersion": "globalpool/v1",
         "redis": {"url": "embedded", "key_prefix": f"gp-{tmp_path.name[-12:]}"},
-        # No timeouts, stall or heartbeat settings: the defaults (total_s 900 s). Only the
-        # ejection's backoff is capped, so that the worker each test ejects is back for the
-        # next (doubling from 1 s, the sixth ejection in a row would keep it out 30 s).
+        # No timeouts or stall settings: the defaults (total_s 900 s). Only the ejection's
+        # backoff is capped, so that the worker each test ejects is back for the next
+        # (doubling from 1 s, the sixth ejection in a row would keep it out 30 s), and
+        # the agents find a wedged engine in 2 s rather than 15.
+        "heartbeat": {"stuck_after_s": STUCK_AFTER_S},
         "router": {"region": "us-east", "host": "127.0.0.1", "port": free_port(),
                    "health": {"max_backoff_s": 2.0}},
         "admin": {"token_env": "GP_TEST_ADMIN_TOKEN"},
@@ -80,13 +90,21 @@ async def _send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
                 time.monotonic() - started, payload)
 
 
-async def _events(up: RunningUp) -> list[dict[str, Any]]:
+async def _status(up: RunningUp) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session, session.get(
             f"{up.url}/admin/status?workers=50",
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as response:
         assert response.status == 200, await response.text()
-        status = await response.json()
-    return list(status["events"])  # newest first
+        status: dict[str, Any] = await response.json()
+        return status
+
+
+def _worker(status: dict[str, Any], worker_id: str) -> dict[str, Any]:
+    return next(w for w in status["workers"] if w["id"] == worker_id)
+
+
+async def _events(up: RunningUp) -> list[dict[str, Any]]:
+    return list((await _status(up))["events"])  # newest first
 
 
 async def _wait_until_served_by(up: RunningUp, worker: str, limit_s: float = 30.0) -> None:
@@ -137,24 +155,31 @@ async def test_a_hung_worker_is_found_within_5_s_and_its_requests_served_elsewhe
     await _wait_until_served_by(up, "us-east-1")
 
 
-async def test_a_long_non_streaming_generation_is_never_cut(up: RunningUp) -> None:
-    # ~1,000 tokens at 5 ms x 2 a step: ~10 s of generation, past stall_after_s three
-    # times over, on engines that count the request as running all along.
+# ~1,000 tokens at 5 ms x 2 a step: ~10 s of generation, past stall_after_s three times
+# over, on engines that count the request as running all along; and 14 tokens at ~0.55 s
+# a step (a hundred times slower): ~8 s held, each step under the agents' stuck_after_s.
+@pytest.mark.parametrize(("slow_factor", "max_tokens"), [(2.0, 1000), (100.0, 14)],
+                         ids=["many fast steps", "few slow steps"])
+async def test_a_long_non_streaming_generation_is_never_cut(
+        up: RunningUp, slow_factor: float, max_tokens: int) -> None:
+    await _wait_until_served_by(up, "us-east-1")
     for name in ("sim-us-east-1", "sim-us-east-2"):
-        await _faults(up, name, slow_factor=2.0)
+        await _faults(up, name, slow_factor=slow_factor)
     started_unix_s = time.time()
     try:
         async with aiohttp.ClientSession() as session:
-            status, worker, elapsed_s, payload = await asyncio.wait_for(
-                _send(session, up.url, {**BODY, "max_tokens": 1000, "ignore_eos": True}), 60)
+            status, worker, elapsed_s, payload = await asyncio.wait_for(_send(
+                session, up.url, {**BODY, "max_tokens": max_tokens, "ignore_eos": True}), 60)
     finally:
         for name in ("sim-us-east-1", "sim-us-east-2"):
             await _faults(up, name, slow_factor=1.0)
     assert status == 200, payload
     assert worker.startswith("us-east-"), worker
     assert elapsed_s > 6.0, elapsed_s  # it did run long
-    new_events = [e for e in await _events(up) if e["at_unix_s"] >= started_unix_s]
+    status_now = await _status(up)
+    new_events = [e for e in status_now["events"] if e["at_unix_s"] >= started_unix_s]
     assert not [e for e in new_events if e["kind"] == "ejected"], new_events
+    assert _worker(status_now, worker)["state"] == "ready"  # not taken for a stuck engine
 
 
 async def test_a_whole_answer_whose_body_never_ends_is_served_elsewhere(up: RunningUp) -> None:
@@ -211,3 +236,56 @@ async def test_a_stalled_worker_keeps_what_could_go_nowhere_else_and_serves_it_w
     assert ejected and all("stalled" in e["detail"] for e in ejected), ejected
     assert "4 kept waiting there: no other worker can take them" in ejected[-1]["detail"]
     await _wait_until_served_by(up, "us-east-1")
+
+
+# --- a wedged engine -------------------------------------------------------------------
+
+
+async def _until(check: Any, limit_s: float, what: str) -> float:
+    """Poll `check` (async, truthy when done) every 0.1 s; the seconds it took."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        if await check():
+            return time.monotonic() - started
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{what}: not within {limit_s} s")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+async def test_what_waits_on_a_wedged_engine_is_served_elsewhere_and_it_gets_nothing_new(
+        up: RunningUp, stream: bool) -> None:
+    started_unix_s = time.time()
+    await _faults(up, "sim-us-east-1", wedge=True)
+    try:
+        async with aiohttp.ClientSession() as session:
+            sending = asyncio.gather(
+                *(_send(session, up.url, {**BODY, "stream": stream}) for _ in range(8)))
+
+            async def said_stuck() -> bool:
+                worker = _worker(await _status(up), "us-east-1")
+                return bool(worker["state"] == "degraded" and worker["engine"]["stuck_for_s"])
+            said_after_s = await _until(said_stuck, 15.0, "the agent saying stuck")
+            results = await asyncio.wait_for(sending, 60)
+            # Nothing new goes there while it is stuck.
+            later = await asyncio.gather(*(_send(session, up.url, BODY) for _ in range(8)))
+    finally:
+        await _faults(up, "sim-us-east-1", wedge=False)
+    statuses = [status for status, _, _, _ in results + later]
+    assert statuses == [200] * 16, results + later
+    assert {worker for _, worker, _, _ in results + later} <= {"us-east-2", "eu-west-1"}
+    slowest_s = max(elapsed for _, _, elapsed, _ in results)
+    kind = "streaming" if stream else "non-streaming"
+    print(f"wedged engine, {kind}: its agent said so {said_after_s:.1f} s after the first "
+          f"request; the slowest of 8 requests was served in {slowest_s:.2f} s")
+    # The agent's verdict (2 s, and a heartbeat), the router's stall_after_s (3 s) of
+    # waiting and its check (0.25 s), then the retry; not timeouts.total_s (900 s).
+    assert slowest_s < 3.0 + 2.0 + 1.0, sorted(round(e, 2) for _, _, e, _ in results)
+    events = [e for e in (await _status(up))["events"] if e["at_unix_s"] >= started_unix_s
+              and e["subject"].startswith("worker us-east-1 ") and e["kind"] == "ejected"]
+    assert events, "us-east-1 was never ejected"
+    details = " | ".join(e["detail"] for e in events)
+    assert "its engine has run no step for" in details, details  # the heartbeat's word
+    if not stream:  # (a stream's first byte overdue while others answer may show first)
+        assert "agent reports no engine step" in details, details
+    await _wait_until_served_by(up, "us-east-1")
+    assert _worker(await _status(up), "us-east-1")["engine"]["stuck_for_s"] is None

@@ -52,6 +52,11 @@ HEARTBEAT_INTERVAL_S = 0.2
 # scheduled for several seconds while a router is): 15 s.
 HEARTBEAT_TTL_S = 15.0
 PROBE_TIMEOUT_S = 2.5
+# An engine that holds requests and runs no step this long is stuck (agent's
+# --stuck-after-s; 15 s by default). Shorter than the default, so that the tier's wedged
+# engine is found in seconds; longer than any step of these CPU engines, and than the
+# 6 s pause of test_a_paused_engine_keeps_requests_that_have_nowhere_else_to_go.
+STUCK_AFTER_S = 8.0
 START_TIMEOUT_S = 300.0
 # The agents launch vLLM with --engine-nice: on this machine the engines' compute threads
 # and the control plane (agents, routers, Valkey, the test) share two cores, and each
@@ -232,7 +237,7 @@ class RealPool:
             sys.executable, "-m", "worker.cli", "--region", region,
             "--redis-url", self.redis_url, "--key-prefix", self.key_prefix,
             "--interval-s", str(HEARTBEAT_INTERVAL_S), "--ttl-s", str(HEARTBEAT_TTL_S),
-            "--probe-timeout-s", str(PROBE_TIMEOUT_S),
+            "--probe-timeout-s", str(PROBE_TIMEOUT_S), "--stuck-after-s", str(STUCK_AFTER_S),
             "--drain-timeout-s", "60", "--start-timeout-s", str(START_TIMEOUT_S),
             "--max-restart-backoff-s", "2", "--stop-timeout-s", "20",
             "--engine-log", str(engine_log),

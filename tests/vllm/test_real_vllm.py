@@ -683,6 +683,51 @@ async def test_a_paused_engine_keeps_requests_that_have_nowhere_else_to_go(
         local, round(served_s, 1), len(stalls))
 
 
+async def test_a_wedged_engine_is_reported_stuck_and_what_waits_there_served_elsewhere(
+    pool: RealPool, measurements: dict[str, Any]
+) -> None:
+    # us-east's engine core stops while it generates (SIGSTOP: a wedged accelerator, as
+    # its API server shows it: /health 200, /metrics with the counts of its last step).
+    # Its agent sees requests held and no step (vllm:iteration_tokens_total's count) for
+    # STUCK_AFTER_S and says `degraded`, engine stuck. The router then retries the
+    # non-streaming requests waiting there in eu-west: the engine counts them as running,
+    # so before the agent said so they waited for timeouts.total_s (900 s).
+    await until_served_in(pool, "us-east", "us-east")
+    server = pool.agents["us-east"].engine_pid()
+    assert server is not None
+    cores = descendants(server)
+    assert cores, "no engine-core process below the API server"
+    client = pool.async_client("us-east")
+    try:
+        sent = [asyncio.ensure_future(chat(client, 400)) for _ in range(3)]
+        await until_beat(pool, "us-east", lambda b: b.load.running >= 2, 60)
+        try:
+            for pid in cores:
+                os.kill(pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            stuck = await until_beat(pool, "us-east",
+                                     lambda b: b.engine.stuck_for_s is not None, 60)
+            said_after_s = time.monotonic() - stopped_at
+            results = await asyncio.wait_for(asyncio.gather(*sent), 120)
+            served_after_s = time.monotonic() - stopped_at
+        finally:
+            for pid in cores:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+    finally:
+        await client.close()
+    assert stuck.state is LifecycleState.DEGRADED, stuck
+    assert stuck.load.running >= 2, stuck.load
+    assert [tokens for _, _, tokens in results] == [400] * 3, results
+    assert {region for region, _, _ in results} == {"eu-west"}, results
+    back = await until_beat(pool, "us-east", lambda b: b.state is LifecycleState.READY
+                            and b.engine.stuck_for_s is None, 60)
+    assert back.engine.stuck_for_s is None
+    await until_served_in(pool, "us-east", "us-east", times=3)
+    measurements["wedged engine: said stuck after, requests served elsewhere after (s)"] = (
+        round(said_after_s, 1), round(served_after_s, 1))
+
+
 async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarted(
     pool: RealPool, measurements: dict[str, Any]
 ) -> None:

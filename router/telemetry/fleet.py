@@ -219,6 +219,7 @@ class FleetCollector:
         freshness_now = snapshot.freshness_now(self.clock())
         per_worker = self.configs.current.router.worker_metrics
         by_state: dict[tuple[str, str], int] = {}
+        stuck: dict[str, int] = {}  # region -> workers whose agent says the engine is stuck
         samples: tuple[list[str], ...] = ([], [], [], [])
         capacity, load, itl, ttft = samples
         regions: dict[str, str] = {}  # region -> its escaped label value
@@ -226,6 +227,8 @@ class FleetCollector:
             state = view.heartbeat.state.value if view.fresh(freshness_now) else "stale"
             key = (view.region, state)
             by_state[key] = by_state.get(key, 0) + 1
+            if view.heartbeat.engine.stuck_for_s is not None:
+                stuck[view.region] = stuck.get(view.region, 0) + 1
             if not per_worker:
                 continue  # router.worker_metrics: false (a count is ~0.3 us; no pauses)
             region = regions.get(view.region)
@@ -242,9 +245,11 @@ class FleetCollector:
                 await asyncio.sleep(0)
         counts = [f'{{region="{_label_value(region)}",state="{state}"}} {float(count)!r}'
                   for (region, state), count in sorted(by_state.items())]
-        families = list(zip(WORKER_GAUGES, (counts, *samples), strict=True))
+        stuck_counts = [f'{{region="{_label_value(region)}"}} {float(stuck.get(region, 0))!r}'
+                        for region in sorted({region for region, _ in by_state})]
+        families = list(zip(WORKER_GAUGES, (counts, stuck_counts, *samples), strict=True))
         return "".join(_family(name, documentation, lines) for (name, documentation), lines
-                       in (families if per_worker else families[:1])).encode()
+                       in (families if per_worker else families[:2])).encode()
 
     def _config(self) -> Iterator[Metric]:
         configs = self.configs
@@ -262,10 +267,13 @@ class FleetCollector:
                      0.0 if configs.last_error is not None else 1.0)
 
 
-# Gauges of FleetCollector.worker_exposition: workers by region and state, then a sample
-# per worker (region and worker labels).
+# Gauges of FleetCollector.worker_exposition: workers by region and state, those whose
+# engine is stuck by region, then a sample per worker (region and worker labels).
 WORKER_GAUGES = (
     ("globalpool_workers", "Workers known, by region and state."),
+    ("globalpool_workers_engine_stuck", "Workers whose agent says their engine holds "
+     "requests and has run no step for heartbeat.stuck_after_s (a wedged accelerator), "
+     "by region."),
     ("globalpool_worker_capacity_seqs", "Sequences a worker runs at once (heartbeat)."),
     ("globalpool_worker_load_seqs", "Sequences running + waiting on a worker (heartbeat)."),
     ("globalpool_worker_itl_seconds", "Inter-token latency a worker reports (heartbeat)."),

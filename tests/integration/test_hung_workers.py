@@ -265,6 +265,9 @@ async def test_what_waits_on_a_wedged_engine_is_served_elsewhere_and_it_gets_not
                 worker = _worker(await _status(up), "us-east-1")
                 return bool(worker["state"] == "degraded" and worker["engine"]["stuck_for_s"])
             said_after_s = await _until(said_stuck, 15.0, "the agent saying stuck")
+            async with session.get(f"{up.url}/metrics") as response:
+                exposition = await response.text()
+            assert 'globalpool_workers_engine_stuck{region="us-east"} 1.0' in exposition
             results = await asyncio.wait_for(sending, 60)
             # Nothing new goes there while it is stuck.
             later = await asyncio.gather(*(_send(session, up.url, BODY) for _ in range(8)))

@@ -20,20 +20,21 @@ from router.registry.snapshot import Snapshot, SnapshotHolder
 from router.registry.worker_view import WorkerView
 from router.telemetry.fleet import WORKER_GAUGES, FleetCollector
 from tests.unit.loop_turns import with_turns
-from worker.schema import Capacity, Heartbeat, LifecycleState, Load, Performance
+from worker.schema import Capacity, EngineInfo, Heartbeat, LifecycleState, Load, Performance
 
 NOW = 10.0  # the snapshot's: Redis last answered then
 
 
 def view(worker_id: str, region: str, *, slots: int = 8, running: int = 0,
          itl_ms: float | None = None, ttft_ms: float | None = None,
-         state: LifecycleState = LifecycleState.READY, received_at_s: float = 10.0
-         ) -> WorkerView:
+         state: LifecycleState = LifecycleState.READY, received_at_s: float = 10.0,
+         stuck_for_s: float | None = None) -> WorkerView:
     return WorkerView(Heartbeat(
         worker_id=worker_id, region=region, endpoint="http://127.0.0.1:1", models=("m",),
         state=state, capacity=Capacity(max_num_seqs=slots),
         load=Load(running=running, waiting=1, kv_cache_usage=None),
         performance=Performance(itl_ms=itl_ms, ttft_ms=ttft_ms),
+        engine=EngineInfo(stuck_for_s=stuck_for_s),
         seq=1, sent_at_s=1.0, ttl_s=2.0), received_at_s=received_at_s)
 
 
@@ -44,13 +45,18 @@ class PrometheusClientWay:
         self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        (name, documentation), *per_worker = WORKER_GAUGES
+        (name, documentation), (stuck_name, stuck_documentation), *per_worker = WORKER_GAUGES
         workers = GaugeMetricFamily(name, documentation, labels=["region", "state"])
         by_state = Counter(
             (v.region, v.heartbeat.state.value if v.fresh(NOW) else "stale")
             for v in self.snapshot.workers.values())
         for (region, state), count in sorted(by_state.items()):
             workers.add_metric([region, state], float(count))
+        stuck = GaugeMetricFamily(stuck_name, stuck_documentation, labels=["region"])
+        stuck_by_region = Counter(v.region for v in self.snapshot.workers.values()
+                                  if v.heartbeat.engine.stuck_for_s is not None)
+        for region in sorted({v.region for v in self.snapshot.workers.values()}):
+            stuck.add_metric([region], float(stuck_by_region[region]))
         families = [GaugeMetricFamily(name, documentation, labels=["region", "worker"])
                     for name, documentation in per_worker]
         capacity, load, itl, ttft = families
@@ -63,6 +69,7 @@ class PrometheusClientWay:
             if v.ttft_ms is not None:
                 ttft.add_metric(labels, v.ttft_ms / 1000.0)
         yield workers
+        yield stuck
         yield from families
 
 
@@ -85,6 +92,7 @@ async def test_written_as_prometheus_client_writes_them() -> None:
         view("c", 'odd "region"\\with\nall three', itl_ms=7.0),  # escaped label value
         view("d", "us-east"),  # neither ITL nor TTFT reported: no sample
         view("e", "us-east", state=LifecycleState.DRAINING),
+        view("g", "us-east", state=LifecycleState.DEGRADED, stuck_for_s=15.0),
         view("f", "eu-west", received_at_s=5.0))  # its TTL (2 s) ran out: stale
     reference = CollectorRegistry()
     reference.register(PrometheusClientWay(snapshot))
@@ -131,9 +139,12 @@ async def test_worker_metrics_off_keeps_only_the_count_by_region_and_state() -> 
     fleet, _ = collector(*views, worker_metrics=False)
     text = (await fleet.worker_exposition()).decode()
     families = list(text_string_to_metric_families(text))
-    assert [f.name for f in families] == ["globalpool_workers"]
+    assert [f.name for f in families] == ["globalpool_workers",
+                                          "globalpool_workers_engine_stuck"]
     assert {s.labels["region"]: s.value for s in families[0].samples} == {
         "r0": 834.0, "r1": 833.0, "r2": 833.0}
+    assert {s.labels["region"]: s.value for s in families[1].samples} == {
+        "r0": 0.0, "r1": 0.0, "r2": 0.0}  # (0 rather than no sample: alerts see it)
     # the same count as with them on, in a fraction of the text
     on, _ = collector(*views)
     full = (await on.worker_exposition()).decode()

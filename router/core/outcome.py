@@ -23,10 +23,13 @@ class Reschedulable(Protocol):
 
 
 class ReadCounter(Protocol):
-    """An upstream connection as passive health sees it: how many reads it has made."""
+    """An upstream connection as passive health sees it: how many reads it has made, and
+    `close` (health cuts a stream whose engine is stuck: router.health.stalls)."""
 
     @property
     def reads(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class Prediction(NamedTuple):

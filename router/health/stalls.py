@@ -23,6 +23,10 @@ HEARTBEAT_SLACK_S = 0.5
 # Kept attempts on a stalled worker asked, at most, each check whether their requests
 # could go elsewhere now (StallWatch.release): each ask is a routing decision.
 ASKS_PER_CHECK = 32
+# A stream under way on an engine its agent says is stuck is cut once nothing has come
+# for this long: the report already stands for seconds without a step, and an engine
+# that has since come back (its next heartbeat not here yet) sends chunks within a step.
+STUCK_SILENCE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,8 @@ class StallWatch:
         self._stall_factor = stall_factor
         self._views = views  # the current snapshot's workers, for their own reports
         self._awaiting: dict[int, Attempt] = {}  # attempts before their first byte
+        # Streams past their first byte, once `find` has seen it (see `stuck_streams`).
+        self._under_way: dict[int, Attempt] = {}
         # Answers on their way (Attempt.answering): the read count last seen, and when.
         self._silence: dict[int, tuple[int, float]] = {}
         self._paused_s: dict[int, float] = {}  # waiting time the router was not running
@@ -56,6 +62,11 @@ class StallWatch:
         """Whether any attempt waits for its first byte."""
         return bool(self._awaiting)
 
+    @property
+    def under_way(self) -> bool:
+        """Whether any stream is under way past its first byte (see `cut_stuck_streams`)."""
+        return bool(self._under_way)
+
     def dispatched(self, attempt: Attempt) -> None:
         """`attempt` waits for its first byte from now (see `find`)."""
         self._awaiting[id(attempt)] = attempt
@@ -63,6 +74,8 @@ class StallWatch:
     def finished(self, attempt: Attempt) -> None:
         if self._awaiting.pop(id(attempt), None) is not None:
             self._saw_first_byte(attempt)
+        elif self._under_way:
+            self._under_way.pop(id(attempt), None)
 
     def paused(self, paused_s: float) -> None:
         """This process was not running for `paused_s` (its host stalled): the attempts
@@ -106,10 +119,13 @@ class StallWatch:
             if attempt.first_byte_s is not None:
                 del self._awaiting[key]
                 self._saw_first_byte(attempt)
+                if attempt.streamed:
+                    self._under_way[key] = attempt
             elif attempt.started_s <= sent_before_s:
                 waiting.setdefault(attempt.worker_id, []).append(attempt)
         if self._silence:
-            for key in [key for key in self._silence if key not in self._awaiting]:
+            for key in [key for key in self._silence
+                        if key not in self._awaiting and key not in self._under_way]:
                 del self._silence[key]
         if not waiting:
             return []
@@ -171,6 +187,30 @@ class StallWatch:
             return None
         return (f"while its heartbeat counts {view.reported_load} sequences of the "
                 f"{sent_before} sent there before it"), oldest
+
+    def cut_stuck_streams(self, now_s: float) -> dict[tuple[str, str], tuple[int, float]]:
+        """Cut the streams under way (past their first byte) on workers whose agent says
+        the engine holds requests and runs no step (`engine.stuck_for_s`), from which
+        nothing has arrived for STUCK_SILENCE_S since: their clients keep what they got, and
+        the router continues each elsewhere (mid-stream failover) instead of waiting
+        `timeouts.idle_s` (60 s) for a chunk. (worker, region) -> (streams cut, how long
+        its engine has been stuck)."""
+        if not self._under_way:
+            return {}
+        views = self._views()
+        cut: dict[tuple[str, str], tuple[int, float]] = {}
+        for key, attempt in list(self._under_way.items()):
+            view = views.get(attempt.worker_id)
+            stuck_for_s = None if view is None else view.heartbeat.engine.stuck_for_s
+            connection = attempt.answering
+            if stuck_for_s is None or connection is None:
+                self._silence.pop(key, None)
+            elif self._silent_s(attempt, now_s) >= STUCK_SILENCE_S:
+                del self._under_way[key]
+                connection.close()
+                where = (attempt.worker_id, attempt.region)
+                cut[where] = (cut.get(where, (0, 0.0))[0] + 1, stuck_for_s)
+        return cut
 
     def release(self, stall: Stall, now_s: float) -> tuple[int, int]:
         """Abandon the attempts of `stall` whose requests could go to another worker now

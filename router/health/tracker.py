@@ -296,6 +296,9 @@ class Health:
             if kept:
                 detail += f"; {kept} kept waiting there: no other worker can take them"
             self._event(now_s, worker_id, stall.region, "ejected", detail)
+        for (worker_id, region), (cut, stuck_s) in self._stalls.cut_stuck_streams(now_s).items():
+            self._event(now_s, worker_id, region, "streams cut", f"{cut} silent stream(s) "
+                        f"cut, to go on elsewhere: its agent reports no step for {stuck_s:.0f} s")
         return stalled
 
     def check_overdue(self, *, late: bool = False) -> None:
@@ -367,6 +370,8 @@ class Health:
                     self.check_stalls()
             else:
                 self._forget_overdue(self._clock())
+                if stall_check_due and self._stalls.under_way:  # (streams a stuck engine holds)
+                    self.check_stalls()
             if loop.time() >= next_prune_s:
                 self.prune()
                 next_prune_s = loop.time() + PRUNE_EVERY_S

@@ -211,6 +211,7 @@ async def _pass_on(
     watchdog = IdleWatchdog(loop, upstream, exchange, timeouts, client_stall_s,
                             client_stalled)
     reads_before = upstream.reads  # (the relay starts when awaited)
+    attempt.answering = upstream  # health may cut it (its engine stuck: Health.check_stalls)
     try:
         broken = await relaying
         attempt.stream_ended_s = time.monotonic()
@@ -232,6 +233,7 @@ async def _pass_on(
         upstream.close()
         raise
     finally:
+        attempt.answering = None
         watchdog.cancel()
         upstream.release()  # closes it unless the answer was read to its end
 

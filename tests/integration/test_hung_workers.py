@@ -17,6 +17,7 @@ tell it from one.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ import pytest
 import yaml
 
 from lab.devstack.valkey import free_port
-from tests.integration.operators_fleet import admin
+from tests.integration.operators_fleet import admin, scrape, value
 from tests.integration.stack import RunningUp, pid_alive, start_up
 
 pytestmark = pytest.mark.integration
@@ -292,3 +293,55 @@ async def test_what_waits_on_a_wedged_engine_is_served_elsewhere_and_it_gets_not
         assert "agent reports no engine step" in details, details
     await _wait_until_served_by(up, "us-east-1")
     assert _worker(await _status(up), "us-east-1")["engine"]["stuck_for_s"] is None
+
+
+async def test_a_stream_under_way_when_its_engine_wedges_goes_on_elsewhere(up: RunningUp
+                                                                          ) -> None:
+    # 600 tokens at ~5.5 ms a step (~3.3 s); its engine wedges after 20. Its agent says
+    # so in 2 s, and once the stream has been silent for stall_after_s (3 s) the router
+    # cuts it and continues it on another worker (mid-stream failover), where it used to
+    # wait timeouts.idle_s (60 s) for a chunk. The client sees one whole stream.
+    await _wait_until_served_by(up, "us-east-1")
+    continued_before = value(await scrape(up.url), "globalpool_stream_failovers_total",
+                             outcome="continued")
+    body = {**BODY, "stream": True, "max_tokens": 600, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    events: list[dict[str, Any]] = []
+    done = 0
+    wedged: str | None = None
+    started_unix_s = time.time()
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"{up.url}/v1/chat/completions", json=body, headers=FROM_US_EAST) as response:
+            assert response.status == 200
+            worker = response.headers["x-globalpool-worker"]
+            async for line in response.content:
+                if not line.startswith(b"data: "):
+                    continue
+                if line.strip() == b"data: [DONE]":
+                    done += 1
+                    continue
+                events.append(json.loads(line[6:]))
+                if wedged is None and len(events) == 20:
+                    wedged = f"sim-{worker}"
+                    await _faults(up, wedged, wedge=True)
+                    wedged_at = time.monotonic()
+            ended_after_s = time.monotonic() - wedged_at
+    finally:
+        if wedged is not None:
+            await _faults(up, wedged, wedge=False)
+    assert wedged is not None, events
+    print(f"a stream whose engine wedged after 20 tokens ended {ended_after_s:.1f} s later")
+    assert done == 1
+    assert {event["id"] for event in events} == {events[0]["id"]}
+    finished = [choice["finish_reason"] for event in events for choice in event["choices"]
+                if choice.get("finish_reason")]
+    assert finished == ["length"], finished
+    assert events[-1]["usage"]["completion_tokens"] == 600, events[-1]
+    assert ended_after_s < 15.0  # stuck_after_s + stall_after_s + the rest, not idle_s
+    cut = [e for e in (await _status(up))["events"] if e["at_unix_s"] >= started_unix_s
+           and e["kind"] == "streams cut"]
+    assert [e["subject"].split()[1] for e in cut] == [worker], cut
+    assert value(await scrape(up.url), "globalpool_stream_failovers_total",
+                 outcome="continued") == continued_before + 1
+    await _wait_until_served_by(up, worker)

@@ -10,6 +10,7 @@ import pytest
 
 from router.core.outcome import Attempt
 from router.health import BreakerPolicy, BreakerState, Health
+from router.health.stalls import STUCK_SILENCE_S
 from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import FakeClock, view
 from worker.schema import EngineInfo, LifecycleState
@@ -64,6 +65,10 @@ class Connection:
 
     def __init__(self) -> None:
         self.reads = 0
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def test_a_stuck_report_takes_only_requests_that_have_been_silent_stall_after_s() -> None:
@@ -82,3 +87,42 @@ def test_a_stuck_report_takes_only_requests_that_have_been_silent_stall_after_s(
     # Once it stops moving for stall_after_s, the report is believed.
     clock.now = 3.9 + 3.0
     assert health.check_stalls() == ["a"]
+
+
+def under_way(health: Health, worker_id: str, started_s: float) -> Connection:
+    """A stream sent at `started_s` whose first byte came 0.1 s later, relayed since."""
+    stream = Attempt(worker_id=worker_id, region="us-east", predicted_ttft_ms=50.0,
+                     reason="local", started_s=started_s, streamed=True)
+    health.dispatched(stream)
+    stream.first_byte_s = started_s + 0.1
+    stream.answering = connection = Connection()
+    return connection
+
+
+def test_streams_under_way_on_a_stuck_engine_are_cut_once_silent_to_go_on_elsewhere() -> None:
+    clock = FakeClock(0.0)
+    views = {"a": view("a", running=2, received_at_s=1.0),
+             "b": view("b", running=1, received_at_s=1.0)}
+    health = Health(POLICY, clock=clock, stall_after_s=3.0, views=lambda: views)
+    on_a, on_b = under_way(health, "a", 0.0), under_way(health, "b", 0.0)
+    moving = under_way(health, "a", 0.0)
+    clock.now = 0.5
+    assert health.check_stalls() == []  # (seen past their first byte: under way)
+    # Both silent from here (a wedged engine, a long pause between chunks); only a's
+    # agent says its engine is stuck. `moving` still gets chunks (the report is stale).
+    views["a"] = stuck(views["a"], 15.0)
+    for tick in range(1, 60):
+        clock.now = 0.5 + 0.1 * tick
+        moving.reads += 1
+        health.check_stalls()
+        if on_a.closed:
+            break
+    # Its silence is counted from the first check that knew of the report (0.6 s).
+    assert on_a.closed and clock.now == pytest.approx(0.6 + STUCK_SILENCE_S), clock.now
+    assert not on_b.closed and not moving.closed
+    assert health.events[-1].kind == "streams cut"
+    assert health.events[-1].detail == ("1 silent stream(s) cut, to go on elsewhere: its "
+                                        "agent reports no step for 15 s")
+    clock.now = 30.0
+    health.check_stalls()
+    assert not on_b.closed  # a long silence with no report is idle_s's to judge

@@ -691,16 +691,19 @@ async def test_a_wedged_engine_is_reported_stuck_and_what_waits_there_served_els
     # Its agent sees requests held and no step (vllm:iteration_tokens_total's count) for
     # STUCK_AFTER_S and says `degraded`, engine stuck. The router then retries the
     # non-streaming requests waiting there in eu-west: the engine counts them as running,
-    # so before the agent said so they waited for timeouts.total_s (900 s).
+    # so before the agent said so they waited for timeouts.total_s (900 s). The stream
+    # under way there is cut and finished by eu-west's engine (mid-stream failover),
+    # where it waited timeouts.idle_s (60 s) for a chunk.
     await until_served_in(pool, "us-east", "us-east")
+    continued_before = await router_failovers(pool, "continued")
     server = pool.agents["us-east"].engine_pid()
     assert server is not None
     cores = descendants(server)
     assert cores, "no engine-core process below the API server"
     client = pool.async_client("us-east")
     try:
-        sent = [asyncio.ensure_future(chat(client, 400)) for _ in range(3)]
-        await until_beat(pool, "us-east", lambda b: b.load.running >= 2, 60)
+        sent = [asyncio.ensure_future(chat(client, 400, stream=i == 2)) for i in range(3)]
+        await until_beat(pool, "us-east", lambda b: b.load.running >= 3, 60)
         try:
             for pid in cores:
                 os.kill(pid, signal.SIGSTOP)
@@ -717,15 +720,17 @@ async def test_a_wedged_engine_is_reported_stuck_and_what_waits_there_served_els
     finally:
         await client.close()
     assert stuck.state is LifecycleState.DEGRADED, stuck
-    assert stuck.load.running >= 2, stuck.load
-    assert [tokens for _, _, tokens in results] == [400] * 3, results
-    assert {region for region, _, _ in results} == {"eu-west"}, results
+    assert stuck.load.running >= 3, stuck.load
+    assert [tokens for _, _, tokens in results] == [400] * 3, results  # the whole answer
+    # (a stream's headers name the worker it started on)
+    assert [region for region, _, _ in results] == ["eu-west", "eu-west", "us-east"], results
+    assert await router_failovers(pool, "continued") == continued_before + 1
     back = await until_beat(pool, "us-east", lambda b: b.state is LifecycleState.READY
                             and b.engine.stuck_for_s is None, 60)
     assert back.engine.stuck_for_s is None
     await until_served_in(pool, "us-east", "us-east", times=3)
-    measurements["wedged engine: said stuck after, requests served elsewhere after (s)"] = (
-        round(said_after_s, 1), round(served_after_s, 1))
+    measurements["wedged engine: said stuck after, 2 answers and 1 stream served elsewhere "
+                 "after (s)"] = (round(said_after_s, 1), round(served_after_s, 1))
 
 
 async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarted(

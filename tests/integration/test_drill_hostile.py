@@ -2,7 +2,7 @@
 router is expected to pass.
 
 The quick matrix is each worker fault with a normal client and each client behaviour
-against a worker that never answers (16 cells, two lanes of 3 healthy workers + 1 bad, a
+against a worker that never answers (17 cells, two lanes of 3 healthy workers + 1 bad, a
 fresh router per cell): ~2 minutes on an idle 2-CPU machine.
 """
 

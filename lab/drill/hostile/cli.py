@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "first fault, instead of every pair (minutes fewer)")
     parser.add_argument("--faults", default=",".join(WORKER_FAULTS),
                         help="worker faults, comma-separated (default: %(default)s; also "
-                        "short_content_length)")
+                        "short_content_length); `wedge` is an engine that takes requests in "
+                        "and runs no step, the others ways of answering wrongly")
     parser.add_argument("--clients", default=",".join(CLIENT_BEHAVIOURS),
                         help="client behaviours, comma-separated (default: %(default)s)")
     parser.add_argument("--lanes", type=int, default=2,
@@ -64,6 +65,7 @@ def main(argv: Sequence[str]) -> int:
     from lab.drill.hostile.behaviours import BEHAVIOURS
     from lab.drill.hostile.cell import CellSettings
     from lab.drill.hostile.clients import ClientSettings
+    from lab.drill.hostile.lane import WEDGE
     from lab.drill.hostile.run import HostileOptions, run_hostile
     from lab.drill.run import command_line
     from router.event_loop import new_event_loop
@@ -71,7 +73,7 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    faults_known = [mode for mode in get_args(Misbehaviour) if mode != "none"]
+    faults_known = [*(mode for mode in get_args(Misbehaviour) if mode != "none"), WEDGE]
     try:
         faults = _names(args.faults, faults_known, "--faults")
         clients = _names(args.clients, list(BEHAVIOURS), "--clients")

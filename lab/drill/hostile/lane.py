@@ -55,7 +55,8 @@ def lane_document(index: int, healthy_workers: int, port: int) -> dict[str, Any]
         "apiVersion": "globalpool/v1",
         "redis": {"url": "embedded", "key_prefix": f"gp-hostile-{index}"},
         "router": router,
-        "heartbeat": {"interval_s": 0.25, "ttl_s": 2.0},
+        # (a wedged engine is found by its agent in 1 s: the `wedge` fault)
+        "heartbeat": {"interval_s": 0.25, "ttl_s": 2.0, "stuck_after_s": 1.0},
         "regions": {REGION: {
             "rtt_ms": {REGION: 1}, "models": [MODEL],
             "simulated": {"workers": healthy_workers + 1, "max_num_seqs": 32,
@@ -63,6 +64,11 @@ def lane_document(index: int, healthy_workers: int, port: int) -> dict[str, Any]
                           "decode_step_ms_per_seq": 0.05, "prefill_tokens_per_s": 50000},
         }},
     }
+
+
+# The fault that is not a way of answering but an engine that runs no step (lab.sim's
+# `wedge` knob): a hung accelerator, /health and /metrics answering.
+WEDGE = "wedge"
 
 
 class Lane:
@@ -168,7 +174,11 @@ class Lane:
         await asyncio.sleep(_WARM_UP_HEARTBEATS * self.stack.config.heartbeat.interval_s)
 
     async def set_fault(self, mode: str, **knobs: Any) -> None:
-        await self.stack.set_sim_faults(self.bad_sim, misbehave=mode, **knobs)
+        """The bad worker's fault: a `misbehave` mode, `wedge` (its engine takes requests
+        in, counts them and runs no step), or `none`."""
+        wedge = mode == WEDGE
+        await self.stack.set_sim_faults(self.bad_sim, misbehave="none" if wedge else mode,
+                                        wedge=wedge, **knobs)
 
     async def arrivals(self) -> dict[str, Any]:
         """The bad worker's GET /sim/arrivals (since its knobs last changed)."""

@@ -28,7 +28,8 @@ from lab.drill.hostile.report import build_report, write_outputs
 # The faults and behaviours of the issue, in its order (the simulator can play
 # short_content_length too: --faults names it).
 WORKER_FAULTS = ("no_answer", "headers_then_hang", "half_body_close", "wrong_content_length",
-                 "huge_headers", "endless_body", "garbage", "reset_mid_stream", "slow_tokens")
+                 "huge_headers", "endless_body", "garbage", "reset_mid_stream", "slow_tokens",
+                 "wedge")
 CLIENT_BEHAVIOURS = ("normal", "slow_reader", "reads_then_stalls", "disconnects_before_headers",
                      "disconnects_after_headers", "disconnects_mid_stream", "big_body",
                      "idle_connections")
@@ -147,7 +148,8 @@ def _settings(options: HostileOptions) -> dict[str, Any]:
         "heartbeat": document["heartbeat"],
         "isolation": "a fresh router process per cell (no breaker, retry budget, latency "
                      "penalty, connection pool or memory carries over); the bad worker's "
-                     "misbehave knob set at the cell's start and cleared at its end; every "
+                     "misbehave (or wedge) knob set at the cell's start and cleared at its "
+                     "end; every "
                      "simulator warmed up with 2 direct requests before each cell so that "
                      "all report a recent TTFT",
     }

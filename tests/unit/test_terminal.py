@@ -57,3 +57,14 @@ def test_render_escapes_every_string_of_the_status() -> None:
     assert not _unsafe(table), repr(table)
     assert "disk \\u202e\\x07\\x1b[2J" in table
     assert not any(line.startswith("next") for line in table.splitlines())  # no forged row
+
+
+def test_a_worker_whose_engine_is_stuck_says_so_in_the_table() -> None:
+    status = _status()
+    worker = status["workers"][0]
+    assert " (engine stuck)" not in render(status)  # (no "engine" at all: an older router)
+    worker["status"], worker["engine"] = "ejected", {"kind": "vllm", "stuck_for_s": 15.0}
+    row = next(line for line in render(status).splitlines() if line.startswith("w"))
+    assert "ejected (engine stuck)" in row, row
+    worker["engine"]["stuck_for_s"] = None
+    assert " (engine stuck)" not in render(status)

@@ -301,7 +301,8 @@ async def test_a_reload_turns_the_per_worker_gauges_off(fleet: OpsFleet, redis_u
     assert status == 200 and body["result"] == "reloaded"
     _, body = await admin(fleet.url, "GET", "/admin/status")
     assert body["config"]["restart_required"] == []
-    assert await worker_families() == {"globalpool_workers"}
+    # (the counts by region and state, and of stuck engines by region, stay)
+    assert await worker_families() == {"globalpool_workers", "globalpool_workers_engine_stuck"}
 
 
 async def test_status_lists_some_workers_problems_first_and_summarises_all(

@@ -36,13 +36,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from worker import redis_client
 from worker.agent import AgentSettings, serve
 from worker.heartbeat import HeartbeatTiming, WorkerIdentity
+from worker.progress import STUCK_AFTER_S
 from worker.schema import MAX_SEQS
 from worker.signing import KEY_ID_ENV, KEYS_ENV, HeartbeatSigner, SigningKeyError
 from worker.supervisor import EngineCommand, RestartPolicy
 
 DEFAULT_INTERVAL_S = 0.5
 DEFAULT_TTL_S = 2.0
-DEFAULT_STUCK_AFTER_S = 15.0
 DEFAULT_KEY_PREFIX = "globalpool"
 # vLLM's default --max-num-seqs; /metrics does not expose the configured value.
 DEFAULT_MAX_NUM_SEQS = 256
@@ -78,7 +78,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stuck-after-s", type=float,
                         help="say `degraded` once the engine has held requests this long "
                         "without running an engine step (a wedged GPU) (default: --config's "
-                        f"heartbeat.stuck_after_s, then {DEFAULT_STUCK_AFTER_S:g})")
+                        f"heartbeat.stuck_after_s, then {STUCK_AFTER_S:g})")
     parser.add_argument("--max-num-seqs", type=int,
                         help="the engine's --max-num-seqs: sequences it runs at once "
                         "(default: the launched command's, then "
@@ -199,7 +199,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
             "one late heartbeat does not drop the worker, and at most 3600"
         )
     stuck_after_s: float = _first(args.stuck_after_s, config.heartbeat.stuck_after_s,
-                                  DEFAULT_STUCK_AFTER_S)
+                                  STUCK_AFTER_S)
     if not 0 < stuck_after_s < math.inf:
         raise WorkerConfigError(f"--stuck-after-s {stuck_after_s:g}: must be a number > 0")
     max_num_seqs = _max_num_seqs(args, launch)

@@ -24,7 +24,7 @@ from worker.lifecycle import EngineView as EngineView
 from worker.lifecycle import Lifecycle
 from worker.lifecycle import next_state as next_state
 from worker.probe import ProbeResult, ServedModels
-from worker.progress import ProgressWatch
+from worker.progress import STUCK_AFTER_S, ProgressWatch
 from worker.publisher import RedisUnavailableError
 from worker.schema import Capacity, EngineInfo, Heartbeat, LifecycleState, Load, Performance
 
@@ -82,7 +82,7 @@ class HeartbeatTiming:
     failed_probes_to_degrade: int = 2
     probe_window: int = 4
     good_probes_to_recover: int = 3
-    stuck_after_s: float = 15.0
+    stuck_after_s: float = STUCK_AFTER_S
 
 
 def jittered(interval_s: float, rng: random.Random, fraction: float = JITTER_FRACTION) -> float:

@@ -22,6 +22,9 @@ from __future__ import annotations
 from worker.engine_metrics import GENERATION_TOKENS_COUNTER, PROMPT_TOKENS_COUNTER, MetricsSample
 from worker.schema import MAX_STUCK_S
 
+# How long an engine may hold requests without a step before it is stuck, by default
+# (--stuck-after-s; regions.yaml's heartbeat.stuck_after_s).
+STUCK_AFTER_S = 15.0
 # Observed once per engine step (vLLM 0.6 and later).
 STEP_COUNT = "vllm:iteration_tokens_total_count"
 # Without it: tokens prefilled or generated (each moves only at some steps' ends).

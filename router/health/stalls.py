@@ -49,7 +49,7 @@ class StallWatch:
         self._stall_factor = stall_factor
         self._views = views  # the current snapshot's workers, for their own reports
         self._awaiting: dict[int, Attempt] = {}  # attempts before their first byte
-        # Streams past their first byte, once `find` has seen it (see `stuck_streams`).
+        # Streams past their first byte, once `find` has seen it (see `cut_stuck_streams`).
         self._under_way: dict[int, Attempt] = {}
         # Answers on their way (Attempt.answering): the read count last seen, and when.
         self._silence: dict[int, tuple[int, float]] = {}

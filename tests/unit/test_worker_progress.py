@@ -23,6 +23,11 @@ from worker.signing import HeartbeatSigner, verify_payload, verify_signature
 CAPTURE = (Path(__file__).resolve().parents[1] / "fixtures" /
            "vllm-0.32-cpu-metrics.txt").read_text()
 MODELS = ServedModels(("tiny-llama",), ())
+# The capture without anything that moves as the engine steps.
+NO_PROGRESS_COUNT = "\n".join(line for line in CAPTURE.splitlines()
+                              if not line.startswith(("vllm:iteration_tokens_total",
+                                                      "vllm:prompt_tokens_total",
+                                                      "vllm:generation_tokens_total")))
 
 
 def metrics(*, steps: float | None = 1223.0, running: int = 0, waiting: int = 0,
@@ -46,11 +51,7 @@ def metrics(*, steps: float | None = 1223.0, running: int = 0, waiting: int = 0,
 def test_the_step_count_is_read_from_a_real_capture_or_else_the_token_counters() -> None:
     assert steps_of(parse_metrics(CAPTURE)) == 1223.0  # vllm:iteration_tokens_total_count
     assert steps_of(metrics(steps=None)) == 8069.0 + 14400.0  # prompt + generation tokens
-    bare = "\n".join(line for line in CAPTURE.splitlines()
-                     if not line.startswith(("vllm:iteration_tokens_total",
-                                             "vllm:prompt_tokens_total",
-                                             "vllm:generation_tokens_total")))
-    assert steps_of(parse_metrics(bare)) is None
+    assert steps_of(parse_metrics(NO_PROGRESS_COUNT)) is None
 
 
 def every_half_second(watch: ProgressWatch, sample: MetricsSample, from_s: float,
@@ -103,11 +104,7 @@ def test_a_restarted_engine_counting_from_zero_is_movement_and_a_day_is_the_most
 
 
 def test_an_engine_without_any_progress_count_is_never_called_stuck() -> None:
-    bare = "\n".join(line for line in CAPTURE.splitlines()
-                     if not line.startswith(("vllm:iteration_tokens_total",
-                                             "vllm:prompt_tokens_total",
-                                             "vllm:generation_tokens_total")))
-    held = metrics(steps=None, running=5, text=bare + "\n")
+    held = metrics(steps=None, running=5, text=NO_PROGRESS_COUNT + "\n")
     watch = ProgressWatch(stuck_after_s=1.0)
     assert [watch.observe(held, now) for now in (0.0, 10.0, 1000.0)] == [None] * 3
 

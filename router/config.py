@@ -264,6 +264,14 @@ class SimulatedPool(_Strict):
     prefill_tokens_per_s: float = Field(default=8000.0, gt=0)
     decode_step_ms: float = Field(default=15.0, gt=0)
     decode_step_ms_per_seq: float = Field(default=0.5, ge=0)
+    max_model_len: int = Field(default=4096, ge=1, description="context length in tokens")
+
+    @model_validator(mode="after")
+    def _one_sequence_fits_the_cache(self) -> SimulatedPool:  # (else vLLM does not start)
+        if self.max_model_len > self.kv_blocks * self.block_size:
+            raise ValueError(f"max_model_len {self.max_model_len} does not fit the KV cache "
+                             f"of kv_blocks x block_size = {self.kv_blocks * self.block_size}")
+        return self
 
 
 class RegionConfig(_Strict):

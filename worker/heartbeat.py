@@ -124,6 +124,7 @@ def build_heartbeat(
             max_num_seqs=identity.max_num_seqs,
             kv_blocks_total=metrics.kv_blocks_total if metrics else None,
             block_size_tokens=metrics.block_size_tokens if metrics else None,
+            max_model_len=models.max_model_len,
         ),
         load=Load(
             running=metrics.running if metrics else 0,

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from worker.engine_metrics import MetricsSample, parse_metrics
-from worker.schema import MAX_NAME_CHARS, MAX_NAMES
+from worker.schema import MAX_CONTEXT_TOKENS, MAX_NAME_CHARS, MAX_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +45,26 @@ class ServedModels:
 
     models: tuple[str, ...]
     lora_adapters: tuple[str, ...]
+    # The engine's context length (vLLM's `max_model_len` on each card: one per server,
+    # the smallest if its cards differ); None when no card says.
+    max_model_len: int | None = None
 
 
 def parse_models(payload: Any) -> ServedModels:
-    """Split an OpenAI /v1/models answer into base models and LoRA adapters.
+    """Split an OpenAI /v1/models answer into base models and LoRA adapters, with the
+    context length the cards give.
 
     vLLM sets `parent` on adapters only. `root` is not used: with --served-model-name a
-    base model's `root` (its path) differs from its `id` too.
+    base model's `root` (its path) differs from its `id` too. A `max_model_len` that is
+    not a whole number of tokens within the heartbeat's limits is left out (unknown), as
+    an engine that names none: routers then never route by it.
     """
     data = payload.get("data") if isinstance(payload, dict) else None
     if not isinstance(data, list):
         raise ValueError("expected an object with a 'data' list")
     models: list[str] = []
     adapters: list[str] = []
+    lengths: list[int] = []
     for entry in data:
         if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
             raise ValueError("every entry needs a string 'id'")
@@ -65,10 +72,13 @@ def parse_models(payload: Any) -> ServedModels:
             raise ValueError(f"a model id of {len(entry['id'])} characters (a heartbeat "
                              f"carries 1 to {MAX_NAME_CHARS})")
         (adapters if entry.get("parent") else models).append(entry["id"])
+        length = entry.get("max_model_len")
+        if type(length) is int and 1 <= length <= MAX_CONTEXT_TOKENS:
+            lengths.append(length)
     if max(len(models), len(adapters)) > MAX_NAMES:
         raise ValueError(f"{len(models)} models and {len(adapters)} adapters (a heartbeat "
                          f"carries at most {MAX_NAMES} of each)")
-    return ServedModels(tuple(models), tuple(adapters))
+    return ServedModels(tuple(models), tuple(adapters), min(lengths, default=None))
 
 
 @dataclass(frozen=True)

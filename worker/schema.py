@@ -36,6 +36,7 @@ SCHEMA_VERSION: Literal[1] = 1
 MAX_SEQS = 10_000_000  # running, waiting, max_num_seqs
 MAX_KV_BLOCKS = 1_000_000_000
 MAX_BLOCK_SIZE_TOKENS = 1 << 20
+MAX_CONTEXT_TOKENS = 1 << 30  # max_model_len (the largest models serve ~10M)
 MAX_SEQ = 2**63 - 1  # a heartbeat's sequence number (an int64)
 MAX_DIGEST = 2**32 - 1  # static_digest is a CRC-32
 MAX_SENT_AT_S = 1e11  # Unix time (the year 5138)
@@ -73,6 +74,7 @@ SEQS_SCHEMA = _count(MAX_SEQS)
 SLOTS_SCHEMA = _count(MAX_SEQS, low=1)
 KV_BLOCKS_SCHEMA = _count(MAX_KV_BLOCKS)
 BLOCK_SIZE_SCHEMA = _count(MAX_BLOCK_SIZE_TOKENS, low=1)
+CONTEXT_SCHEMA = _count(MAX_CONTEXT_TOKENS, low=1)
 ORDER_SCHEMA = _count(MAX_SEQ)
 DIGEST_SCHEMA = _count(MAX_DIGEST)
 SENT_AT_SCHEMA = _number(MAX_SENT_AT_S)
@@ -93,6 +95,7 @@ Seqs = Annotated[int, _checked_by(SEQS_SCHEMA)]
 Slots = Annotated[int, _checked_by(SLOTS_SCHEMA)]
 KvBlocks = Annotated[int, _checked_by(KV_BLOCKS_SCHEMA)]
 BlockSizeTokens = Annotated[int, _checked_by(BLOCK_SIZE_SCHEMA)]
+ContextTokens = Annotated[int, _checked_by(CONTEXT_SCHEMA)]
 SeqNumber = Annotated[int, _checked_by(ORDER_SCHEMA)]
 SentAtS = Annotated[float, _checked_by(SENT_AT_SCHEMA)]
 TtlS = Annotated[float, _checked_by(TTL_SCHEMA)]
@@ -113,6 +116,15 @@ class LifecycleState(StrEnum):
     DEGRADED = "degraded"
 
 
+def _without_if_none(data: object, name: str, value: object) -> object:
+    """`data` (a model's fields as serialized) without the field `name` when its `value`
+    is None: an optional field added to the schema stays out of the JSON until it has a
+    value, so that routers older than it (which refuse unknown fields) still read it."""
+    if value is None and isinstance(data, dict):
+        del data[name]
+    return data
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -123,6 +135,15 @@ class Capacity(_Frozen):
     max_num_seqs: Slots = Field(description="sequences the engine runs concurrently")
     kv_blocks_total: KvBlocks | None = None
     block_size_tokens: BlockSizeTokens | None = None
+    max_model_len: ContextTokens | None = Field(
+        default=None,
+        description="the longest sequence (prompt and output tokens) the engine takes, from "
+        "its /v1/models; None when it does not say, and then left out of the JSON, so that "
+        "routers older than the field still read the heartbeat")
+
+    @model_serializer(mode="wrap")
+    def _context_only_when_known(self, handler: SerializerFunctionWrapHandler) -> object:
+        return _without_if_none(handler(self), "max_model_len", self.max_model_len)
 
 
 class Load(_Frozen):
@@ -165,10 +186,7 @@ class EngineInfo(_Frozen):
 
     @model_serializer(mode="wrap")
     def _stuck_only_when_stuck(self, handler: SerializerFunctionWrapHandler) -> object:
-        data = handler(self)
-        if self.stuck_for_s is None and isinstance(data, dict):
-            del data["stuck_for_s"]
-        return data
+        return _without_if_none(handler(self), "stuck_for_s", self.stuck_for_s)
 
 
 class Heartbeat(_Frozen):

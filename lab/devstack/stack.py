@@ -207,6 +207,7 @@ class LocalStack:
             "--prefill-tokens-per-s", str(sim.prefill_tokens_per_s),
             "--decode-step-ms", str(sim.decode_step_ms),
             "--decode-step-ms-per-seq", str(sim.decode_step_ms_per_seq),
+            "--max-model-len", str(sim.max_model_len),
             "--seed", str(index * 100 + number),
         ]
         child = await self._spawn(f"sim-{region}-{number}", "sim", region, args, "sim listening")

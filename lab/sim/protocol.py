@@ -151,24 +151,34 @@ def _finish(
         raise ApiError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model")
     if (request.n or 1) > MAX_CHOICES:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"n must be at most {MAX_CHOICES}.", param="n")
+    # vLLM 0.32's checks (vllm/renderers/params.py, v1/engine/input_processor.py) and
+    # wording: a limit above the context is refused, a prompt that leaves no room for one
+    # token is refused, and a limit past the room left is cut to it (get_max_tokens).
     limit = config.max_model_len
-    if prompt.num_tokens >= limit:
+    if max_tokens is not None and max_tokens > limit:
         raise ApiError(
             HTTPStatus.BAD_REQUEST,
-            f"This model's maximum context length is {limit} tokens. However, your request "
-            f"has {prompt.num_tokens} input tokens. Please reduce the length of the input "
-            "messages.",
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={limit}. Please "
+            "request fewer output tokens.", param="max_tokens",
         )
-    if max_tokens is None:
-        max_tokens = min(config.default_max_tokens, limit - prompt.num_tokens)
-    elif prompt.num_tokens + max_tokens > limit:
+    if prompt.num_tokens > limit:
         raise ApiError(
             HTTPStatus.BAD_REQUEST,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt.num_tokens + max_tokens} tokens ({prompt.num_tokens} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.",
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {prompt.num_tokens} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt.",
+            param="input_tokens",
         )
+    if prompt.num_tokens == limit:
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            f"The decoder prompt (length {limit}) plus the number of requested output "
+            f"tokens (at least 1) is longer than the maximum model length of {limit}. "
+            "Make sure that `max_model_len` is no smaller than the number of text tokens "
+            "(prompt + requested output tokens).",
+        )
+    room = limit - prompt.num_tokens
+    max_tokens = min(config.default_max_tokens if max_tokens is None else max_tokens, room)
     options = request.stream_options
     return GenerationRequest(
         kind=kind,

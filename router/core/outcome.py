@@ -65,6 +65,10 @@ class Failure(StrEnum):
     # The worker refused to continue another worker's broken stream (4xx): nothing bad
     # about its health.
     REFUSED = "refused"
+    # The worker refused the request as longer than its context (a 400 naming its
+    # `max_model_len`): retried on a worker with a longer one, if any; nothing bad about
+    # its health.
+    TOO_LONG = "too_long"
 
 
 @dataclass(slots=True)

@@ -149,6 +149,8 @@ def _choices(document: dict[str, Any]) -> int:
 
 
 def _text_chars(content: Any) -> int:
+    """Characters of text in `content`: a string, text parts, or prompts (a token id counts
+    as CHARS_PER_TOKEN: the completions API takes prompts as lists of them)."""
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):
@@ -156,6 +158,10 @@ def _text_chars(content: Any) -> int:
         for part in content:
             if isinstance(part, str):
                 total += len(part)
+            elif type(part) is int:
+                total += CHARS_PER_TOKEN
+            elif isinstance(part, list):  # one of several prompts of token ids
+                total += CHARS_PER_TOKEN * len(part)
             elif isinstance(part, dict) and isinstance(part.get("text"), str):
                 total += len(part["text"])
         return total

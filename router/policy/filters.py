@@ -24,7 +24,8 @@ def eligible(snapshot: Snapshot, request: RouteRequest, now_s: float) -> list[Wo
     freshness_now = snapshot.freshness_now(now_s)
     allowed = (serving if request.allowed_regions is None
                else in_allowed_regions(serving, request))
-    ranked = snapshot.ranked.get(request.model)
+    sized = needs_room(snapshot, request)
+    ranked = None if sized else snapshot.ranked.get(request.model)
     if ranked is not None:
         candidates = _best_of_each_region(ranked, request, freshness_now)
     else:
@@ -46,9 +47,37 @@ def eligible(snapshot: Snapshot, request: RouteRequest, now_s: float) -> list[Wo
         ]
         if candidates and request.drained:
             candidates = not_drained(candidates, request)
+    if sized and candidates:
+        candidates = fitting(candidates, request)
     if not candidates:
         raise no_route(serving, request, freshness_now)
     return candidates
+
+
+def needs_room(snapshot: Snapshot, request: RouteRequest) -> bool:
+    """Whether `request` may not fit the context of every worker of its model (then
+    `fitting` chooses among them): it needs more than the shortest context, or a worker
+    refused it as too long. One lookup for the usual request."""
+    return (request.context_tokens > snapshot.contexts(request.model)[0]
+            or request.context_above > 0)
+
+
+def fitting(candidates: list[WorkerView], request: RouteRequest) -> list[WorkerView]:
+    """The candidates whose context fits `request`: longer than any that refused it
+    (`context_above`, strict: the engine said so) and at least its `context_tokens` (an
+    estimate). When none is long enough for the estimate, those with the longest context
+    of the rest: the engine counts the prompt's tokens exactly, and says if it is too
+    long. A worker that gives no length fits anything."""
+    above = request.context_above
+    usable = [view for view in candidates
+              if (length := view.heartbeat.capacity.max_model_len) is None or length > above]
+    need = request.context_tokens
+    fit = [view for view in usable
+           if (length := view.heartbeat.capacity.max_model_len) is None or length >= need]
+    if fit or not usable:
+        return fit
+    longest = max(view.heartbeat.capacity.max_model_len or 0 for view in usable)
+    return [view for view in usable if view.heartbeat.capacity.max_model_len == longest]
 
 
 def the_only_worker(snapshot: Snapshot, request: RouteRequest, now_s: float) -> WorkerView:

@@ -45,6 +45,12 @@ class RouteRequest(NamedTuple):
     # The one worker the request may go to (None: any): the holder of the stored response
     # it continues (the Responses API's `previous_response_id`), which no other has.
     only_worker: str | None = None
+    # The tokens one of its sequences needs of a worker's context (`max_model_len`): the
+    # prompt's estimate and the output it asks for (one token when it names no limit:
+    # the engine fills what is left). `context_above`: workers whose context is this long
+    # or shorter refused it as too long (a retry's: never sent to one again).
+    context_tokens: int = 0
+    context_above: int = 0
     # Sent by the router at its own pace (a Batch API line: router.batch.runner), into the
     # room interactive traffic leaves (router.policy.batch_room); a batch-class request
     # from a client comes when it comes, and takes a free slot beyond a quarter.

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from router.core.errors import error_response
 from router.proxy.handlers import Proxy
+from router.registry.snapshot import UNBOUNDED_CONTEXT, Snapshot
 
 
 def _visible_models(proxy: Proxy, request: web.Request) -> list[str]:
@@ -26,8 +27,9 @@ async def models(proxy: Proxy, request: web.Request) -> web.Response:
     """GET /v1/models: the union of models served by live workers in every region (those
     the caller's API key may use, when keys are configured)."""
     created = int(time.time())
+    snapshot = proxy.holder.current
     return web.json_response({"object": "list", "data": [
-        _model_card(model, created) for model in _visible_models(proxy, request)]})
+        _model_card(model, created, snapshot) for model in _visible_models(proxy, request)]})
 
 
 async def model(proxy: Proxy, request: web.Request, model_id: str) -> web.Response:
@@ -37,7 +39,7 @@ async def model(proxy: Proxy, request: web.Request, model_id: str) -> web.Respon
         return error_response(
             404, f"The model '{model_id}' does not exist or you do not have access to it.",
             code="model_not_found", param="model")
-    return web.json_response(_model_card(model_id, int(time.time())))
+    return web.json_response(_model_card(model_id, int(time.time()), proxy.holder.current))
 
 
 async def health_check(proxy: Proxy, request: web.Request) -> web.Response:
@@ -53,6 +55,13 @@ async def health_check(proxy: Proxy, request: web.Request) -> web.Response:
     })
 
 
-def _model_card(model: str, created: int) -> dict[str, object]:
-    """A model as OpenAI's /v1/models lists it."""
-    return {"id": model, "object": "model", "created": created, "owned_by": "globalpool"}
+def _model_card(model: str, created: int, snapshot: Snapshot) -> dict[str, object]:
+    """A model as OpenAI's /v1/models lists it, with vLLM's `max_model_len`: the longest
+    context among its workers (requests that need more than a worker has go to one with
+    more), when every one of them gives it."""
+    card: dict[str, object] = {"id": model, "object": "model", "created": created,
+                               "owned_by": "globalpool"}
+    longest = snapshot.contexts(model)[1]
+    if longest < UNBOUNDED_CONTEXT:
+        card["max_model_len"] = longest
+    return card

@@ -9,6 +9,7 @@ before the answer, is a failure worth a retry too.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from http import HTTPStatus
 
@@ -44,6 +45,41 @@ class UpstreamFailure(Exception):
         self.retry_after_s = retry_after_s
         self.detail = detail if detail is not None else message
         self.attempt: Attempt | None = None
+
+
+class TooLong(UpstreamFailure):
+    """The worker refused the request as longer than its context of `context` tokens
+    (a 400): a worker with a longer one may take it. `answer` is the refusal as the
+    client gets it (`client_error_body`) when no worker can."""
+
+    def __init__(self, context: int, answer: bytes, detail: str) -> None:
+        super().__init__(f"the request is longer than the worker's context ({context} "
+                         "tokens)", Failure.TOO_LONG, status=400, detail=detail)
+        self.context = context
+        self.answer = answer
+
+
+# How vLLM names the context it refused a request for (0.32: the renderer's prompt checks,
+# the engine's, `max_tokens` above it, the Responses API; earlier releases' wording is the
+# first): the number is the worker's `max_model_len`.
+_CONTEXT_REFUSALS = re.compile(
+    rb"maximum context length is (\d{1,10}) tokens"
+    rb"|maximum model length of (\d{1,10})"
+    rb"|(?:greater than|exceeds the) max_model_len[= ](\d{1,10})")
+
+
+def too_long(status: int, body: bytes) -> TooLong | None:
+    """A worker's refusal as TooLong when it is a 400 that names the context it was
+    too long for; None for any other answer."""
+    if status != 400:
+        return None
+    found = _CONTEXT_REFUSALS.search(body[:4096])
+    if found is None:
+        return None
+    context = int(next(group for group in found.groups() if group is not None))
+    return TooLong(context, client_error_body(400, body),
+                   f"worker answered 400, too long for its context of {context} tokens: "
+                   f"{body[:200].decode(errors='replace')}")
 
 
 class StreamBroken(UpstreamFailure):

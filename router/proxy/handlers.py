@@ -216,12 +216,10 @@ class Proxy:
                 retries = retries or Retries()
                 retries.broke(attempt, broken)
             except UpstreamFailure as failed:
-                attempt = failed.attempt or attempt
-                log.warning("request %s: attempt on %s (%s) failed before first byte: %s",
-                            record.request_id, attempt.worker_id, attempt.region, failed.detail)
-                note_failure(attempt, failed)
                 retries = retries or Retries()
-                retries.failed(attempt, failed)
+                retries.failed(failed.attempt or attempt, failed, record.request_id)
+                if retries.hopeless(self.holder.current, route.model):
+                    break
             finally:
                 for each in record.attempts:  # (a hedge's too)
                     if each.finished_s is None:

@@ -7,16 +7,20 @@ unless it is failover (`free`). When no attempt is left, `gave_up` answers the c
 
 from __future__ import annotations
 
+import logging
+
 from router.core.outcome import Attempt, Failure, RequestRecord
 from router.health.breaker import BreakerState
 from router.policy import Decision, NoRoute, Policy, RouteRequest
 from router.proxy.continuation import Failover
 from router.proxy.exchange import Exchange, Reply
-from router.proxy.failures import StreamBroken, UpstreamFailure
+from router.proxy.failures import StreamBroken, TooLong, UpstreamFailure
 from router.proxy.replies import upstream_failed_reply
 from router.proxy.stream import end_broken_stream
 from router.registry.drained import Drained
-from router.registry.snapshot import SnapshotHolder
+from router.registry.snapshot import Snapshot, SnapshotHolder
+
+log = logging.getLogger(__name__)
 
 _PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
 
@@ -24,7 +28,7 @@ _PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
 class Retries:
     """The attempts of one request so far, as they bear on the next one."""
 
-    __slots__ = ("avoid_regions", "broken_stream", "failure", "free", "tried")
+    __slots__ = ("avoid_regions", "broken_stream", "context_above", "failure", "free", "tried")
 
     def __init__(self) -> None:
         self.tried: set[str] = set()  # workers that failed it: never tried again
@@ -32,22 +36,37 @@ class Retries:
         self.failure: UpstreamFailure | None = None  # the last attempt's
         self.broken_stream: StreamBroken | None = None  # its client has part of the answer
         self.free = False  # the next retry costs no budget
+        self.context_above = 0  # the longest context a worker refused it for
 
     def next_route(self, route: RouteRequest, drained: Drained) -> RouteRequest:
         """`route` for the next attempt: not to the workers tried, away from the regions
-        to avoid, with what is drained now."""
+        to avoid, to a longer context than any that refused it, with what is drained
+        now."""
         return route._replace(exclude=frozenset(self.tried), drained=drained,
-                              avoid_regions=frozenset(self.avoid_regions))
+                              avoid_regions=frozenset(self.avoid_regions),
+                              context_above=self.context_above)
 
-    def failed(self, attempt: Attempt, failed: UpstreamFailure) -> None:
-        """`attempt` failed before its first byte (`note_failure` noted why)."""
+    def hopeless(self, snapshot: Snapshot, model: str) -> bool:
+        """Whether the last failure rules out every worker: a refusal as too long for a
+        context that no worker of the model exceeds (its answer is the client's)."""
+        return (isinstance(self.failure, TooLong)
+                and snapshot.contexts(model)[1] <= self.context_above)
+
+    def failed(self, attempt: Attempt, failed: UpstreamFailure, request_id: str) -> None:
+        """`attempt` failed before its first byte: logged, and noted in it."""
+        log.log(logging.INFO if isinstance(failed, TooLong) else logging.WARNING,
+                "request %s: attempt on %s (%s) failed before first byte: %s",
+                request_id, attempt.worker_id, attempt.region, failed.detail)
+        note_failure(attempt, failed)
         self.tried.add(attempt.worker_id)
         # A retry costs no budget when the failed attempt did no work anywhere: a
         # refused connection, or a wait abandoned on a stalled worker (ejected, so
         # its requests move once; the budget guards against amplification, and
         # this is failover).
         self.free = (failed.kind is Failure.CONNECT or attempt.abandoned is not None
-                     or self.broken_stream is not None)
+                     or self.broken_stream is not None or isinstance(failed, TooLong))
+        if isinstance(failed, TooLong):  # refused before any work: a longer context may
+            self.context_above = max(self.context_above, failed.context)
         if failed.kind in _PATH_FAILURES:
             # The path to the region may be down (refused, or a blackhole that
             # only times out): the retry prefers another region. A reset is
@@ -105,4 +124,6 @@ async def gave_up(exchange: Exchange, failover: Failover | None, retries: Retrie
         await end_broken_stream(exchange, None if failover is None else failover.transcript,
                                 retries.broken_stream)
         return Reply(200, {}, streamed=True)
+    if isinstance(failure, TooLong):  # the engine's own refusal: no worker has more room
+        return Reply(400, {"Content-Type": "application/json"}, failure.answer)
     return upstream_failed_reply(failure, len(retries.tried))

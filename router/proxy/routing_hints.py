@@ -74,6 +74,17 @@ def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained
         traffic_class=traffic_class,
         ttft_budget_ms=budget_ms,
         completion_tokens=parsed.completion_tokens,
+        context_tokens=context_tokens(parsed),
         only_worker=only_worker,
         paced=paced,
     )
+
+
+def context_tokens(parsed: ParsedRequest) -> int:
+    """The tokens one sequence of the request needs of a worker's context: the prompt's
+    estimate, and the output its `max_tokens` asks for (one token when it names none, as
+    the engine then fills what is left; none for a request that generates nothing)."""
+    limit = parsed.completion_tokens
+    if limit is None:
+        return parsed.prompt_tokens + 1
+    return parsed.prompt_tokens + limit // max(1, parsed.choices)

@@ -9,7 +9,13 @@ sent again at once on a new one.
 from __future__ import annotations
 
 from router.core.outcome import Attempt, Failure
-from router.proxy.failures import UpstreamFailure, client_error_body, retry_after, retryable
+from router.proxy.failures import (
+    UpstreamFailure,
+    client_error_body,
+    retry_after,
+    retryable,
+    too_long,
+)
 from router.proxy.targets import Target
 from router.proxy.timeouts import Deadline
 from router.proxy.upstream.connection import UpstreamConnection
@@ -80,6 +86,9 @@ async def refuse_if_failed(upstream: UpstreamConnection) -> bytes | None:
             detail=f"worker answered {status}: {body[:200].decode(errors='replace')}",
         )
     if status >= 400:
+        refused = too_long(status, body)
+        if refused is not None:
+            raise refused  # a worker with a longer context may take it
         upstream.headers["content-type"] = "application/json"
         return client_error_body(status, body)
     return body

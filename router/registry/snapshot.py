@@ -24,6 +24,9 @@ RANK_ABOVE_WORKERS = 48
 # About this many views are grouped or ranked between two pauses of
 # Snapshot.build_in_steps (~1-2 ms).
 VIEWS_PER_STEP = 1_000
+# A context length above any a heartbeat can give (worker.schema.MAX_CONTEXT_TOKENS):
+# what a worker that gives none is taken to have.
+UNBOUNDED_CONTEXT = 1 << 62
 
 
 T = TypeVar("T")
@@ -94,6 +97,9 @@ class Snapshot:
     # model -> `ready_terms(model)`, filled on first use (a snapshot's views never change)
     _terms: dict[str, tuple[ScoringRow, ...]] = field(default_factory=dict, init=False,
                                                       compare=False, repr=False)
+    # model -> `contexts(model)`, filled on first use
+    _contexts: dict[str, tuple[int, int]] = field(default_factory=dict, init=False,
+                                                  compare=False, repr=False)
 
     @classmethod
     def build(
@@ -221,6 +227,26 @@ class Snapshot:
                  view.prefill_ms_per_token, view.queue_base, view.queue_ms_per_request)
                 for view in self.by_model.get(model, ()) if view.ready)
         return rows
+
+    def contexts(self, model: str) -> tuple[int, int]:
+        """(floor, ceiling) of the context lengths (`max_model_len`) of the workers that
+        serve `model`: a request needing no more than the floor fits any of them (the
+        usual case, and the only check it costs: router.policy.filters.fitting); none
+        needing more than the ceiling fits one. A worker whose heartbeat gives no length
+        could take anything: it raises the ceiling to UNBOUNDED_CONTEXT and leaves the
+        floor alone. Built once per snapshot and model."""
+        found = self._contexts.get(model)
+        if found is None:
+            views = self.by_model.get(model, ())
+            lengths = [view.heartbeat.capacity.max_model_len for view in views]
+            known = [length for length in lengths if length is not None]
+            floor = min(known, default=UNBOUNDED_CONTEXT)
+            ceiling = (UNBOUNDED_CONTEXT if len(known) < len(lengths)
+                       else max(known, default=UNBOUNDED_CONTEXT))
+            found = (floor, ceiling)
+            if views:  # (not kept for names no worker serves: clients name any they like)
+                self._contexts[model] = found
+        return found
 
     def models(self, now_s: float) -> list[str]:
         """Models served by at least one fresh worker that is not draining or gone."""

@@ -24,7 +24,8 @@ def test_base_models_and_lora_adapters_are_split_by_parent() -> None:
         vllm_model("sql-lora", "/adapters/sql", "tiny-llama"),
         vllm_model("chat-lora", "/adapters/chat", "tiny-llama"),
     ]}
-    assert parse_models(payload) == ServedModels(("tiny-llama",), ("sql-lora", "chat-lora"))
+    assert parse_models(payload) == ServedModels(("tiny-llama",), ("sql-lora", "chat-lora"),
+                                                 max_model_len=2048)
 
 
 def test_openai_style_entries_without_parent_are_models() -> None:

@@ -264,17 +264,18 @@ class RealPool:
         return sorted(pid for pid in {agent.process.pid, *agent.seen_pids} if alive(pid))
 
     def start_router(self, *extra: str, queue: bool = True,
-                     settings: dict[str, Any] | None = None
+                     settings: dict[str, Any] | None = None,
+                     regions: dict[str, Any] | None = None,
                      ) -> tuple[str, subprocess.Popen[bytes]]:
         """A router replica; `queue=False`: without its queue for busy workers (every
         request is sent at once, as before router.admission.queue existed); `settings`:
-        more of regions.yaml's `router` section."""
+        more of regions.yaml's `router` section; `regions`: more regions."""
         port = free_port()
         log_path = self.work / f"router-{port}.log"
         config_path = self.config_path
-        if not queue or settings:
+        if not queue or settings or regions:
             config_path = self.work / f"regions-{port}.yaml"
-            self._write_config(config_path, **(settings or {}),
+            self._write_config(config_path, regions or {}, **(settings or {}),
                                **({} if queue else {"queue": {"enabled": False}}))
         with log_path.open("ab") as log:
             process = subprocess.Popen(
@@ -301,7 +302,8 @@ class RealPool:
         seen |= {agent.process.pid for agent in self.agents.values()}
         return sorted(pid for pid in seen if alive(pid))
 
-    def _write_config(self, path: Path | None = None, **router: Any) -> None:
+    def _write_config(self, path: Path | None = None, regions: dict[str, Any] | None = None,
+                      **router: Any) -> None:
         document = {
             "apiVersion": "globalpool/v1",
             "redis": {"url": self.redis_url, "key_prefix": self.key_prefix},
@@ -320,6 +322,7 @@ class RealPool:
                 "us-east": {"rtt_ms": {"us-east": 1, "eu-west": 80},
                             "models": [MODEL, EMBED_MODEL]},
                 "eu-west": {"rtt_ms": {"eu-west": 1}, "models": [MODEL]},
+                **(regions or {}),
             },
         }
         (path or self.config_path).write_text(yaml.safe_dump(document))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -24,6 +25,8 @@ from openai.types.chat import ChatCompletionToolParam
 from tests.vllm.pool import (
     EMBED_ARGS,
     EMBED_MODEL,
+    GENERATE_ARGS,
+    MAX_MODEL_LEN,
     MODEL,
     START_TIMEOUT_S,
     Agent,
@@ -36,6 +39,7 @@ from worker.schema import LifecycleState
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 WORKER = "x-globalpool-worker"
+ROUTE = "x-globalpool-route"
 EXACT = {"ignore_eos": True}  # exact lengths (vLLM's Responses API takes it too)
 TURN_TOKENS = 8
 ASK: Any = [{"role": "user", "content": "Book a table for tonight, or tell me the weather."}]
@@ -254,3 +258,93 @@ def test_embeddings_are_served_by_the_pooling_server(pool: RealPool, embedder: A
             model=MODEL, messages=ASK, max_tokens=2)
         assert raw_chat.headers[WORKER] != embedder.worker_id
         assert raw_chat.parse().choices[0].message.content is not None
+
+
+# A third generate server of the model with a short context, alone in a third region: its
+# clients' nearest worker, and the only one whose context their long requests do not fit.
+SHORT_CONTEXT = 256
+SHORT_REGION = "ap-south"
+
+
+@pytest.fixture
+def short_context(pool: RealPool, measurements: dict[str, Any]) -> Iterator[tuple[Agent, str]]:
+    """The short server (`--max-model-len 256`, on 127.0.4.1) and a router that knows its
+    region (the pool's router refuses heartbeats from a region its regions.yaml lacks);
+    stopped after the test with nothing left."""
+    agent = pool.start_agent(SHORT_REGION, 3, name="short", engine_args=(
+        *GENERATE_ARGS, "--max-model-len", str(SHORT_CONTEXT)))
+    router: subprocess.Popen[bytes] | None = None
+    try:
+        pool.wait_for_state("short", LifecycleState.READY, timeout_s=START_TIMEOUT_S)
+        measurements["time to ready, short-context server (s)"] = round(
+            time.monotonic() - agent.started_at, 1)
+        url, router = pool.start_router(regions={SHORT_REGION: {
+            "rtt_ms": {SHORT_REGION: 1, "us-east": 190, "eu-west": 120}, "models": [MODEL]}})
+        pool.wait_router_sees(url, 3)
+        yield agent, url
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(timeout=30)
+        leftovers = pool.stop_agent("short")
+        assert leftovers == [], f"short-context server processes left behind: {leftovers}"
+
+
+def test_requests_go_to_a_context_they_fit_and_a_refusal_is_tried_on_a_longer_one(
+        pool: RealPool, short_context: tuple[Agent, str],
+        measurements: dict[str, Any]) -> None:
+    agent, url = short_context
+    beat = pool.heartbeat("short")
+    assert beat is not None and beat.capacity.max_model_len == SHORT_CONTEXT
+    home = pool.heartbeat("us-east")
+    assert home is not None and home.capacity.max_model_len == MAX_MODEL_LEN
+    client = pool.client(SHORT_REGION, url=url)
+    assert client.models.retrieve(MODEL).model_extra == {"max_model_len": MAX_MODEL_LEN}
+
+    # Short: served at home, by the short server.
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=ASK,
+                                                           max_tokens=4)
+    assert raw.headers[WORKER] == agent.worker_id
+
+    # Longer than 256 tokens by the router's count too: sent away at once.
+    before = too_long_refusals(url)
+    long_text: Any = [{"role": "user", "content": "the router in front of the pool " * 60}]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=long_text,
+                                                           max_tokens=4)
+    assert raw.headers[WORKER] != agent.worker_id and raw.headers[ROUTE] != "retry"
+    usage = raw.parse().usage
+    assert usage is not None and usage.prompt_tokens > SHORT_CONTEXT
+    assert too_long_refusals(url) == before
+
+    # Short by the router's count (4 characters a token), long by the tokenizer's: text it
+    # never learnt (this tokenizer's merges are of English and code) is 2-3 tokens a
+    # character. The short server's vLLM refuses it; the router tries a longer context.
+    unknown_text: Any = [{"role": "user", "content": "路由器在池的前面" * 25}]
+    started = time.monotonic()
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=unknown_text,
+                                                           max_tokens=4)
+    measurements["refused for length, then served elsewhere (s)"] = round(
+        time.monotonic() - started, 2)
+    assert raw.headers[WORKER] != agent.worker_id and raw.headers[ROUTE] == "retry"
+    usage = raw.parse().usage
+    assert usage is not None and usage.prompt_tokens > SHORT_CONTEXT
+    assert too_long_refusals(url) == before + 1
+
+    # Too long for every context: the engine's own 400, after one attempt.
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is "
+                                                     f"{MAX_MODEL_LEN} tokens"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "the router " * 3000}],
+            max_tokens=4)
+    assert too_long_refusals(url) == before + 2
+
+
+def too_long_refusals(url: str) -> float:
+    """Attempts refused by their worker as too long for its context, by the router's count."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("globalpool_attempt_failures_total{")
+               and 'failure="too_long"' in line)

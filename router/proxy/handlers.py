@@ -218,12 +218,12 @@ class Proxy:
             except UpstreamFailure as failed:
                 retries = retries or Retries()
                 retries.failed(failed.attempt or attempt, failed, record.request_id)
-                if retries.hopeless(self.holder.current, route.model):
-                    break
             finally:
                 for each in record.attempts:  # (a hedge's too)
                     if each.finished_s is None:
                         self._attempt_finished(each)
+            if retries is not None and retries.hopeless(self.holder.current, route.model):
+                break
         return await gave_up(exchange, failover, retries, record)
 
     async def _wait_turn(self, queue: RouterQueue, decision: Decision, route: RouteRequest,

@@ -58,6 +58,7 @@ def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained
     """What routing knows of the request, for its first attempt (`only_worker`: the one
     worker it may go to, if any; `paced`: a batch line the router sends)."""
     session_id, traffic_class, budget_ms = hints
+    limit = parsed.completion_tokens
     allowed = None if principal is None else principal.allowed_regions  # data residency
     # `__new__` called directly: `RouteRequest(...)` costs twice as much, as the type's
     # call turns the keywords into a dict for a named tuple's Python `__new__`.
@@ -73,18 +74,13 @@ def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained
         prefix_keys=parsed.prefix_keys,
         traffic_class=traffic_class,
         ttft_budget_ms=budget_ms,
-        completion_tokens=parsed.completion_tokens,
-        context_tokens=context_tokens(parsed),
+        completion_tokens=limit,
+        # One sequence's need of a worker's context: the prompt and the output its limit
+        # asks for (one token when it names none, as the engine then fills what is left;
+        # none for a request that generates nothing).
+        context_tokens=parsed.prompt_tokens + (
+            1 if limit is None else limit // parsed.choices),
         only_worker=only_worker,
         paced=paced,
     )
 
-
-def context_tokens(parsed: ParsedRequest) -> int:
-    """The tokens one sequence of the request needs of a worker's context: the prompt's
-    estimate, and the output its `max_tokens` asks for (one token when it names none, as
-    the engine then fills what is left; none for a request that generates nothing)."""
-    limit = parsed.completion_tokens
-    if limit is None:
-        return parsed.prompt_tokens + 1
-    return parsed.prompt_tokens + limit // max(1, parsed.choices)

@@ -97,9 +97,9 @@ class Snapshot:
     # model -> `ready_terms(model)`, filled on first use (a snapshot's views never change)
     _terms: dict[str, tuple[ScoringRow, ...]] = field(default_factory=dict, init=False,
                                                       compare=False, repr=False)
-    # model -> `contexts(model)`, filled on first use
-    _contexts: dict[str, tuple[int, int]] = field(default_factory=dict, init=False,
-                                                  compare=False, repr=False)
+    # model -> `contexts(model)`, filled on first use (read directly on the request path)
+    context_bounds: dict[str, tuple[int, int]] = field(default_factory=dict, init=False,
+                                                       compare=False, repr=False)
 
     @classmethod
     def build(
@@ -235,7 +235,7 @@ class Snapshot:
         needing more than the ceiling fits one. A worker whose heartbeat gives no length
         could take anything: it raises the ceiling to UNBOUNDED_CONTEXT and leaves the
         floor alone. Built once per snapshot and model."""
-        found = self._contexts.get(model)
+        found = self.context_bounds.get(model)
         if found is None:
             views = self.by_model.get(model, ())
             lengths = [view.heartbeat.capacity.max_model_len for view in views]
@@ -245,7 +245,7 @@ class Snapshot:
                        else max(known, default=UNBOUNDED_CONTEXT))
             found = (floor, ceiling)
             if views:  # (not kept for names no worker serves: clients name any they like)
-                self._contexts[model] = found
+                self.context_bounds[model] = found
         return found
 
     def models(self, now_s: float) -> list[str]:

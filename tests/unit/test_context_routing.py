@@ -6,12 +6,13 @@ import json
 
 import pytest
 
-from router.core.outcome import Attempt, Failure
+from router.core.outcome import Attempt, Failure, RequestRecord
 from router.core.parse import ParsedRequest, parse_body
 from router.policy import NoRoute, RouteRequest
 from router.proxy.failures import TooLong, too_long
 from router.proxy.retries import Retries
-from router.proxy.routing_hints import context_tokens
+from router.proxy.routing_hints import route_request
+from router.registry.drained import NOTHING_DRAINED
 from router.registry.snapshot import UNBOUNDED_CONTEXT, Snapshot
 from router.registry.worker_view import WorkerView
 from tests.unit.test_policy import make_policy, snapshot, view
@@ -87,8 +88,12 @@ def test_residency_drains_and_exclusions_still_hold_for_a_long_request() -> None
 
 def test_the_need_is_the_prompt_and_the_output_of_one_choice() -> None:
     def need(completion: int | None, choices: int = 1) -> int:
-        return context_tokens(ParsedRequest(model="m", stream=False, prompt_tokens=1000,
-                                            completion_tokens=completion, choices=choices))
+        parsed = ParsedRequest(model="m", stream=False, prompt_tokens=1000,
+                               completion_tokens=completion, choices=choices)
+        record = RequestRecord(model="m", kind="chat", stream=False, origin_region="us-east",
+                               received_s=0.0, request_id="r")
+        return route_request(parsed, record, NOTHING_DRAINED, None,
+                             (None, "interactive", None)).context_tokens
     assert need(None) == 1001  # the engine fills what is left: one token at least
     assert need(0) == 1000  # embeddings
     assert need(3000, choices=3) == 2000  # max_tokens 1000, n 3

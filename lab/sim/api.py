@@ -153,6 +153,10 @@ class SimHandlers:
             return exc.response()
         self.faults.arrived()
         knobs = self.faults.knobs
+        if knobs.unserved:
+            return ApiError(HTTPStatus.NOT_FOUND,
+                            f"The model `{generation.model}` does not exist.",
+                            param="model").response()
         if knobs.hang:
             await self.park(hung=True)
             if request.transport is None or request.transport.is_closing():

@@ -80,6 +80,10 @@ class FaultKnobs(BaseModel):
     slow_token_interval_s: float = Field(
         default=5.0, gt=0.0, le=3600.0, description="seconds per token of misbehave=slow_tokens"
     )
+    unserved: bool = Field(
+        default=False, description="requests for its models get vLLM's 404 'The model `X` does "
+        "not exist.' while /v1/models still lists them: an adapter unloaded, or the engine "
+        "restarted with another model, before its agent's next heartbeat says so")
     unhealthy: bool = Field(default=False, description="/health answers 503")
     crash: bool = Field(default=False, description="setting it exits the process with status 1")
 

@@ -69,6 +69,10 @@ class Failure(StrEnum):
     # `max_model_len`): retried on a worker with a longer one, if any; nothing bad about
     # its health.
     TOO_LONG = "too_long"
+    # The worker said it does not serve the model its heartbeat lists (a 404 "does not
+    # exist": an adapter unloaded, another model loaded, and its next heartbeat not out
+    # yet): retried on another worker; nothing bad about its health.
+    NOT_SERVED = "not_served"
 
 
 @dataclass(slots=True)

@@ -47,16 +47,25 @@ class UpstreamFailure(Exception):
         self.attempt: Attempt | None = None
 
 
-class TooLong(UpstreamFailure):
+class WorkerRefusal(UpstreamFailure):
+    """A worker refused the request for a reason of its own that another worker may not
+    share (a 4xx): retried on one that may take it, at no cost (no work was done). `answer`
+    is the refusal as the client gets it (`client_error_body`) when none can."""
+
+    def __init__(self, message: str, kind: Failure, status: int, answer: bytes,
+                 detail: str) -> None:
+        super().__init__(message, kind, status=status, detail=detail)
+        self.answer = answer
+
+
+class TooLong(WorkerRefusal):
     """The worker refused the request as longer than its context of `context` tokens
-    (a 400): a worker with a longer one may take it. `answer` is the refusal as the
-    client gets it (`client_error_body`) when no worker can."""
+    (a 400): a worker with a longer one may take it."""
 
     def __init__(self, context: int, answer: bytes, detail: str) -> None:
         super().__init__(f"the request is longer than the worker's context ({context} "
-                         "tokens)", Failure.TOO_LONG, status=400, detail=detail)
+                         "tokens)", Failure.TOO_LONG, 400, answer, detail)
         self.context = context
-        self.answer = answer
 
 
 # How vLLM names the context it refused a request for (0.32: the renderer's prompt checks,
@@ -68,18 +77,28 @@ _CONTEXT_REFUSALS = re.compile(
     rb"|(?:greater than|exceeds the) max_model_len[= ](\d{1,10})")
 
 
-def too_long(status: int, body: bytes) -> TooLong | None:
-    """A worker's refusal as TooLong when it is a 400 that names the context it was
-    too long for; None for any other answer."""
-    if status != 400:
-        return None
-    found = _CONTEXT_REFUSALS.search(body[:4096])
-    if found is None:
-        return None
-    context = int(next(group for group in found.groups() if group is not None))
-    return TooLong(context, client_error_body(400, body),
-                   f"worker answered 400, too long for its context of {context} tokens: "
-                   f"{body[:200].decode(errors='replace')}")
+# vLLM's 404 for a model it does not serve (vllm/entrypoints/serve/engine/serving.py).
+_NOT_SERVED = re.compile(rb"The model `[^`]{0,1024}` does not exist")
+
+
+def worker_refusal(status: int, body: bytes) -> WorkerRefusal | None:
+    """A worker's 4xx as a WorkerRefusal that another worker may not share: a 400 that
+    names the context the request was too long for (TooLong), a 404 saying the model
+    does not exist there (its heartbeat lists it: the heartbeat is behind). None for any
+    other answer, which is the client's own."""
+    if status == 400:
+        found = _CONTEXT_REFUSALS.search(body[:4096])
+        if found is None:
+            return None
+        context = int(next(group for group in found.groups() if group is not None))
+        return TooLong(context, client_error_body(400, body),
+                       f"worker answered 400, too long for its context of {context} "
+                       f"tokens: {body[:200].decode(errors='replace')}")
+    if status == 404 and _NOT_SERVED.search(body[:2048]) is not None:
+        return WorkerRefusal("the worker does not serve the model now", Failure.NOT_SERVED,
+                             404, client_error_body(404, body),
+                             f"worker answered 404: {body[:200].decode(errors='replace')}")
+    return None
 
 
 class StreamBroken(UpstreamFailure):

@@ -14,7 +14,7 @@ from router.health.breaker import BreakerState
 from router.policy import Decision, NoRoute, Policy, RouteRequest
 from router.proxy.continuation import Failover
 from router.proxy.exchange import Exchange, Reply
-from router.proxy.failures import StreamBroken, TooLong, UpstreamFailure
+from router.proxy.failures import StreamBroken, TooLong, UpstreamFailure, WorkerRefusal
 from router.proxy.replies import upstream_failed_reply
 from router.proxy.stream import end_broken_stream
 from router.registry.drained import Drained
@@ -54,7 +54,7 @@ class Retries:
 
     def failed(self, attempt: Attempt, failed: UpstreamFailure, request_id: str) -> None:
         """`attempt` failed before its first byte: logged, and noted in it."""
-        log.log(logging.INFO if isinstance(failed, TooLong) else logging.WARNING,
+        log.log(logging.INFO if isinstance(failed, WorkerRefusal) else logging.WARNING,
                 "request %s: attempt on %s (%s) failed before first byte: %s",
                 request_id, attempt.worker_id, attempt.region, failed.detail)
         note_failure(attempt, failed)
@@ -64,7 +64,7 @@ class Retries:
         # its requests move once; the budget guards against amplification, and
         # this is failover).
         self.free = (failed.kind is Failure.CONNECT or attempt.abandoned is not None
-                     or self.broken_stream is not None or isinstance(failed, TooLong))
+                     or self.broken_stream is not None or isinstance(failed, WorkerRefusal))
         if isinstance(failed, TooLong):  # refused before any work: a longer context may
             self.context_above = max(self.context_above, failed.context)
         if failed.kind in _PATH_FAILURES:
@@ -124,6 +124,6 @@ async def gave_up(exchange: Exchange, failover: Failover | None, retries: Retrie
         await end_broken_stream(exchange, None if failover is None else failover.transcript,
                                 retries.broken_stream)
         return Reply(200, {}, streamed=True)
-    if isinstance(failure, TooLong):  # the engine's own refusal: no worker has more room
-        return Reply(400, {"Content-Type": "application/json"}, failure.answer)
+    if isinstance(failure, WorkerRefusal):  # the engine's own refusal: no other could take it
+        return Reply(failure.status, {"Content-Type": "application/json"}, failure.answer)
     return upstream_failed_reply(failure, len(retries.tried))

@@ -14,7 +14,7 @@ from router.proxy.failures import (
     client_error_body,
     retry_after,
     retryable,
-    too_long,
+    worker_refusal,
 )
 from router.proxy.targets import Target
 from router.proxy.timeouts import Deadline
@@ -86,9 +86,9 @@ async def refuse_if_failed(upstream: UpstreamConnection) -> bytes | None:
             detail=f"worker answered {status}: {body[:200].decode(errors='replace')}",
         )
     if status >= 400:
-        refused = too_long(status, body)
+        refused = worker_refusal(status, body)
         if refused is not None:
-            raise refused  # a worker with a longer context may take it
+            raise refused  # another worker may take it
         upstream.headers["content-type"] = "application/json"
         return client_error_body(status, body)
     return body

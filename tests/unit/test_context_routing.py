@@ -9,7 +9,7 @@ import pytest
 from router.core.outcome import Attempt, Failure, RequestRecord
 from router.core.parse import ParsedRequest, parse_body
 from router.policy import NoRoute, RouteRequest
-from router.proxy.failures import TooLong, too_long
+from router.proxy.failures import TooLong, worker_refusal
 from router.proxy.retries import Retries
 from router.proxy.routing_hints import route_request
 from router.registry.drained import NOTHING_DRAINED
@@ -122,8 +122,8 @@ def vllm_refusal(message: str) -> bytes:
 ])
 def test_the_engines_refusals_for_length_are_read_with_its_context(message: str,
                                                                    context: int) -> None:
-    refused = too_long(400, vllm_refusal(message))
-    assert refused is not None and refused.context == context
+    refused = worker_refusal(400, vllm_refusal(message))
+    assert isinstance(refused, TooLong) and refused.context == context
     assert refused.kind is Failure.TOO_LONG and refused.status == 400
     assert json.loads(refused.answer)["error"]["message"] == message  # as the client gets it
 
@@ -135,14 +135,15 @@ def test_the_engines_refusals_for_length_are_read_with_its_context(message: str,
     (400, b""),
 ])
 def test_other_answers_are_not_refusals_for_length(status: int, body: bytes) -> None:
-    assert too_long(status, body) is None
+    assert worker_refusal(status, body) is None
 
 
 def test_a_refusal_for_length_is_a_free_retry_to_a_longer_context_or_the_answer() -> None:
     retries = Retries()
     attempt = Attempt(worker_id="us-1", region="us-east", predicted_ttft_ms=1.0,
                       reason="local", started_s=0.0)
-    refusal = too_long(400, vllm_refusal("This model's maximum context length is 4096 tokens."))
+    refusal = worker_refusal(400, vllm_refusal(
+        "This model's maximum context length is 4096 tokens."))
     assert isinstance(refusal, TooLong)
     retries.failed(attempt, refusal, "req-1")
     assert retries.free and attempt.failure is Failure.TOO_LONG
@@ -179,3 +180,16 @@ def test_a_prompt_of_token_ids_counts_a_token_each() -> None:
     assert estimate(list(range(3000))) == 3000  # was 1: sent to any context
     assert estimate([list(range(100)), list(range(50))]) == 150
     assert estimate("x" * 400) == 100
+
+
+def test_a_404_for_a_model_the_worker_does_not_serve_is_another_workers_to_take() -> None:
+    refused = worker_refusal(404, vllm_refusal("The model `sql-lora` does not exist."))
+    assert refused is not None and not isinstance(refused, TooLong)
+    assert refused.kind is Failure.NOT_SERVED and refused.status == 404
+    retries = Retries()
+    attempt = Attempt(worker_id="us-1", region="us-east", predicted_ttft_ms=1.0,
+                      reason="local", started_s=0.0)
+    retries.failed(attempt, refused, "req-1")
+    assert retries.free and not retries.hopeless(fleet(), "m")
+    # Any other 404 is the client's (an endpoint the engine does not serve).
+    assert worker_refusal(404, b'{"detail": "Not Found"}') is None

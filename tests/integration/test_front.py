@@ -464,7 +464,7 @@ async def test_a_body_larger_than_the_read_ahead_is_read_whole(
         # The worker got all of it: it counts the whole prompt (1 MiB / 4 characters per
         # token) and refuses it as longer than its context.
         assert (answer.status, answer.server) == (400, "globalpool")
-        assert "your request has 262144 input tokens" in json.loads(answer.body)["error"][
+        assert "your prompt contains 262144 input tokens" in json.loads(answer.body)["error"][
             "message"]
     finally:
         writer.close()

@@ -56,6 +56,7 @@ async def test_knobs_read_and_partial_update(
             "busy_in_stream": False,
             "misbehave": "none",
             "slow_token_interval_s": 5.0,
+            "unserved": False,
             "unhealthy": False,
             "crash": False,
         }

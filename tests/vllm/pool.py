@@ -225,9 +225,10 @@ class RealPool:
 
     def start_agent(self, region: str, index: int, *, name: str | None = None,
                     served_name: str = MODEL, engine_args: tuple[str, ...] = GENERATE_ARGS,
-                    ) -> Agent:
+                    engine_env: dict[str, str] | None = None) -> Agent:
         """Launch server `index` (on 127.0.<index+1>.1) in `region`, known in `agents` by
-        `name` (default: the region); does not wait for it to be ready."""
+        `name` (default: the region), with `engine_env` added to its environment; does not
+        wait for it to be ready."""
         name = name or region
         host = f"127.0.{index + 1}.1"
         port = free_port(host)
@@ -250,7 +251,7 @@ class RealPool:
             process = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
                                        stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
                                        env={**vllm_environment(self.work, index),
-                                            **self.signing_env})
+                                            **self.signing_env, **(engine_env or {})})
         agent = Agent(region, host, port, process, log_path, engine_log, time.monotonic())
         self.agents[name] = agent
         return agent

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import jsonschema  # type: ignore[import-untyped]  # ships no type information
@@ -341,10 +345,107 @@ def test_requests_go_to_a_context_they_fit_and_a_refusal_is_tried_on_a_longer_on
 
 def too_long_refusals(url: str) -> float:
     """Attempts refused by their worker as too long for its context, by the router's count."""
-    import urllib.request
+    return refusals(url, "too_long")
 
+
+def refusals(url: str, failure: str) -> float:
+    """The router's count of attempts that failed with `failure` (a worker's refusal)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("globalpool_attempt_failures_total{")
-               and 'failure="too_long"' in line)
+               and f'failure="{failure}"' in line)
+
+
+
+ADAPTER = "sql-lora"
+LORA_ARGS = (*GENERATE_ARGS, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1")
+
+
+@pytest.fixture
+def lora_servers(pool: RealPool, vllm_python: Path, tiny_model: Path,
+                 tmp_path: Path, measurements: dict[str, Any]) -> Iterator[tuple[Agent, Agent]]:
+    """Two more generate servers of the model with runtime LoRA updating, one in us-east
+    (127.0.5.1) and one in eu-west (127.0.6.1), both with ADAPTER loaded through vLLM's
+    /v1/load_lora_adapter; stopped after the test."""
+    adapter = tmp_path / ADAPTER
+    subprocess.run([str(vllm_python), str(Path(__file__).parent / "tiny_lora.py"),
+                    str(tiny_model), str(adapter)], check=True, stdin=subprocess.DEVNULL)
+    runtime = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    home = pool.start_agent("us-east", 4, name="lora-home", engine_args=LORA_ARGS,
+                            engine_env=runtime)
+    away = pool.start_agent("eu-west", 5, name="lora-away", engine_args=LORA_ARGS,
+                            engine_env=runtime)
+    try:
+        for name in ("lora-home", "lora-away"):
+            pool.wait_for_state(name, LifecycleState.READY, timeout_s=START_TIMEOUT_S)
+        measurements["time to ready, two LoRA servers (s)"] = round(
+            time.monotonic() - home.started_at, 1)
+        for agent in (home, away):
+            engine_post(agent, "/v1/load_lora_adapter",
+                        {"lora_name": ADAPTER, "lora_path": str(adapter)})
+        for name in ("lora-home", "lora-away"):
+            until_adapters(pool, name, lambda adapters: ADAPTER in adapters)
+        pool.wait_router_sees(pool.router_url, 4)
+        time.sleep(1.0)  # the heartbeats with the adapter reach the router
+        yield home, away
+    finally:
+        for name in ("lora-home", "lora-away"):
+            leftovers = pool.stop_agent(name)
+            assert leftovers == [], f"LoRA server processes left behind: {leftovers}"
+
+
+def engine_post(agent: Agent, path: str, body: dict[str, Any]) -> None:
+    """POST `body` to the agent's vLLM itself (its LoRA admin endpoints); 200 expected."""
+    request = urllib.request.Request(f"{agent.engine_url}{path}", method="POST",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:  # raises on a 4xx/5xx
+        assert response.status == 200
+
+
+def until_adapters(pool: RealPool, name: str, wanted: Callable[[tuple[str, ...]], bool],
+                   timeout_s: float = 30.0) -> None:
+    """Until agent `name`'s stored heartbeat lists LoRA adapters that are `wanted`."""
+    deadline = time.monotonic() + timeout_s
+    while not wanted(((beat := pool.heartbeat(name)) and beat.lora_adapters) or ()):
+        assert time.monotonic() < deadline, f"{name}'s adapters never changed as wanted"
+        time.sleep(0.2)
+
+
+def test_an_adapter_unloaded_before_the_heartbeat_says_so_is_served_by_another_worker(
+        pool: RealPool, lora_servers: tuple[Agent, Agent],
+        measurements: dict[str, Any]) -> None:
+    home, away = lora_servers
+    client = pool.client("us-east")
+
+    def ask_adapter() -> Any:
+        return client.chat.completions.with_raw_response.create(
+            model=ADAPTER, messages=ASK, max_tokens=4)
+
+    assert ask_adapter().headers[WORKER] in (home.worker_id, away.worker_id)
+    refused_before = refusals(pool.router_url, "not_served")
+    # The home agent is stopped while its engine unloads the adapter: the router's view is
+    # the heartbeat before (as in the interval before an agent's next probe, here for as
+    # long as the test needs it, well within the heartbeat's TTL).
+    os.kill(home.process.pid, signal.SIGSTOP)
+    try:
+        engine_post(home, "/v1/unload_lora_adapter", {"lora_name": ADAPTER})
+        started = time.monotonic()
+        raw = ask_adapter()
+        measurements["adapter unloaded: refused at home, served away (s)"] = round(
+            time.monotonic() - started, 2)
+    finally:
+        os.kill(home.process.pid, signal.SIGCONT)
+    # Sent to the nearest worker with the adapter by the router's view, us-east's: vLLM's
+    # 404 there, then eu-west's answer.
+    assert raw.headers[WORKER] == away.worker_id and raw.headers[ROUTE] == "retry"
+    assert raw.parse().model == ADAPTER
+    assert refusals(pool.router_url, "not_served") == refused_before + 1
+
+    # Once the heartbeat says so, nothing more is sent there for the adapter.
+    until_adapters(pool, "lora-home", lambda adapters: ADAPTER not in adapters)
+    time.sleep(1.0)  # the heartbeat reaches the router
+    for _ in range(3):
+        assert ask_adapter().headers[WORKER] == away.worker_id
+    assert refusals(pool.router_url, "not_served") == refused_before + 1

@@ -83,4 +83,3 @@ def route_request(parsed: ParsedRequest, record: RequestRecord, drained: Drained
         only_worker=only_worker,
         paced=paced,
     )
-

@@ -57,9 +57,9 @@ def eligible(snapshot: Snapshot, request: RouteRequest, now_s: float) -> list[Wo
 def needs_room(snapshot: Snapshot, request: RouteRequest) -> bool:
     """Whether `request` may not fit the context of every worker of its model (then
     `fitting` chooses among them): it needs more than the shortest context, or a worker
-    refused it as too long. One lookup for the usual request."""
-    return (request.context_tokens > snapshot.contexts(request.model)[0]
-            or request.context_above > 0)
+    refused it as too long. One lookup for the usual request (the snapshot's cache)."""
+    bounds = snapshot.context_bounds.get(request.model) or snapshot.contexts(request.model)
+    return request.context_tokens > bounds[0] or request.context_above > 0
 
 
 def fitting(candidates: list[WorkerView], request: RouteRequest) -> list[WorkerView]:

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from router.core.outcome import Prediction
 from router.policy.base import Policy, RoutingContext, two_of
-from router.policy.filters import best_of_region, region_open, skipped_workers
+from router.policy.filters import best_of_region, needs_room, region_open, skipped_workers
 from router.policy.request import Decision, RouteRequest
 from router.registry.inflight import InFlight
 from router.registry.snapshot import RegionRanking, Snapshot
@@ -172,10 +172,8 @@ class PredictedTtft(Policy):
         serves small pools, batch traffic, retries that avoid a region, and any moment
         the health filter has something to filter.
         """
-        bounds = snapshot.context_bounds.get(request.model) or snapshot.contexts(request.model)
-        if (request.only_worker is not None or request.context_tokens > bounds[0]
-                or request.context_above):  # one candidate, or sized by context (filters)
-            return super().pick(snapshot, request)
+        if request.only_worker is not None or needs_room(snapshot, request):
+            return super().pick(snapshot, request)  # one candidate, or sized by context
         ranked = snapshot.ranked.get(request.model)
         health = self.context.health
         quiet = health is None or health.quiet

@@ -19,11 +19,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 
-from lab.devstack.valkey import free_port
 from tests.integration.operators_fleet import scrape, value
-from tests.integration.stack import RunningUp, pid_alive, start_up
+from tests.integration.stack import RunningUp, drill_config, pid_alive, start_up
 
 pytestmark = pytest.mark.integration
 
@@ -35,18 +33,12 @@ SHORT, LONG = 2048, 16384
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningUp]:
     tmp_path = tmp_path_factory.mktemp("contexts")
     fast = {"decode_step_ms": 1, "decode_step_ms_per_seq": 0, "prefill_tokens_per_s": 1e6}
-    config = tmp_path / "regions.yaml"
-    config.write_text(yaml.safe_dump({
-        "apiVersion": "globalpool/v1",
-        "redis": {"url": "embedded", "key_prefix": f"gp-{tmp_path.name[-12:]}"},
-        "router": {"region": "us-east", "host": "127.0.0.1", "port": free_port()},
-        "regions": {
-            "us-east": {"rtt_ms": {"eu-west": 80}, "models": ["tiny-llama"],
-                        "simulated": {"workers": 2, "max_model_len": SHORT, **fast}},
-            "eu-west": {"models": ["tiny-llama"],
-                        "simulated": {"workers": 1, "max_model_len": LONG, **fast}},
-        },
-    }))
+    config = drill_config(tmp_path, regions={
+        "us-east": {"rtt_ms": {"eu-west": 80}, "models": ["tiny-llama"],
+                    "simulated": {"workers": 2, "max_model_len": SHORT, **fast}},
+        "eu-west": {"models": ["tiny-llama"],
+                    "simulated": {"workers": 1, "max_model_len": LONG, **fast}},
+    })
     running = start_up(tmp_path, config)
     try:
         asyncio.run(_until_every_context_is_known(running.url))

@@ -311,14 +311,14 @@ def test_requests_go_to_a_context_they_fit_and_a_refusal_is_tried_on_a_longer_on
     assert raw.headers[WORKER] == agent.worker_id
 
     # Longer than 256 tokens by the router's count too: sent away at once.
-    before = too_long_refusals(url)
+    before = refusals(url, "too_long")
     long_text: Any = [{"role": "user", "content": "the router in front of the pool " * 60}]
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=long_text,
                                                            max_tokens=4)
     assert raw.headers[WORKER] != agent.worker_id and raw.headers[ROUTE] != "retry"
     usage = raw.parse().usage
     assert usage is not None and usage.prompt_tokens > SHORT_CONTEXT
-    assert too_long_refusals(url) == before
+    assert refusals(url, "too_long") == before
 
     # Short by the router's count (4 characters a token), long by the tokenizer's: text it
     # never learnt (this tokenizer's merges are of English and code) is 2-3 tokens a
@@ -332,7 +332,7 @@ def test_requests_go_to_a_context_they_fit_and_a_refusal_is_tried_on_a_longer_on
     assert raw.headers[WORKER] != agent.worker_id and raw.headers[ROUTE] == "retry"
     usage = raw.parse().usage
     assert usage is not None and usage.prompt_tokens > SHORT_CONTEXT
-    assert too_long_refusals(url) == before + 1
+    assert refusals(url, "too_long") == before + 1
 
     # Too long for every context: the engine's own 400, after one attempt.
     with pytest.raises(openai.BadRequestError, match=f"maximum context length is "
@@ -340,12 +340,7 @@ def test_requests_go_to_a_context_they_fit_and_a_refusal_is_tried_on_a_longer_on
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "the router " * 3000}],
             max_tokens=4)
-    assert too_long_refusals(url) == before + 2
-
-
-def too_long_refusals(url: str) -> float:
-    """Attempts refused by their worker as too long for its context, by the router's count."""
-    return refusals(url, "too_long")
+    assert refusals(url, "too_long") == before + 2
 
 
 def refusals(url: str, failure: str) -> float:

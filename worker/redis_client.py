@@ -23,6 +23,8 @@ The listed nodes are where the client first asks for the slot map; it follows MO
 ASK and refreshes the map after a failover. `is_cluster(client)` says which kind a client
 is: keys that must share a slot are hash-tagged by their users (see
 worker.heartbeat_keys), and pub/sub is sharded (SSUBSCRIBE/SPUBLISH) on a cluster.
+
+Every connection these clients open keeps its task's cancel (worker.redis_cancels).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 from redis.typing import KeyT
+
+from worker.redis_cancels import keeping_cancels
 
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
@@ -171,11 +175,15 @@ def one_slot_prefix(prefix: str, url: str) -> str:
 def _client(url: str, **pool_kwargs: Any) -> Redis:
     scheme = url.partition("://")[0]
     if scheme in SENTINEL_SCHEMES:
-        return _sentinel_client(SentinelURL.parse(url), **pool_kwargs)
-    if scheme in CLUSTER_SCHEMES:
+        client = _sentinel_client(SentinelURL.parse(url), **pool_kwargs)
+    elif scheme in CLUSTER_SCHEMES:
         return _cluster_client(ClusterURL.parse(url), **pool_kwargs)
-    pool = BlockingConnectionPool.from_url(url, decode_responses=False, **pool_kwargs)
-    return Redis(connection_pool=pool)
+    else:
+        client = Redis(connection_pool=BlockingConnectionPool.from_url(
+            url, decode_responses=False, **pool_kwargs))
+    pool = client.connection_pool
+    pool.connection_class = keeping_cancels(pool.connection_class)
+    return client
 
 
 @dataclass(frozen=True)
@@ -297,6 +305,9 @@ def _sentinel_client(url: SentinelURL, *, max_connections: int, timeout: float |
                          "username": url.sentinel_username,
                          "password": url.sentinel_password},
     )
+    for asked in sentinel.sentinels:  # (the primary's address is asked under a cancel too)
+        asked.connection_pool.connection_class = keeping_cancels(
+            asked.connection_pool.connection_class)
     client: Redis = sentinel.master_for(
         url.service, redis_class=Redis, connection_pool_class=_SentinelBlockingPool,
         max_connections=max_connections, timeout=timeout, db=url.db,
@@ -360,6 +371,14 @@ def _cluster_client(url: ClusterURL, *, max_connections: int, timeout: float | N
         username=url.username, password=url.password, decode_responses=False,
         **tls, **connection_kwargs,
     )
+    # Its nodes' connections keep cancels too: those made from now on (every node the slot
+    # map names) and those of the listed nodes, made already.
+    client.connection_kwargs["connection_class"] = keeping_cancels(
+        client.connection_kwargs["connection_class"])
+    client.nodes_manager.connection_kwargs["connection_class"] = (
+        client.connection_kwargs["connection_class"])
+    for node in client.nodes_manager.startup_nodes.values():
+        node.connection_class = client.connection_kwargs["connection_class"]
     # RedisCluster serves the commands globalpool uses with Redis's signatures; the few
     # places that differ (pub/sub, multi-key reads) ask `is_cluster` first.
     return cast(Redis, client)

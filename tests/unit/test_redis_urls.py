@@ -4,11 +4,27 @@ tests/integration/test_redis_sentinel.py, test_security.py (rediss://)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.sentinel import (
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 
 from router.config import redis_url_problem
 from worker.heartbeat_keys import HeartbeatKeys
-from worker.redis_client import ClusterURL, SentinelURL, one_slot_prefix, url_problem
+from worker.redis_cancels import keeping_cancels
+from worker.redis_client import (
+    ClusterURL,
+    SentinelURL,
+    connect,
+    one_slot_prefix,
+    url_problem,
+)
 
 
 def test_a_sentinel_url_names_its_sentinels_service_database_and_credentials() -> None:
@@ -87,3 +103,43 @@ def test_malformed_urls_say_what_is_wrong(url: str, problem: str) -> None:
 def test_the_supported_forms_pass(url: str) -> None:
     assert url_problem(url) is None
     assert redis_url_problem("embedded") is None
+
+
+@pytest.mark.parametrize("url, kind", [
+    ("redis://127.0.0.1:6379/0", Connection),
+    ("rediss://127.0.0.1:6380/0", SSLConnection),
+    ("unix:///run/valkey.sock", UnixDomainSocketConnection),
+    ("redis+sentinel://127.0.0.1:26379/gp", SentinelManagedConnection),
+    ("rediss+sentinel://127.0.0.1:26379/gp", SentinelManagedSSLConnection),
+])
+async def test_every_kind_of_connection_keeps_its_tasks_cancel(url: str, kind: type) -> None:
+    # (What keeping the cancel does is shown on a real Valkey: tests/integration/
+    # test_redis_client_timeouts.py; here: that each URL form's connections do it.)
+    client = connect(url)
+    try:
+        made = client.connection_pool.connection_class
+        assert issubclass(made, kind) and made is keeping_cancels(kind), made
+        if "sentinel" in url:  # and those that ask the sentinels for the primary
+            pool = cast(SentinelConnectionPool, client.connection_pool)
+            sentinels = pool.sentinel_manager.sentinels
+            assert len(sentinels) == 1
+            plain = SSLConnection if url.startswith("rediss") else Connection
+            assert [asked.connection_pool.connection_class for asked in sentinels] == [
+                keeping_cancels(plain)]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("url, kind", [
+    ("redis+cluster://127.0.0.1:7001,127.0.0.1:7002", Connection),
+    ("rediss+cluster://127.0.0.1:7001", SSLConnection),
+])
+async def test_a_clusters_connections_keep_their_tasks_cancel(url: str, kind: type) -> None:
+    client = cast(RedisCluster, connect(url))
+    try:
+        keeping = keeping_cancels(kind)
+        assert client.nodes_manager.connection_kwargs["connection_class"] is keeping
+        assert [node.connection_class for node in client.nodes_manager.startup_nodes.values()
+                ] == [keeping] * len(url.split(","))
+    finally:
+        await client.aclose()

@@ -222,7 +222,8 @@ async def _fleet_view(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(TimeoutError):
         # Serve sooner with an empty view rather than never if Redis is down at start
         # (/ready says 503 meanwhile, and the collector's log says why).
-        await asyncio.wait_for(view.synced.wait(), timeout=3.0)
+        async with asyncio.timeout(3.0):
+            await view.synced.wait()
     yield
     await asyncio.gather(*(task.stop() for task in background.values()))
     await redis.aclose()

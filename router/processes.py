@@ -215,7 +215,8 @@ class Supervisor:
             # A signal sent to every process at once (a service manager's stop) may end
             # this one before the supervisor has read its own: a moment to see it first.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), SETTLE_S)
+                async with asyncio.timeout(SETTLE_S):
+                    await self._stopping.wait()
             if self._stopping.is_set():
                 return
             log.warning("router process %d (pid %d) exited with %s after %.1f s; starting "
@@ -239,7 +240,8 @@ class Supervisor:
                           "other processes serve; trying again every %g s", slot.index,
                           slot.quick_failures, MAX_BACKOFF_S)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), backoff_s)
+                async with asyncio.timeout(backoff_s):
+                    await self._stopping.wait()
             backoff_s = min(MAX_BACKOFF_S, backoff_s * 2)
 
     async def _start(self, slot: _Slot) -> asyncio.subprocess.Process:

@@ -320,7 +320,8 @@ class EngineSupervisor:
             log.info("stopping engine (pid %d): SIGTERM to its process group", process.pid)
             _kill_group(process.pid, signal.SIGTERM)
             try:
-                await asyncio.wait_for(asyncio.shield(process.wait()), grace_s)
+                async with asyncio.timeout(grace_s):
+                    await asyncio.shield(process.wait())
             except TimeoutError:
                 log.warning("engine (pid %d) still running %g s after SIGTERM; SIGKILL",
                             process.pid, grace_s)

@@ -72,7 +72,8 @@ class HostNoise:
                     process.terminate()
         for process in self.processes:
             try:
-                await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+                async with asyncio.timeout(STOP_GRACE_S):
+                    await process.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()

@@ -48,7 +48,8 @@ async def collect(redis_url: str, prefix: str, seconds: float, keys: str,
                                    keys=HeartbeatKeys(prefix), holder=holder, gate=gate,
                                    cpu_share=lambda: cpu_share)
     task = asyncio.create_task(collector.run())
-    await asyncio.wait_for(collector.synced.wait(), 30)
+    async with asyncio.timeout(30):
+        await collector.synced.wait()
     await asyncio.sleep(1.0)
 
     async def interval() -> float:

@@ -67,7 +67,8 @@ async def _client(target: tuple[str, int], payload: bytes, workload: Workload, p
         try:
             if connection is None or connection.closed:
                 connection = pool[slot] = await connect(*target)
-            answer = await asyncio.wait_for(connection.request(payload), REQUEST_TIMEOUT_S)
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                answer = await connection.request(payload)
         except (OSError, ConnectionClosed, TimeoutError) as exc:
             phase.error(f"{type(exc).__name__}: {exc}")
             if connection is not None:

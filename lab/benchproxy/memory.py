@@ -114,7 +114,8 @@ async def _start_backend(ports: list[int], flags: list[str], cores: set[int] | N
         args += ["--port", str(port)]
     process = procs.start(args, cores=cores, log_path=log_path, stdout_pipe=True)
     assert process.stdout is not None
-    said = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 30)
+    async with asyncio.timeout(30):
+        said = await asyncio.to_thread(process.stdout.readline)
     if said.strip() != b"ready":
         procs.stop(process)
         raise RuntimeError(f"backends did not start: {procs.log_tail(log_path)}")
@@ -178,8 +179,8 @@ async def drive(port: int, router_pid: int, requests: int, concurrency: int
         async def client(slot: int, seqs: Any = seqs, errors: list[int] = errors) -> None:
             for seq in seqs:
                 try:
-                    answer = await asyncio.wait_for(pool[slot].request(_payload(port, seq)),
-                                                    REQUEST_TIMEOUT_S)
+                    async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                        answer = await pool[slot].request(_payload(port, seq))
                     errors[0] += answer.status != 200
                 except Exception:  # counted (and shown as errors); a new connection
                     errors[0] += 1

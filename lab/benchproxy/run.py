@@ -89,7 +89,8 @@ async def _start_backends(ports: list[int], cores: set[int] | None,
     process = procs.start(args, cores=cores, log_path=log_dir / "backends.log",
                           stdout_pipe=True)
     assert process.stdout is not None
-    line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 30)
+    async with asyncio.timeout(30):
+        line = await asyncio.to_thread(process.stdout.readline)
     if line.strip() != b"ready":
         procs.stop(process)
         tail = procs.log_tail(log_dir / "backends.log")
@@ -107,8 +108,8 @@ async def _loadgen(workload: Workload, running: Running, backends_pid: int,
     process = procs.start(args, cores=cores, log_path=log_dir / "loadgen.log",
                           stdout_pipe=True)
     try:
-        out, _ = await asyncio.wait_for(asyncio.to_thread(process.communicate),
-                                        workload.time_limit_s * 2 + LOADGEN_SLACK_S)
+        async with asyncio.timeout(workload.time_limit_s * 2 + LOADGEN_SLACK_S):
+            out, _ = await asyncio.to_thread(process.communicate)
     except TimeoutError:
         procs.stop(process)
         raise RuntimeError("the load generator overran its bound") from None

@@ -129,7 +129,8 @@ async def normal_client(plan: Plan, payload: bytes, index: int, window: Window,
         try:
             if connection is None or connection.closed:
                 connection = await connect(plan.host, plan.port)
-            answer = await asyncio.wait_for(connection.request(payload), plan.stream_timeout_s)
+            async with asyncio.timeout(plan.stream_timeout_s):
+                answer = await connection.request(payload)
         except (OSError, ConnectionClosed, TimeoutError) as exc:
             tally.error(f"{type(exc).__name__}: {exc}", started_s - window.start_s)
             if connection is not None:
@@ -174,7 +175,8 @@ async def _read_slowly(plan: Plan, sock: socket.socket, sent_s: float, window: W
         if left_s <= 0:
             return "unfinished"
         try:
-            data = await asyncio.wait_for(loop.sock_recv(sock, plan.slow_read_bytes), left_s)
+            async with asyncio.timeout(left_s):
+                data = await loop.sock_recv(sock, plan.slow_read_bytes)
         except TimeoutError:
             return "unfinished"
         except OSError:

@@ -89,7 +89,8 @@ async def start_backends(options: Options, cores: set[int] | None,
     for index, process in enumerate(started):
         assert process.stdout is not None
         try:
-            line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 30)
+            async with asyncio.timeout(30):
+                line = await asyncio.to_thread(process.stdout.readline)
         except TimeoutError:
             line = b"(nothing in 30 s)"
         if line.strip() != b"ready":
@@ -131,7 +132,8 @@ async def _load(plan: dict[str, Any], cores: set[int] | None, log_path: Path) ->
                           stdout_pipe=True)
     bound_s = plan["window_s"] + plan["drain_s"] + LOADGEN_SLACK_S
     try:
-        out, _ = await asyncio.wait_for(asyncio.to_thread(process.communicate), bound_s)
+        async with asyncio.timeout(bound_s):
+            out, _ = await asyncio.to_thread(process.communicate)
     except TimeoutError:
         procs.stop(process)
         raise BenchError(f"the load generator overran its bound ({bound_s:g} s)") from None

@@ -97,7 +97,8 @@ async def _read_ready_line(child: Child, timeout_s: float) -> str:
             raise StackError(f"{child.name} did not start in {timeout_s:g} s; "
                              f"see {child.log_path}")
         try:
-            raw = await asyncio.wait_for(child.process.stdout.readline(), remaining)
+            async with asyncio.timeout(remaining):
+                raw = await child.process.stdout.readline()
         except TimeoutError:
             continue
         if not raw:
@@ -124,7 +125,8 @@ async def terminate(child: Child, timeout_s: float) -> bool:
     with contextlib.suppress(ProcessLookupError):
         child.process.send_signal(signal.SIGTERM)
     try:
-        await asyncio.wait_for(child.process.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await child.process.wait()
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             child.process.kill()

@@ -177,7 +177,8 @@ class LoadGenerator:
                 break
             if next_s > now:
                 try:
-                    await asyncio.wait_for(stop.wait(), next_s - now)
+                    async with asyncio.timeout(next_s - now):
+                        await stop.wait()
                     break
                 except TimeoutError:
                     pass

@@ -330,8 +330,8 @@ class LocalStack:
 
     async def wait_exited(self, children: Sequence[Child], timeout_s: float) -> bool:
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*(c.process.wait() for c in children)), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*(c.process.wait() for c in children))
         except TimeoutError:
             return False
         return True

@@ -85,7 +85,8 @@ async def _serve(stack: LocalStack, state_file: Path | None) -> int:
             if not await _valkey_kept(stack, state_file):
                 return 1
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=0.5)
+                async with asyncio.timeout(0.5):
+                    await stop.wait()
         _say("stopping: router, workers (drain), simulators, valkey ...")
         return 0
     finally:

@@ -340,7 +340,8 @@ class RouterQueue:
                     waiter.set_exception(outcome)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), POLL_S)
+                async with asyncio.timeout(POLL_S):
+                    await self._wake.wait()
 
     async def close(self) -> None:
         if self._pump is not None:

@@ -180,7 +180,7 @@ class BatchRunner:
                     self._warn(f"cannot renew batch leases: {exc}")
                     break
                 if not still or status != "in_progress":
-                    if not still:
+                    if not still and not held.stopped:  # (once: its answers may be pending)
                         log.warning("batch %s: the lease on chunk %d ended (this replica "
                                     "stalled?); another replica runs its lines",
                                     held.batch.id, held.chunk)

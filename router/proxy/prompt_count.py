@@ -28,8 +28,8 @@ async def prompt_count(upstreams: UpstreamPool, target: Target, headers: Mapping
     """`target`'s count of a prompt's tokens (`body`: `Failover.count_body`), from vLLM's
     `/tokenize`; None when it does not answer one within PROMPT_COUNT_TIMEOUT_S."""
     try:
-        return await asyncio.wait_for(_ask_count(upstreams, target, headers, body),
-                                      PROMPT_COUNT_TIMEOUT_S)
+        async with asyncio.timeout(PROMPT_COUNT_TIMEOUT_S):
+            return await _ask_count(upstreams, target, headers, body)
     except (TimeoutError, UpstreamFailure, UpstreamError, ValueError, RecursionError) as exc:
         log.warning("the prompt's tokens were not counted: %s", type(exc).__name__)
         return None

@@ -148,7 +148,8 @@ class FrontSite(web.TCPSite):
             connection.close_when_idle()
         if self.connections:
             try:
-                await asyncio.wait_for(self._drained.wait(), self.shutdown_timeout_s)
+                async with asyncio.timeout(self.shutdown_timeout_s):
+                    await self._drained.wait()
             except TimeoutError:
                 left = list(self.connections)
                 log.warning("stopping: %d connection(s) still open after %g s, cut now "

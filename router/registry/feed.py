@@ -99,7 +99,8 @@ class ViewFeed:
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._due.wait(), KEEPALIVE_S)
+                    async with asyncio.timeout(KEEPALIVE_S):
+                        await self._due.wait()
                 if self._due.is_set() or self._joining:
                     self._due.clear()
                     await self._ship()

@@ -219,7 +219,8 @@ class MirroredCollector:
             if left_s <= 0:
                 return None
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(frames.arrived.wait(), left_s)
+                async with asyncio.timeout(left_s):
+                    await frames.arrived.wait()
         if not frames.frames:
             return None
         batch = list(frames.frames)

@@ -192,7 +192,8 @@ class PeerExchange:
         finally:
             if self._sent is not None and (self._sent[0] or self._sent[3]):
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await asyncio.wait_for(self._publish({}), timeout=0.5)
+                    async with asyncio.timeout(0.5):
+                        await self._publish({})
 
     async def _exchange(self) -> None:
         async with Subscription(self._pubsub_redis, self._channel) as subscription:

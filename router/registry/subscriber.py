@@ -154,7 +154,8 @@ class _NodeSubscription:
 
     async def close(self) -> None:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
-            await asyncio.wait_for(self._connection.disconnect(), timeout=1.0)
+            async with asyncio.timeout(1.0):
+                await self._connection.disconnect()
 
     async def get(self, timeout_s: float) -> list[bytes]:
         payloads: list[bytes] = []

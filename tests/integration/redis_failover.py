@@ -87,7 +87,8 @@ class Streams:
 
     async def stop(self, timeout_s: float = 60.0) -> None:
         self._stop.set()
-        await asyncio.wait_for(asyncio.gather(*self._tasks), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await asyncio.gather(*self._tasks)
 
 
 def certificate(tmp_path: Path) -> TLSFiles:

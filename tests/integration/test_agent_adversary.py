@@ -450,7 +450,8 @@ async def test_a_drain_is_not_over_until_routers_could_have_heard_of_it(
             draining = await channel.until(
                 lambda item: isinstance(item, str) or item.state is LifecycleState.DRAINING,
                 timeout_s=2)
-        await asyncio.wait_for(run, 6)
+        async with asyncio.timeout(6):
+            await run
     assert still_draining, "the drain ended while no `draining` heartbeat had gone out"
     assert isinstance(draining, Heartbeat), "routers heard `gone` without `draining` first"
 
@@ -468,7 +469,8 @@ async def test_a_drain_with_redis_and_the_engine_both_gone_ends_at_once(
         engine.hang = {"/health", "/metrics"}
         started = time.monotonic()
         agent.request_drain("SIGTERM")
-        await asyncio.wait_for(run, 15)
+        async with asyncio.timeout(15):
+            await run
         took_s = time.monotonic() - started
     assert took_s < 3.0, f"the drain took {took_s:.1f} s (its deadline: 10 s)"
 

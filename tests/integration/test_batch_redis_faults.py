@@ -126,7 +126,8 @@ async def batch_fleet(valkey: Valkey, tmp_path: Path, start_sim: StartSim
         while True:
             for worker in WORKERS:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(fleet.publish(worker), 2.0)
+                    async with asyncio.timeout(2.0):
+                        await fleet.publish(worker)
             await asyncio.sleep(0.5)
 
     beating: asyncio.Task[None] | None = None

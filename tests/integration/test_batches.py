@@ -438,7 +438,8 @@ async def globalpool(*args: str) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "router.cli", *args, cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(process.communicate(), timeout=120)
+    async with asyncio.timeout(120):
+        out, err = await process.communicate()
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()
 

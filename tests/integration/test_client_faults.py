@@ -21,6 +21,7 @@ from router.compiled import compiled_modules
 from router.policy import Decision, RouteRequest
 from router.policy.base import Policy
 from router.registry.worker_view import WorkerView
+from tests.conftest import within
 from tests.integration.operators_fleet import scrape, value
 from tests.integration.test_proxy import CHAT, FleetFactory, fleet_factory
 
@@ -246,11 +247,12 @@ async def test_a_body_too_large_gets_its_413_even_while_the_client_still_sends(
                      f"application/json\r\nContent-Length: {size}\r\n\r\n".encode())
         sending = asyncio.create_task(_send_body(writer, size))
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            async with asyncio.timeout(10):
+                head = await reader.readuntil(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 413 "), head
             length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
                               if line.lower().startswith(b"content-length:")))
-            error = json.loads(await asyncio.wait_for(reader.readexactly(length), 10))
+            error = json.loads(await within(reader.readexactly(length), 10))
             assert error["error"]["message"].startswith("request body is too large")
         finally:
             sending.cancel()

@@ -105,7 +105,8 @@ async def following(url: str, clock: Callable[[], float] = time.monotonic, *,
     fleet.collector = collector
     task = asyncio.create_task(collector.run())
     try:
-        await asyncio.wait_for(collector.synced.wait(), 5.0)
+        async with asyncio.timeout(5.0):
+            await collector.synced.wait()
         yield fleet
     finally:
         task.cancel()

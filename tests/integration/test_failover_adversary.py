@@ -159,7 +159,8 @@ async def sim_processes() -> AsyncIterator[SpawnSim]:
             "--decode-step-ms-per-seq", "0", "--prefill-tokens-per-s", "1000000",
             cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
         assert process.stdout is not None
-        line = await asyncio.wait_for(process.stdout.readline(), timeout=20)
+        async with asyncio.timeout(20):
+            line = await process.stdout.readline()
         match = re.fullmatch(rb"sim listening on (http://127\.0\.0\.1:\d+)\n", line)
         assert match, line
         sim = SimProcess(process, match.group(1).decode())
@@ -172,7 +173,8 @@ async def sim_processes() -> AsyncIterator[SpawnSim]:
             sim.signal(signal.SIGCONT, once=False)
             with contextlib.suppress(ProcessLookupError):
                 sim.process.kill()
-        await asyncio.wait_for(sim.process.wait(), timeout=10)
+        async with asyncio.timeout(10):
+            await sim.process.wait()
 
 
 def signal_at(sim: SimProcess, signum: int, tokens: int) -> Callable[[int], Awaitable[None]]:
@@ -244,7 +246,8 @@ async def post_stream(url: str, path: str, body: dict[str, Any],
     """The status, the worker that began the stream, and the whole stream."""
     async with aiohttp.ClientSession() as session, session.post(
             f"{url}{path}", json=body, headers=headers or {}) as response:
-        data = await asyncio.wait_for(response.read(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            data = await response.read()
         return response.status, response.headers.get("x-globalpool-worker", ""), data
 
 
@@ -262,7 +265,8 @@ async def stream_with(url: str, path: str, body: dict[str, Any],
         while True:
             left = deadline - time.monotonic()
             assert left > 0, f"the stream did not end in {timeout_s} s: {received!r}"
-            piece = await asyncio.wait_for(response.content.readany(), left)
+            async with asyncio.timeout(left):
+                piece = await response.content.readany()
             if not piece:
                 break
             received += piece

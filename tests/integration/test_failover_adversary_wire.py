@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.conftest import within
 from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import scrape, value
 from tests.integration.scripted_workers import (
@@ -409,7 +410,7 @@ async def test_a_client_gone_during_the_continuation_stops_its_engine(
         deadline = time.monotonic() + 10
         while token_events(received) < 6:  # a sends at most 3: these are b's too
             assert time.monotonic() < deadline, received
-            received += await asyncio.wait_for(response.content.readany(), 5)
+            received += await within(response.content.readany(), 5)
         assert await sim_running(b) == 1
         response.close()
     deadline = time.monotonic() + 3

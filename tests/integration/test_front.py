@@ -27,6 +27,7 @@ from router.proxy.front import TASK_NAME
 from router.proxy.site import FrontSite
 from router.proxy.upstream.pool import UpstreamPool
 from router.proxy.upstream.request import encode_request
+from tests.conftest import within
 from tests.integration.test_proxy import CHAT, FleetFactory, fleet_factory
 
 pytestmark = pytest.mark.integration
@@ -57,7 +58,8 @@ class Answer:
 
 async def _read_answer(reader: asyncio.StreamReader, timeout_s: float = 10) -> Answer:
     """One HTTP/1.1 answer (Content-Length or chunked) off a raw connection."""
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split(" ")[1])
     headers = {}
@@ -68,13 +70,15 @@ async def _read_answer(reader: asyncio.StreamReader, timeout_s: float = 10) -> A
     if headers.get("transfer-encoding") == "chunked":
         body = b""
         for _ in range(100_000):
-            size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)).strip(), 16)
-            chunk = await asyncio.wait_for(reader.readexactly(size + 2), 10)
+            size = int((await within(reader.readuntil(b"\r\n"), 10)).strip(), 16)
+            async with asyncio.timeout(10):
+                chunk = await reader.readexactly(size + 2)
             if size == 0:
                 break
             body += chunk[:-2]
     else:
-        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 10)
+        async with asyncio.timeout(10):
+            body = await reader.readexactly(int(headers["content-length"]))
     return Answer(status, headers, body)
 
 
@@ -206,7 +210,8 @@ async def test_malformed_heads_get_a_400_and_never_reach_a_worker(
     reader, writer = await _connect(fleet.router_url)
     try:
         writer.write(head)
-        answer_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        async with asyncio.timeout(10):
+            answer_head = await reader.readuntil(b"\r\n\r\n")
         assert answer_head.split(b" ")[1] == b"400"  # aiohttp answers it
         assert await fleet.running("a") == 0
     finally:
@@ -236,7 +241,7 @@ async def test_a_body_in_pieces_is_waited_for_and_a_missing_one_times_out(
         assert late.status == 408
         assert json.loads(late.body)["error"]["message"].startswith("the request body did not")
         assert 0.9 < time.monotonic() - started < 5
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+        assert await within(reader.read(), 5) == b""  # closed
     finally:
         writer.close()
 
@@ -253,7 +258,7 @@ async def test_an_unread_body_closes_the_connection_after_the_refusal(
         answer = await _read_answer(reader)
         assert answer.status == 413
         assert answer.headers.get("connection") == "close"
-        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert await within(reader.read(), 5) == b""
     finally:
         writer.close()
 
@@ -264,8 +269,10 @@ async def test_a_client_that_leaves_mid_stream_stops_the_upstream(
     fleet = await fleet_factory({"a": "us-east"}, decode_step_ms=50.0)
     reader, writer = await _connect(fleet.router_url)
     writer.write(_post("/v1/chat/completions", _chat(stream=True, max_tokens=200)))
-    await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    await asyncio.wait_for(reader.readuntil(b"data: "), 10)
+    async with asyncio.timeout(10):
+        await reader.readuntil(b"\r\n\r\n")
+    async with asyncio.timeout(10):
+        await reader.readuntil(b"data: ")
     assert await fleet.running("a") == 1
     writer.close()
     deadline = time.monotonic() + 5
@@ -359,14 +366,14 @@ async def test_an_idle_or_half_sent_head_is_closed_after_header_s(
         writer.write(_post("/v1/chat/completions", _chat()))
         assert (await _read_answer(reader)).status == 200
         started = time.monotonic()
-        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert await within(reader.read(), 5) == b""
         assert 0.4 < time.monotonic() - started < 3
     finally:
         writer.close()
     reader, writer = await _connect(fleet.router_url)
     try:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\n")  # never finished
-        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert await within(reader.read(), 5) == b""
     finally:
         writer.close()
 
@@ -395,7 +402,7 @@ async def test_header_s_counts_from_the_last_answer_on_a_busy_connection() -> No
         writer.write(_post("/v1/chat/completions", b"{}"))
         assert (await _read_answer(reader)).status == 200
         answered = time.monotonic()
-        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert await within(reader.read(), 5) == b""
         assert 0.35 < time.monotonic() - answered < 2
         writer.close()
     finally:
@@ -593,12 +600,14 @@ async def test_stopping_the_site_lets_a_stream_in_progress_finish() -> None:
         idle_writer.write(_post("/v1/chat/completions", b"{}"))  # served: idle after it
         assert (await _read_answer(idle_reader)).status == 200
         writer.write(_post("/v1/chat/completions", b"{}"))
-        started = await asyncio.wait_for(reader.readuntil(b"data: 0"), 5)
+        async with asyncio.timeout(5):
+            started = await reader.readuntil(b"data: 0")
         stopping = asyncio.create_task(runner.cleanup())  # SIGTERM, as `run` handles it
-        answer = started + await asyncio.wait_for(reader.read(), 5)  # to its end, then EOF
+        answer = started + await within(reader.read(), 5)  # to its end, then EOF
         assert b"data: 9\n\n\r\n0\r\n\r\n" in answer  # every event and the last chunk
-        await asyncio.wait_for(stopping, 5)
-        assert await asyncio.wait_for(idle_reader.read(), 1) == b""  # idle: closed at once
+        async with asyncio.timeout(5):
+            await stopping
+        assert await within(idle_reader.read(), 1) == b""  # idle: closed at once
         with pytest.raises(OSError):
             await asyncio.open_connection("127.0.0.1", port)  # no longer listening
         writer.close()
@@ -642,9 +651,10 @@ async def test_stopping_answers_a_connection_whose_first_request_is_on_its_way()
         answer = await _read_answer(reader)
         assert (answer.status, answer.body) == (200, b"late")
         assert answer.headers.get("connection") == "close"
-        assert await asyncio.wait_for(reader.read(), 1) == b""
-        assert await asyncio.wait_for(silent_reader.read(), 10) == b""
-        await asyncio.wait_for(stopping, 10)
+        assert await within(reader.read(), 1) == b""
+        assert await within(silent_reader.read(), 10) == b""
+        async with asyncio.timeout(10):
+            await stopping
         assert 4.5 < time.monotonic() - stopped < 8  # FIRST_REQUEST_GRACE_S, not header_s
     finally:
         writer.close()
@@ -686,7 +696,8 @@ async def test_a_site_stopped_among_siblings_on_one_socket_breaks_no_new_connect
         clients = [asyncio.create_task(client(n)) for n in range(40)]
         await asyncio.sleep(0.001 * round_)  # the stop falls at a different moment each round
         await sites[0][0].cleanup()
-        await asyncio.wait_for(asyncio.gather(*clients), 20)
+        async with asyncio.timeout(20):
+            await asyncio.gather(*clients)
         await sites[1][0].cleanup()
     listener.close()
     assert broken == [], broken[:5]

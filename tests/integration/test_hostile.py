@@ -32,7 +32,7 @@ from lab.sim.config import SimConfig
 from lab.sim.server import SimServer
 from router.app import HOLDER, RouterSettings, build_app, router_site
 from router.config_loader import parse_config
-from tests.conftest import ROOT
+from tests.conftest import ROOT, within
 from tests.integration.conftest import FAST
 from tests.integration.test_security_fleet import (
     API_KEYS,
@@ -307,7 +307,8 @@ async def test_a_slow_body_gets_408(secure_fleet: FleetFactory) -> None:
                      b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo")
         await writer.drain()
         started = time.monotonic()
-        status_line = await asyncio.wait_for(reader.readline(), timeout=10)
+        async with asyncio.timeout(10):
+            status_line = await reader.readline()
         assert status_line.startswith(b"HTTP/1.1 408"), status_line
         assert 0.4 < time.monotonic() - started < 5
     finally:
@@ -353,7 +354,7 @@ async def test_slow_headers_are_cut_off_and_auth_off_is_announced(
         await writer.drain()
         started = time.monotonic()
         # The server closes the connection without waiting for the rest of the headers.
-        assert await asyncio.wait_for(reader.read(), timeout=10) == b""
+        assert await within(reader.read(), 10) == b""
         assert time.monotonic() - started < 5
     finally:
         writer.close()

@@ -136,8 +136,9 @@ async def test_a_hung_worker_is_found_within_5_s_and_its_requests_served_elsewhe
     await _faults(up, "sim-us-east-1", **FAULTS[fault])
     try:
         async with aiohttp.ClientSession() as session:
-            results = await asyncio.wait_for(asyncio.gather(
-                *(_send(session, up.url, {**BODY, "stream": stream}) for _ in range(8))), 60)
+            async with asyncio.timeout(60):
+                results = await asyncio.gather(
+                    *(_send(session, up.url, {**BODY, "stream": stream}) for _ in range(8)))
         statuses = [status for status, _, _, _ in results]
         assert statuses == [200] * 8, results
         assert {worker for _, worker, _, _ in results} <= {"us-east-2", "eu-west-1"}
@@ -169,8 +170,9 @@ async def test_a_long_non_streaming_generation_is_never_cut(
     started_unix_s = time.time()
     try:
         async with aiohttp.ClientSession() as session:
-            status, worker, elapsed_s, payload = await asyncio.wait_for(_send(
-                session, up.url, {**BODY, "max_tokens": max_tokens, "ignore_eos": True}), 60)
+            async with asyncio.timeout(60):
+                status, worker, elapsed_s, payload = await _send(
+                    session, up.url, {**BODY, "max_tokens": max_tokens, "ignore_eos": True})
     finally:
         for name in ("sim-us-east-1", "sim-us-east-2"):
             await _faults(up, name, slow_factor=1.0)
@@ -189,8 +191,9 @@ async def test_a_whole_answer_whose_body_never_ends_is_served_elsewhere(up: Runn
     await _faults(up, "sim-us-east-1", misbehave="endless_body")
     try:
         async with aiohttp.ClientSession() as session:
-            results = await asyncio.wait_for(asyncio.gather(
-                *(_send(session, up.url, BODY) for _ in range(8))), 60)
+            async with asyncio.timeout(60):
+                results = await asyncio.gather(
+                    *(_send(session, up.url, BODY) for _ in range(8)))
     finally:
         await _faults(up, "sim-us-east-1", **CLEAR)
     assert [status for status, _, _, _ in results] == [200] * 8, results
@@ -223,7 +226,8 @@ async def test_a_stalled_worker_keeps_what_could_go_nowhere_else_and_serves_it_w
                 *(_send(session, up.url, {**BODY, "stream": stream}) for _ in range(4)))
             await asyncio.sleep(6.0)
             await _faults(up, "sim-us-east-1", hang=False)
-            results = await asyncio.wait_for(sending, 30)
+            async with asyncio.timeout(30):
+                results = await sending
     finally:
         await _faults(up, "sim-us-east-1", **CLEAR)
         for drained in OTHERS:
@@ -269,7 +273,8 @@ async def test_what_waits_on_a_wedged_engine_is_served_elsewhere_and_it_gets_not
             async with session.get(f"{up.url}/metrics") as response:
                 exposition = await response.text()
             assert 'globalpool_workers_engine_stuck{region="us-east"} 1.0' in exposition
-            results = await asyncio.wait_for(sending, 60)
+            async with asyncio.timeout(60):
+                results = await sending
             # Nothing new goes there while it is stuck.
             later = await asyncio.gather(*(_send(session, up.url, BODY) for _ in range(8)))
     finally:

@@ -32,7 +32,7 @@ import yaml
 
 from lab.devstack.valkey import EmbeddedValkey, free_port
 from router.admin.table import render
-from tests.conftest import ROOT, skip_for_missing_tool
+from tests.conftest import ROOT, skip_for_missing_tool, within
 from tests.integration.conftest import StartSim
 from tests.integration.operators_fleet import (
     CHAT,
@@ -128,7 +128,7 @@ async def test_streams_in_flight_to_a_removed_region_finish(
                for _ in range(3)]
     await asyncio.sleep(0.3)  # all three are streaming from eu-west now
     await _reload_without_eu_west(fleet, redis_url, key_prefix)
-    for status, region, answer in await asyncio.wait_for(asyncio.gather(*streams), 15):
+    for status, region, answer in await within(asyncio.gather(*streams), 15):
         assert (status, region) == (200, "eu-west")
         assert answer.rstrip().endswith(b"data: [DONE]") and b'"error"' not in answer
     assert (await _status(fleet.url))["config"]["last_error"] is None
@@ -150,7 +150,7 @@ async def test_a_reload_with_tiny_timeouts_spares_requests_already_running(
                                   "total_s": 0.2}
     fleet.write_config(tiny)
     await _until_version_changes(fleet.url, before)
-    for status, _, answer in await asyncio.wait_for(asyncio.gather(*running), 15):
+    for status, _, answer in await within(asyncio.gather(*running), 15):
         assert status == 200 and b'"error"' not in answer
         assert answer.rstrip().endswith(b"data: [DONE]") or answer.endswith(b"}")
 
@@ -241,7 +241,7 @@ async def test_half_written_files_and_yaml_bombs_are_refused_while_streams_run(
         return (await _status(fleet.url))["config"]["last_error"] is None
 
     await wait_for(cleared, timeout_s=3.0)
-    for status, _, answer in await asyncio.wait_for(asyncio.gather(*streams), 15):
+    for status, _, answer in await within(asyncio.gather(*streams), 15):
         assert status == 200 and answer.rstrip().endswith(b"data: [DONE]")
 
 

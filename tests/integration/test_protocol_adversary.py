@@ -445,7 +445,8 @@ async def test_oversized_heads_are_refused_and_the_router_stays_up(
     reader, writer = await _connect(fleet.router_url)
     try:
         writer.write(_post(BODY, "X-Big: " + "a" * (1 << 20)))
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
         assert head.split(b" ")[1] == b"400"
         assert await _closed(reader)
     except ConnectionResetError:
@@ -489,7 +490,8 @@ async def test_expect_100_continue_within_the_limit_is_served(
     try:
         writer.write(_post(b"", "Expect: 100-continue", length=False)[:-2]
                      + b"Content-Length: %d\r\n\r\n" % len(BODY))
-        continued = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        async with asyncio.timeout(5):
+            continued = await reader.readuntil(b"\r\n\r\n")
         assert continued == b"HTTP/1.1 100 Continue\r\n\r\n"
         writer.write(BODY)
         answer = await _read_answer(reader)
@@ -649,7 +651,8 @@ async def test_token_limits_charge_what_the_engine_will_generate(
     reader, writer = await _connect(fleet.urls[0])
     try:
         writer.write(_post(body, key))
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
     finally:
         writer.close()  # (a stream admitted by mistake: leave, its worker stops)
     assert head.split(b" ")[1] in (b"400", b"429"), head.split(b"\r\n")[0]

@@ -220,7 +220,8 @@ async def test_stalled_stream_hits_the_idle_timeout(fleet_factory: FleetFactory)
         first = await response.content.readany()
         assert first.startswith(b"data: ")
         await fleet.faults("a", slow_factor=1000.0)  # the next decode step takes seconds
-        rest = await asyncio.wait_for(response.read(), timeout=5)
+        async with asyncio.timeout(5):
+            rest = await response.read()
     assert b"no data from the worker for 0.4 s" in rest
     assert rest.endswith(b"data: [DONE]\n\n")
 
@@ -235,7 +236,8 @@ async def test_a_stream_that_keeps_going_is_cut_at_the_total_timeout(
         f"{fleet.router_url}/v1/chat/completions",
         json={**CHAT, "stream": True, "max_tokens": 2000},
     ) as response:
-        rest = await asyncio.wait_for(response.read(), timeout=8)
+        async with asyncio.timeout(8):
+            rest = await response.read()
     assert 1.0 <= time.monotonic() - started < 4
     assert b"the request ran past its total timeout" in rest
     assert rest.endswith(b"data: [DONE]\n\n")

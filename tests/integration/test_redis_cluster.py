@@ -235,7 +235,8 @@ async def test_a_collector_follows_each_regions_sharded_channel_and_regions_adde
     try:
         assert group.node_for_slot(key_slot(b"{us-east}")) is not group.node_for_slot(
             key_slot(b"{eu-west}"))
-        await asyncio.wait_for(collector.synced.wait(), 5.0)
+        async with asyncio.timeout(5.0):
+            await collector.synced.wait()
         await publisher.publish(_beat("a", "us-east", 1))
         await _until(lambda: "a" in holder.current.workers)
         assert collector.received_heartbeats == 1  # on us-east's channel

@@ -351,7 +351,8 @@ async def test_the_worker_agent_signs_with_the_key_it_is_told(
         f"{kid}:{secret.decode()}" for kid, secret in SIGNING_KEYS.items())}
     refused = await _run_worker(sim.url, redis_url, key_prefix, keys_env,
                                 "--signing-key-id", "kid-z")
-    _, stderr = await asyncio.wait_for(refused.communicate(), 20)
+    async with asyncio.timeout(20):
+        _, stderr = await refused.communicate()
     assert refused.returncode == 2
     assert "'kid-z' is not among the configured keys" in stderr.decode()
     assert "heartbeat-secret" not in stderr.decode()
@@ -371,7 +372,8 @@ async def test_the_worker_agent_signs_with_the_key_it_is_told(
     finally:
         await redis.aclose()
         process.send_signal(signal.SIGTERM)
-        _, stderr = await asyncio.wait_for(process.communicate(), 20)
+        async with asyncio.timeout(20):
+            _, stderr = await process.communicate()
     assert "signing heartbeats with key 'kid-b'" in stderr.decode()
     assert "heartbeat-secret" not in stderr.decode()
 

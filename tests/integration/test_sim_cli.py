@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, within
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +41,8 @@ async def spawn(*flags: str) -> asyncio.subprocess.Process:
 async def sim_process() -> AsyncIterator[SimProcess]:
     process = await spawn("--port", "0", "--served-model-name", "m1", "m2", "--seed", "3")
     assert process.stdout is not None
-    line = await asyncio.wait_for(process.stdout.readline(), timeout=15)
+    async with asyncio.timeout(15):
+        line = await process.stdout.readline()
     match = re.fullmatch(rb"sim listening on (http://127\.0\.0\.1:\d+)\n", line)
     assert match, line
     yield SimProcess(process, match.group(1).decode())
@@ -59,7 +60,7 @@ async def test_serves_then_stops_cleanly_on_sigterm(sim_process: SimProcess) -> 
         async with http.post(sim_process.url + "/v1/completions", json=body) as response:
             assert response.status == 200
     sim_process.process.send_signal(signal.SIGTERM)
-    assert await asyncio.wait_for(sim_process.process.wait(), timeout=10) == 0
+    assert await within(sim_process.process.wait(), 10) == 0
 
 
 async def test_crash_knob_exits_with_status_1(sim_process: SimProcess) -> None:
@@ -69,11 +70,12 @@ async def test_crash_knob_exits_with_status_1(sim_process: SimProcess) -> None:
                 await resp.read()
         except aiohttp.ClientError:
             pass  # dying before the answer got out is a fair crash too
-    assert await asyncio.wait_for(sim_process.process.wait(), timeout=10) == 1
+    assert await within(sim_process.process.wait(), 10) == 1
 
 
 async def test_bad_flags_exit_2_with_a_reason() -> None:
     process = await spawn("--port", "0", "--kv-blocks", "1", "--max-model-len", "4096")
-    _, stderr = await asyncio.wait_for(process.communicate(), timeout=15)
+    async with asyncio.timeout(15):
+        _, stderr = await process.communicate()
     assert process.returncode == 2
     assert b"max_model_len" in stderr

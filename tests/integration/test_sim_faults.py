@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from lab.sim.server import SimServer
+from tests.conftest import within
 from tests.integration.conftest import StartSim
 from worker.engine_metrics import MetricsSample, parse_metrics
 from worker.progress import steps_of
@@ -140,7 +141,7 @@ async def test_clearing_hang_serves_the_requests_still_waiting(
         assert re.search(r"^vllm:num_requests_running\{[^}]*\} 0\.0$", await response.text(),
                          re.MULTILINE)
     await set_faults(http, sim, hang=False)
-    assert await asyncio.wait_for(waiting, 10) == 200
+    assert await within(waiting, 10) == 200
 
 
 async def engine_metrics(http: aiohttp.ClientSession, sim: SimServer) -> MetricsSample:
@@ -171,7 +172,7 @@ async def test_a_wedged_engine_counts_what_it_holds_runs_no_step_and_resumes_whe
         assert response.status == 200
     assert not any(task.done() for task in held)
     await set_faults(http, sim, wedge=False)
-    assert await asyncio.wait_for(asyncio.gather(*held), 10) == [200] * 3
+    assert await within(asyncio.gather(*held), 10) == [200] * 3
     after = await engine_metrics(http, sim)
     assert after.in_flight == 0  # the abandoned one aborted once the engine ran again
     assert (steps_of(after) or 0) > (steps_of(before) or 0)
@@ -278,7 +279,8 @@ async def raw_post(sim: SimServer, body: dict[str, Any], *, wait_s: float = 0.5,
     try:
         while len(received) < 12 * 1024 * 1024:
             remaining = deadline - asyncio.get_running_loop().time()
-            data = await asyncio.wait_for(reader.read(1 << 16), max(remaining, 0.001))
+            async with asyncio.timeout(max(remaining, 0.001)):
+                data = await reader.read(1 << 16)
             if not data:
                 ending = "eof"
                 break

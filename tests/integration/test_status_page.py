@@ -63,7 +63,8 @@ class DevTools:
         message_id = next(self._ids)
         await self._socket.send_json({"id": message_id, "method": method, "params": params})
         while True:
-            message = await asyncio.wait_for(self._socket.receive_json(), timeout=60)
+            async with asyncio.timeout(60):
+                message = await self._socket.receive_json()
             if message.get("id") == message_id:
                 if "error" in message:
                     raise AssertionError(f"{method}: {message['error']}")
@@ -134,7 +135,8 @@ async def browser(tmp_path: Path) -> AsyncIterator[DevTools]:
         with _suppress_lookup():
             os.killpg(process.pid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(process.wait(), 10)
+            async with asyncio.timeout(10):
+                await process.wait()
         except TimeoutError:
             with _suppress_lookup():
                 os.killpg(process.pid, signal.SIGKILL)

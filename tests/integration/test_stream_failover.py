@@ -200,7 +200,8 @@ async def _raw_stream(url: str, path: str, body: dict[str, Any]) -> bytes:
                  f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
                  + payload)
     try:
-        return await asyncio.wait_for(reader.read(-1), 10)
+        async with asyncio.timeout(10):
+            return await reader.read(-1)
     finally:
         writer.close()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, within
 from tests.integration.stack import pid_alive, small_config, start_up
 
 pytestmark = pytest.mark.integration
@@ -98,6 +98,6 @@ def test_a_dead_valkey_is_reported_restarted_and_reaped(tmp_path: Path) -> None:
                             return
                     await asyncio.sleep(0.2)
 
-        asyncio.run(asyncio.wait_for(served_again(), 20))
+        asyncio.run(within(served_again(), 20))
     finally:
         assert up.stop() == 0, up.output()

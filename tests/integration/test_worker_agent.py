@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from lab.devstack.valkey import EmbeddedValkey
+from tests.conftest import within
 from worker.agent import WorkerAgent
 from worker.heartbeat import HeartbeatLoop, HeartbeatTiming, WorkerIdentity
 from worker.heartbeat_keys import HeartbeatKeys
@@ -396,7 +397,7 @@ async def test_agent_drains_in_flight_requests_then_removes_itself(
         assert not run.done(), "two requests are still running"
         engine.running = 0
         gone = await channel.until(lambda item: isinstance(item, str))
-        assert await asyncio.wait_for(run, 2.0) == 0
+        assert await within(run, 2.0) == 0
         assert await redis.exists(keys.worker("us-east-test-1")) == 0
 
     assert gone == "gone:us-east-test-1"
@@ -413,7 +414,7 @@ async def test_drain_gives_up_at_its_deadline(
         run = asyncio.create_task(agent.run())
         await channel.until(is_state(LifecycleState.READY))
         agent.request_drain("test")
-        assert await asyncio.wait_for(run, 2.0) == 0
+        assert await within(run, 2.0) == 0
         assert await channel.until(lambda item: isinstance(item, str)) == "gone:us-east-test-1"
 
 
@@ -424,12 +425,14 @@ async def start_worker(*args: str) -> tuple[asyncio.subprocess.Process, str]:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert process.stdout is not None
-    line = await asyncio.wait_for(process.stdout.readline(), 15)
+    async with asyncio.timeout(15):
+        line = await process.stdout.readline()
     return process, line.decode().strip()
 
 
 async def finish(process: asyncio.subprocess.Process) -> tuple[int, str]:
-    _, stderr = await asyncio.wait_for(process.communicate(), 10)
+    async with asyncio.timeout(10):
+        _, stderr = await process.communicate()
     assert process.returncode is not None
     return process.returncode, stderr.decode()
 

@@ -51,7 +51,8 @@ async def start_agent(*argv: str) -> tuple[asyncio.subprocess.Process, str]:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert process.stdout is not None
-    banner = await asyncio.wait_for(process.stdout.readline(), 15)
+    async with asyncio.timeout(15):
+        banner = await process.stdout.readline()
     return process, banner.decode().strip()
 
 

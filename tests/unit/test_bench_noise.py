@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lab.bench.noise import HostNoise, spin
 from lab.bench.scenario import HostNoise as HostNoiseSpec
-from tests.conftest import ROOT
+from tests.conftest import ROOT, within
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -69,7 +69,7 @@ async def test_a_hog_stops_by_itself_at_its_time_bound() -> None:
     await noise.start()
     process = noise.processes[0]
     try:
-        assert await asyncio.wait_for(process.wait(), 10.0) == 0
+        assert await within(process.wait(), 10.0) == 0
     finally:
         await noise.stop()
 

@@ -12,6 +12,7 @@ import pytest
 from lab.devstack.netem import NetemRegion
 from lab.devstack.netem_knobs import NetemKnobs
 from lab.devstack.valkey import free_port
+from tests.conftest import within
 
 HOST = "127.0.0.1"
 
@@ -63,7 +64,7 @@ async def _round_trip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                       payload: bytes) -> float:
     started = time.monotonic()
     writer.write(payload)
-    assert await asyncio.wait_for(reader.readexactly(len(payload)), 5) == payload
+    assert await within(reader.readexactly(len(payload)), 5) == payload
     return time.monotonic() - started
 
 
@@ -108,7 +109,7 @@ async def test_order_is_kept_when_the_latency_drops_mid_stream(echo: Echo) -> No
             if index % 50 == 0:
                 await asyncio.sleep(0.005)
         expected = b"".join(chunks)
-        assert await asyncio.wait_for(reader.readexactly(len(expected)), 5) == expected
+        assert await within(reader.readexactly(len(expected)), 5) == expected
         assert bytes(echo.received) == expected
         writer.close()
     finally:
@@ -123,17 +124,19 @@ async def test_partition_blackholes_then_heals(echo: Echo) -> None:
         region.set(partition=True)
         writer.write(b"during")
         # A new connection is accepted (as the kernel would) but nothing gets through.
-        reader2, writer2 = await asyncio.wait_for(
-            asyncio.open_connection(HOST, region.links[0].listen_port), 1)
+        async with asyncio.timeout(1):
+            reader2, writer2 = await asyncio.open_connection(HOST, region.links[0].listen_port)
         writer2.write(b"new")
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(reader.read(100), 0.4)
+            async with asyncio.timeout(0.4):
+                await reader.read(100)
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(reader2.read(100), 0.1)
+            async with asyncio.timeout(0.1):
+                await reader2.read(100)
         assert bytes(echo.received) == b"before"
         region.set(partition=False)
-        assert await asyncio.wait_for(reader.readexactly(6), 2) == b"during"
-        assert await asyncio.wait_for(reader2.readexactly(3), 2) == b"new"
+        assert await within(reader.readexactly(6), 2) == b"during"
+        assert await within(reader2.readexactly(3), 2) == b"new"
         writer.close()
         writer2.close()
     finally:
@@ -147,7 +150,8 @@ async def test_reset_resets_open_connections(echo: Echo) -> None:
         await _round_trip(reader, writer, b"ping")
         assert region.reset() == 1
         with pytest.raises(ConnectionResetError):
-            await asyncio.wait_for(reader.read(100), 2)
+            async with asyncio.timeout(2):
+                await reader.read(100)
     finally:
         await region.stop()
 
@@ -163,7 +167,7 @@ async def test_a_dead_upstream_is_refused_until_it_is_back() -> None:
         reader, writer = await asyncio.open_connection(HOST, listen_port)
         writer.write(b"hello")
         with contextlib.suppress(ConnectionError):
-            assert await asyncio.wait_for(reader.read(100), 2) == b""
+            assert await within(reader.read(100), 2) == b""
         await asyncio.sleep(0.05)
         with pytest.raises(ConnectionRefusedError):
             await asyncio.open_connection(HOST, listen_port)

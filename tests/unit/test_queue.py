@@ -178,7 +178,8 @@ async def test_a_request_goes_at_once_only_while_its_worker_has_room_and_none_wa
         assert not queue.goes_now("m", idle)  # it does not overtake the one waiting
         routed[0] = idle
         queue.capacity_freed()
-        decision, _ = await asyncio.wait_for(waiting, 2)
+        async with asyncio.timeout(2):
+            decision, _ = await waiting
         assert decision is idle and inflight.own_of("idle") == 2
     finally:
         waiting.cancel()

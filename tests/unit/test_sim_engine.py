@@ -76,7 +76,8 @@ def text_prompt(num_tokens: int, text: str = "x", block_size: int = 16) -> Promp
 
 
 async def finish_all(seqs: Iterable[Sequence]) -> None:
-    await asyncio.wait_for(asyncio.gather(*(s.wait_finished() for s in seqs)), timeout=5)
+    async with asyncio.timeout(5):
+        await asyncio.gather(*(s.wait_finished() for s in seqs))
 
 
 def ttft(seq: Sequence) -> float:

@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests.conftest import within
 from worker.agent import WorkerAgent
 from worker.engine_metrics import MetricsSample, parse_metrics
 from worker.heartbeat import EngineView, HeartbeatLoop, HeartbeatTiming, WorkerIdentity, next_state
@@ -190,7 +191,8 @@ async def test_launch_until_healthy_then_stop_ends_the_whole_group(
 
     started = time.monotonic()
     assert await run.supervisor.stop() == -signal.SIGTERM
-    await asyncio.wait_for(run.task, 2.0)
+    async with asyncio.timeout(2.0):
+        await run.task
     assert time.monotonic() - started < 2.0
     assert not alive(pid) and not alive(grandchild), "SIGTERM goes to the process group"
     assert run.supervisor.state is ProcessState.STOPPED
@@ -241,7 +243,8 @@ async def test_an_engine_past_its_start_deadline_is_killed_and_then_given_up(
     run = start(engine.command("--never-healthy", "--grandchild"), policy)
     with pytest.raises(EngineGaveUpError, match=r"did not become healthy 2 launches in a row "
                        r"\(last: did not answer /health within 1.5 s\)"):
-        await asyncio.wait_for(run.task, 20.0)
+        async with asyncio.timeout(20.0):
+            await run.task
     assert len(engine.launches()) == 2
     assert run.states == [ProcessState.DOWN, ProcessState.LAUNCHING, ProcessState.DOWN,
                           ProcessState.STOPPED]
@@ -255,7 +258,8 @@ async def test_an_engine_that_exits_at_once_is_given_up_after_max_failed_starts(
 ) -> None:
     run = start(EngineCommand((sys.executable, "-c", "import sys; sys.exit(2)")))
     with pytest.raises(EngineGaveUpError, match=r"3 launches in a row \(last: exited with code 2"):
-        await asyncio.wait_for(run.task, 10.0)
+        async with asyncio.timeout(10.0):
+            await run.task
     assert run.supervisor.launches == 3
     assert run.delays == [0.1, 0.2]
 
@@ -265,7 +269,8 @@ async def test_a_command_that_cannot_start_is_given_up_at_once(
 ) -> None:
     run = start(EngineCommand((str(tmp_path / "no-such-vllm"), "serve")))
     with pytest.raises(EngineGaveUpError, match="cannot start the engine"):
-        await asyncio.wait_for(run.task, 5.0)
+        async with asyncio.timeout(5.0):
+            await run.task
 
 
 async def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(
@@ -277,7 +282,8 @@ async def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(
     started = time.monotonic()
     assert await run.supervisor.stop() == -signal.SIGKILL
     assert 0.5 <= time.monotonic() - started < 2.0
-    await asyncio.wait_for(run.task, 2.0)
+    async with asyncio.timeout(2.0):
+        await run.task
     assert any("SIGKILL" in r.getMessage() for r in caplog.records)
 
 
@@ -288,7 +294,8 @@ async def test_stop_during_the_backoff_ends_at_once_without_a_relaunch(
     run = start(engine.command("--exit-after-s", "0.3"), policy)
     await until(lambda: run.supervisor.state is ProcessState.DOWN)
     assert await run.supervisor.stop() is not None
-    await asyncio.wait_for(run.task, 1.0)
+    async with asyncio.timeout(1.0):
+        await run.task
     assert len(engine.launches()) == 1
 
 
@@ -524,7 +531,7 @@ async def test_a_drain_waits_for_a_busy_launched_engine_but_not_for_a_vanished_o
         run = asyncio.create_task(agent.run())
         await until(lambda: prober.calls >= 1)
         agent.request_drain("test")
-        assert await asyncio.wait_for(run, 10.0) == 0
+        assert await within(run, 10.0) == 0
     finally:
         await publisher.aclose()
     if launched:

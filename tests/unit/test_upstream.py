@@ -13,6 +13,7 @@ from router.proxy.upstream.connection import UpstreamConnection
 from router.proxy.upstream.errors import ConnectFailed, ConnectionBroken
 from router.proxy.upstream.pool import UpstreamPool
 from router.proxy.upstream.request import RequestHead, encode_request
+from tests.conftest import within
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -231,7 +232,8 @@ async def test_a_chunked_answer_split_at_every_byte(
     await connection.head()
     if mode == "pipe":
         sink = Collect()
-        await asyncio.wait_for(connection.pipe(sink), 2)
+        async with asyncio.timeout(2):
+            await connection.pipe(sink)
         assert b"".join(sink.writes) == b"".join(chunks)
         assert len(sink.writes) == len(b"".join(chunks))  # really one byte per read
     else:
@@ -483,7 +485,8 @@ async def test_pipe_writes_to_the_sink_and_completes(
     connection = await pool.send("127.0.0.1", worker.port, get(worker.port))
     await connection.head()
     sink = Collect()
-    await asyncio.wait_for(connection.pipe(sink), 1)
+    async with asyncio.timeout(1):
+        await connection.pipe(sink)
     assert b"".join(sink.writes) == b"".join(chunks)
     assert connection.complete
     connection.release()
@@ -514,7 +517,8 @@ async def test_a_failing_sink_fails_the_pipe_and_closes(
     connection = await pool.send("127.0.0.1", worker.port, get(worker.port))
     await connection.head()
     with pytest.raises(ConnectionResetError, match="client gone"):
-        await asyncio.wait_for(connection.pipe(Gone()), 1)
+        async with asyncio.timeout(1):
+            await connection.pipe(Gone())
     connection.release()
     assert pool.stats()["idle"] == 0
 
@@ -651,7 +655,8 @@ async def _uvloop_scenario() -> None:
                                                          get(worker.port))
         await connection.head()
         sink = Collect()
-        await asyncio.wait_for(connection.pipe(sink), 1)
+        async with asyncio.timeout(1):
+            await connection.pipe(sink)
         assert b"".join(sink.writes) == b"abcd"
         connection.release()
         connection = await pool.send("127.0.0.1", worker.port, get(worker.port))
@@ -666,7 +671,7 @@ async def _uvloop_scenario() -> None:
 
 def test_the_same_on_uvloop() -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(asyncio.wait_for(_uvloop_scenario(), 3))
+        runner.run(within(_uvloop_scenario(), 3))
 
 
 def in_pieces(*pieces: bytes) -> Reply:
@@ -705,7 +710,8 @@ async def test_a_read_of_one_whole_chunk_reaches_a_framing_sink_as_it_came(
     connection = await pool.send("127.0.0.1", worker.port, get(worker.port))
     await connection.head()
     sink = CollectFrames()
-    await asyncio.wait_for(connection.pipe(sink), 2)
+    async with asyncio.timeout(2):
+        await connection.pipe(sink)
     assert sink.frames == [*frames[:3], frames[3] + frames[4]]
     assert sink.writes == [b"abc", b"de", b"fg"]
     connection.release()

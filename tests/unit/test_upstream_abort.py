@@ -15,6 +15,7 @@ import uvloop
 
 from router.proxy.upstream.pool import UpstreamPool
 from router.proxy.upstream.request import encode_request
+from tests.conftest import within
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -85,8 +86,10 @@ async def _pipe_into_failing_sink(worker: UntilCloseWorker, failing_write: int) 
         piped = connection.pipe(sink)
         worker.go.set()  # "second", then the worker's close, while the pipe runs
         with pytest.raises(ConnectionResetError, match="went away"):
-            await asyncio.wait_for(piped, 2)
-        await asyncio.wait_for(worker.client_closed.wait(), 2)
+            async with asyncio.timeout(2):
+                await piped
+        async with asyncio.timeout(2):
+            await worker.client_closed.wait()
         for _ in range(5):  # the transport's loss is reported on a later loop turn
             await asyncio.sleep(0)
         assert not connection.complete
@@ -112,4 +115,4 @@ def test_the_same_on_uvloop() -> None:
             started.stop()
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(asyncio.wait_for(scenario(), 5))
+        runner.run(within(scenario(), 5))

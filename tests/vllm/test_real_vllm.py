@@ -667,7 +667,8 @@ async def test_a_paused_engine_keeps_requests_that_have_nowhere_else_to_go(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
     try:
-        results = await asyncio.wait_for(asyncio.gather(*sent, return_exceptions=True), 120)
+        async with asyncio.timeout(120):
+            results = await asyncio.gather(*sent, return_exceptions=True)
         served_s = time.monotonic() - paused_at
     finally:
         await client.close()
@@ -711,7 +712,8 @@ async def test_a_wedged_engine_is_reported_stuck_and_what_waits_there_served_els
             stuck = await until_beat(pool, "us-east",
                                      lambda b: b.engine.stuck_for_s is not None, 60)
             said_after_s = time.monotonic() - stopped_at
-            results = await asyncio.wait_for(asyncio.gather(*sent), 120)
+            async with asyncio.timeout(120):
+                results = await asyncio.gather(*sent)
             served_after_s = time.monotonic() - stopped_at
         finally:
             for pid in cores:
@@ -761,7 +763,8 @@ async def test_a_killed_vllm_is_retried_elsewhere_reported_degraded_and_restarte
                                     lambda b: b.state is LifecycleState.DEGRADED, 5)
         degraded_after_s = time.monotonic() - killed_at
         await asyncio.sleep(2.0)
-        await asyncio.wait_for(reading, 180)
+        async with asyncio.timeout(180):
+            await reading
     finally:
         stop.set()
         await asyncio.gather(*senders)

@@ -46,6 +46,7 @@ from router.proxy.stream import forward_stream, open_stream
 from router.proxy.stream_failover import continue_broken_stream, failover_for, stream_ended
 from router.proxy.targets import Target, target_of, worker_headers
 from router.proxy.unary import forward_unary
+from router.proxy.unserved import Unserved
 from router.proxy.upstream.pool import UpstreamPool
 from router.proxy.worker_auth import WorkerAuth
 from router.registry.drains import DrainHolder
@@ -74,6 +75,7 @@ class Proxy:
     propagate_trace: bool = False  # tracing on: workers continue the router's span
     responses: ResponsesApi | None = None  # stored responses' holders; None: not followed
     hedges: Hedges = field(default_factory=Hedges, init=False)
+    unserved: Unserved = field(default_factory=Unserved, init=False)
     _worker_auth: WorkerAuth = field(default_factory=WorkerAuth, init=False)
 
     @property
@@ -125,8 +127,7 @@ class Proxy:
                 exchange.path, self.region, received_s, request_id, exc), None)
             return internal_error(request_id, rate_headers)
         record = RequestRecord(model=parsed.model, kind=kind, stream=parsed.stream,
-                               origin_region=origin, received_s=received_s,
-                               request_id=request_id)
+                               origin_region=origin, received_s=received_s, request_id=request_id)
         stored = (self.responses.storing(parsed, principal)
                   if kind == "responses" and self.responses else None)
         if stored is not None:
@@ -169,6 +170,7 @@ class Proxy:
         _, record.traffic_class, record.ttft_budget_ms = hints
         route = route_request(parsed, record, self.drains.current, principal, hints, pinned,
                               exchange.paced)
+        route = self.unserved.kept_from(route, self.holder.current)
         failover = failover_for(router_config, exchange, parsed, body, record.kind)
         retries: Retries | None = None  # made when an attempt fails
         self.retry_budget.request_arrived()
@@ -217,7 +219,8 @@ class Proxy:
                 retries.broke(attempt, broken)
             except UpstreamFailure as failed:
                 retries = retries or Retries()
-                retries.failed(failed.attempt or attempt, failed, record.request_id)
+                worker_id = retries.failed(failed.attempt or attempt, failed, record.request_id)
+                self.unserved.note(failed, worker_id, route.model, self.holder.current)
             finally:
                 for each in record.attempts:  # (a hedge's too)
                     if each.finished_s is None:
@@ -377,8 +380,7 @@ class Proxy:
         if attempt.batch:
             self.policy.context.batch_room.finished(attempt.worker_id)
         if attempt.committed_tokens:
-            self.inflight.release(attempt.worker_id, attempt.committed_tokens,
-                                  attempt.started_s)
+            self.inflight.release(attempt.worker_id, attempt.committed_tokens, attempt.started_s)
         if self.queue is not None:
             self.queue.capacity_freed()
         attempt.finished_s = time.monotonic()

@@ -39,10 +39,10 @@ class Retries:
         self.context_above = 0  # the longest context a worker refused it for
 
     def next_route(self, route: RouteRequest, drained: Drained) -> RouteRequest:
-        """`route` for the next attempt: not to the workers tried, away from the regions
-        to avoid, to a longer context than any that refused it, with what is drained
-        now."""
-        return route._replace(exclude=frozenset(self.tried), drained=drained,
+        """`route` for the next attempt: not to the workers tried (nor those it excluded
+        already), away from the regions to avoid, to a longer context than any that
+        refused it, with what is drained now."""
+        return route._replace(exclude=route.exclude.union(self.tried), drained=drained,
                               avoid_regions=frozenset(self.avoid_regions),
                               context_above=self.context_above)
 
@@ -52,8 +52,9 @@ class Retries:
         return (isinstance(self.failure, TooLong)
                 and snapshot.contexts(model)[1] <= self.context_above)
 
-    def failed(self, attempt: Attempt, failed: UpstreamFailure, request_id: str) -> None:
-        """`attempt` failed before its first byte: logged, and noted in it."""
+    def failed(self, attempt: Attempt, failed: UpstreamFailure, request_id: str) -> str:
+        """`attempt` failed before its first byte: logged, and noted in it. Returns its
+        worker's id."""
         log.log(logging.INFO if isinstance(failed, WorkerRefusal) else logging.WARNING,
                 "request %s: attempt on %s (%s) failed before first byte: %s",
                 request_id, attempt.worker_id, attempt.region, failed.detail)
@@ -73,6 +74,7 @@ class Retries:
             # usually one stale pooled connection, not the region.
             self.avoid_regions.add(attempt.region)
         self.failure = failed
+        return attempt.worker_id
 
     def broke(self, attempt: Attempt, broken: StreamBroken) -> None:
         """`attempt`'s stream broke off, to be continued on another worker."""

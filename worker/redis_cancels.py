@@ -11,7 +11,7 @@ connections.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from redis.asyncio.connection import AbstractConnection
 
@@ -31,10 +31,11 @@ class _KeepsCancels:
             raise asyncio.CancelledError
 
 
-_KEEPING: dict[type[AbstractConnection], type[AbstractConnection]] = {}
+_KEEPING: dict[type[AbstractConnection], type[Any]] = {}
+C = TypeVar("C", bound=AbstractConnection)
 
 
-def keeping_cancels(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
+def keeping_cancels(connection_class: type[C]) -> type[C]:
     """`connection_class` (plain, TLS, Unix socket, a sentinel's) with `_KeepsCancels`."""
     if issubclass(connection_class, _KeepsCancels):
         return connection_class

@@ -372,13 +372,12 @@ def _cluster_client(url: ClusterURL, *, max_connections: int, timeout: float | N
         **tls, **connection_kwargs,
     )
     # Its nodes' connections keep cancels too: those made from now on (every node the slot
-    # map names) and those of the listed nodes, made already.
-    client.connection_kwargs["connection_class"] = keeping_cancels(
-        client.connection_kwargs["connection_class"])
-    client.nodes_manager.connection_kwargs["connection_class"] = (
-        client.connection_kwargs["connection_class"])
+    # map names: its node manager shares these keyword arguments) and those of the listed
+    # nodes, made already.
+    keeping = keeping_cancels(client.connection_kwargs["connection_class"])
+    client.connection_kwargs["connection_class"] = keeping
     for node in client.nodes_manager.startup_nodes.values():
-        node.connection_class = client.connection_kwargs["connection_class"]
+        node.connection_class = keeping
     # RedisCluster serves the commands globalpool uses with Redis's signatures; the few
     # places that differ (pub/sub, multi-key reads) ask `is_cluster` first.
     return cast(Redis, client)

@@ -134,7 +134,8 @@ async def test_every_kind_of_connection_keeps_its_tasks_cancel(url: str, kind: t
     ("redis+cluster://127.0.0.1:7001,127.0.0.1:7002", Connection),
     ("rediss+cluster://127.0.0.1:7001", SSLConnection),
 ])
-async def test_a_clusters_connections_keep_their_tasks_cancel(url: str, kind: type) -> None:
+async def test_a_clusters_connections_keep_their_tasks_cancel(
+        url: str, kind: type[Connection]) -> None:
     client = cast(RedisCluster, connect(url))
     try:
         keeping = keeping_cancels(kind)

@@ -227,7 +227,7 @@ class Proxy:
                         self._attempt_finished(each)
             if retries is not None and retries.hopeless(self.holder.current, route.model):
                 break
-        return await gave_up(exchange, failover, retries, record)
+        return await gave_up(exchange, failover, retries, record, self.holder.current)
 
     async def _wait_turn(self, queue: RouterQueue, decision: Decision, route: RouteRequest,
                          record: RequestRecord, principal: Principal | None) -> Decision:

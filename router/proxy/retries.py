@@ -28,12 +28,16 @@ _PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
 class Retries:
     """The attempts of one request so far, as they bear on the next one."""
 
-    __slots__ = ("avoid_regions", "broken_stream", "context_above", "failure", "free", "tried")
+    __slots__ = ("avoid_regions", "broken_stream", "context_above", "failure", "free",
+                 "server_failure", "tried")
 
     def __init__(self) -> None:
         self.tried: set[str] = set()  # workers that failed it: never tried again
         self.avoid_regions: set[str] = set()
         self.failure: UpstreamFailure | None = None  # the last attempt's
+        # The last failure that was not an engine's refusal of the request itself
+        # (WorkerRefusal): a timeout, a 5xx, a connection that failed.
+        self.server_failure: UpstreamFailure | None = None
         self.broken_stream: StreamBroken | None = None  # its client has part of the answer
         self.free = False  # the next retry costs no budget
         self.context_above = 0  # the longest context a worker refused it for
@@ -74,7 +78,23 @@ class Retries:
             # usually one stale pooled connection, not the region.
             self.avoid_regions.add(attempt.region)
         self.failure = failed
+        if not isinstance(failed, WorkerRefusal):
+            self.server_failure = failed
         return attempt.worker_id
+
+    def told(self, snapshot: Snapshot, model: str) -> UpstreamFailure:
+        """The failure the client is told of once no attempt is left: the last one, unless
+        that is an engine's refusal (too long for its context, a model it does not
+        serve) after a worker that could have served the request failed. Then the
+        refusal is not the request's fault, and the client, told "too long" or "does not
+        exist", would not send it again: it is told the earlier failure (a 5xx with
+        Retry-After). A request too long for every context gets the refusal all the
+        same."""
+        assert self.failure is not None
+        if (isinstance(self.failure, WorkerRefusal) and self.server_failure is not None
+                and not self.hopeless(snapshot, model)):
+            return self.server_failure
+        return self.failure
 
     def broke(self, attempt: Attempt, broken: StreamBroken) -> None:
         """`attempt`'s stream broke off, to be continued on another worker."""
@@ -115,11 +135,12 @@ def note_failure(attempt: Attempt, failed: UpstreamFailure) -> None:
 
 
 async def gave_up(exchange: Exchange, failover: Failover | None, retries: Retries | None,
-                  record: RequestRecord) -> Reply:
-    """The answer when no attempt is left (each failed: `retries` holds them): the last
-    failure's error, or the end of a stream whose client has part of the answer."""
+                  record: RequestRecord, snapshot: Snapshot) -> Reply:
+    """The answer when no attempt is left (each failed: `retries` holds them): the error
+    of the failure it is told of (Retries.told), or the end of a stream whose client has
+    part of the answer."""
     assert retries is not None and retries.failure is not None
-    failure = retries.failure
+    failure = retries.told(snapshot, record.model)
     record.error = failure.detail
     if retries.broken_stream is not None:  # the client has part of the answer: end it
         record.failover = "failed"

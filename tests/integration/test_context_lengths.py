@@ -176,3 +176,29 @@ async def test_a_prompt_of_token_ids_is_counted_by_its_ids(up: RunningUp) -> Non
         assert response.headers["x-globalpool-route"] != "retry"
     assert answer["usage"]["prompt_tokens"] == 3000
 
+
+
+async def _error_rate(up: RunningUp, name: str, rate: float) -> None:
+    url = next(str(c["url"]) for c in up.children() if c["name"] == name)
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{url}/sim/faults", json={"error_rate": rate}) as response:
+        assert response.status == 200, await response.text()
+
+
+async def test_a_long_request_whose_only_fitting_worker_failed_gets_that_failure(
+        up: RunningUp) -> None:
+    # eu-west's engine, the only one long enough, fails; the retry goes to a us-east
+    # engine, which refuses it as too long for 2,048 tokens. That 400 says the request
+    # cannot be served, which is not so: the client would not send it again. It gets the
+    # failure of the worker that could serve it (5xx, Retry-After). (Last in the module:
+    # eu-west's failures count against it.)
+    await _error_rate(up, "sim-eu-west-1", 1.0)
+    try:
+        status, headers, answer = await chat(up.url, ask("word " * 2400, max_tokens=8))
+    finally:
+        await _error_rate(up, "sim-eu-west-1", 0.0)
+    assert status == 502, answer
+    assert headers["Retry-After"] == "1"
+    assert answer["error"]["code"] == "upstream_failed"
+    assert "maximum context length" not in answer["error"]["message"]
+    assert "127.0." not in str(answer)

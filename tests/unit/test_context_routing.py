@@ -9,7 +9,7 @@ import pytest
 from router.core.outcome import Attempt, Failure, RequestRecord
 from router.core.parse import ParsedRequest, parse_body
 from router.policy import NoRoute, RouteRequest
-from router.proxy.failures import TooLong, worker_refusal
+from router.proxy.failures import TooLong, UpstreamFailure, worker_refusal
 from router.proxy.retries import Retries
 from router.proxy.routing_hints import route_request
 from router.registry.drained import NOTHING_DRAINED
@@ -193,3 +193,37 @@ def test_a_404_for_a_model_the_worker_does_not_serve_is_another_workers_to_take(
     assert retries.free and not retries.hopeless(fleet(), "m")
     # Any other 404 is the client's (an endpoint the engine does not serve).
     assert worker_refusal(404, b'{"detail": "Not Found"}') is None
+
+
+def test_a_refusal_after_a_failure_of_a_worker_that_could_serve_it_is_not_the_answer() -> None:
+    def attempt(worker_id: str) -> Attempt:
+        return Attempt(worker_id=worker_id, region="x", predicted_ttft_ms=1.0,
+                       reason="local", started_s=0.0)
+    timeout = UpstreamFailure("no first byte within 10 s", Failure.TIMEOUT, status=504)
+    too_long = TooLong(4096, b"{}", "too long for 4096")
+    not_served = worker_refusal(404, vllm_refusal("The model `m` does not exist."))
+    assert not_served is not None
+    # eu-1, the long context, timed out; us-1 refused it as too long: the timeout is told.
+    retries = Retries()
+    retries.failed(attempt("eu-1"), timeout, "req-1")
+    retries.failed(attempt("us-1"), too_long, "req-1")
+    assert retries.told(fleet(), "m") is timeout
+    # The same for a worker that said it does not serve the model after one that did failed.
+    retries = Retries()
+    retries.failed(attempt("us-1"), timeout, "req-2")
+    retries.failed(attempt("us-2"), not_served, "req-2")
+    assert retries.told(fleet(), "m") is timeout
+    # Refusals alone are the engines' answer; so is "too long" for the longest context.
+    retries = Retries()
+    retries.failed(attempt("us-1"), too_long, "req-3")
+    assert retries.told(fleet(), "m") is too_long
+    retries = Retries()
+    retries.failed(attempt("us-1"), timeout, "req-4")
+    longest = TooLong(32768, b"{}", "too long for 32768")
+    retries.failed(attempt("eu-1"), longest, "req-4")
+    assert retries.told(fleet(), "m") is longest
+    # The last failure, when it is not a refusal.
+    retries = Retries()
+    retries.failed(attempt("us-1"), too_long, "req-5")
+    retries.failed(attempt("eu-1"), timeout, "req-5")
+    assert retries.told(fleet(), "m") is timeout

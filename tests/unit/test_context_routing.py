@@ -195,35 +195,28 @@ def test_a_404_for_a_model_the_worker_does_not_serve_is_another_workers_to_take(
     assert worker_refusal(404, b'{"detail": "Not Found"}') is None
 
 
-def test_a_refusal_after_a_failure_of_a_worker_that_could_serve_it_is_not_the_answer() -> None:
-    def attempt(worker_id: str) -> Attempt:
-        return Attempt(worker_id=worker_id, region="x", predicted_ttft_ms=1.0,
-                       reason="local", started_s=0.0)
-    timeout = UpstreamFailure("no first byte within 10 s", Failure.TIMEOUT, status=504)
-    too_long = TooLong(4096, b"{}", "too long for 4096")
-    not_served = worker_refusal(404, vllm_refusal("The model `m` does not exist."))
-    assert not_served is not None
+TIMEOUT = UpstreamFailure("no first byte within 10 s", Failure.TIMEOUT, status=504)
+TOO_LONG = TooLong(4096, b"{}", "too long for 4096")
+TOO_LONG_FOR_ALL = TooLong(32768, b"{}", "too long for 32768")
+NOT_SERVED = worker_refusal(404, vllm_refusal("The model `m` does not exist."))
+
+
+@pytest.mark.parametrize(("failures", "told"), [
     # eu-1, the long context, timed out; us-1 refused it as too long: the timeout is told.
-    retries = Retries()
-    retries.failed(attempt("eu-1"), timeout, "req-1")
-    retries.failed(attempt("us-1"), too_long, "req-1")
-    assert retries.told(fleet(), "m") is timeout
+    ([("eu-1", TIMEOUT), ("us-1", TOO_LONG)], TIMEOUT),
     # The same for a worker that said it does not serve the model after one that did failed.
-    retries = Retries()
-    retries.failed(attempt("us-1"), timeout, "req-2")
-    retries.failed(attempt("us-2"), not_served, "req-2")
-    assert retries.told(fleet(), "m") is timeout
+    ([("us-1", TIMEOUT), ("us-2", NOT_SERVED)], TIMEOUT),
     # Refusals alone are the engines' answer; so is "too long" for the longest context.
-    retries = Retries()
-    retries.failed(attempt("us-1"), too_long, "req-3")
-    assert retries.told(fleet(), "m") is too_long
-    retries = Retries()
-    retries.failed(attempt("us-1"), timeout, "req-4")
-    longest = TooLong(32768, b"{}", "too long for 32768")
-    retries.failed(attempt("eu-1"), longest, "req-4")
-    assert retries.told(fleet(), "m") is longest
+    ([("us-1", TOO_LONG)], TOO_LONG),
+    ([("us-1", TIMEOUT), ("eu-1", TOO_LONG_FOR_ALL)], TOO_LONG_FOR_ALL),
     # The last failure, when it is not a refusal.
+    ([("us-1", TOO_LONG), ("eu-1", TIMEOUT)], TIMEOUT),
+])
+def test_a_refusal_after_a_failure_of_a_worker_that_could_serve_it_is_not_the_answer(
+        failures: list[tuple[str, UpstreamFailure | None]], told: UpstreamFailure) -> None:
     retries = Retries()
-    retries.failed(attempt("us-1"), too_long, "req-5")
-    retries.failed(attempt("eu-1"), timeout, "req-5")
-    assert retries.told(fleet(), "m") is timeout
+    for worker_id, failure in failures:
+        assert failure is not None
+        retries.failed(Attempt(worker_id=worker_id, region="x", predicted_ttft_ms=1.0,
+                               reason="local", started_s=0.0), failure, "req-1")
+    assert retries.told(fleet(), "m") is told

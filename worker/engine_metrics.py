@@ -42,6 +42,16 @@ GENERATION_TOKENS_COUNTER = "vllm:generation_tokens_total"
 # Prompt tokens found in the prefix cache (counted as requests are scheduled): not
 # computed in the prefill phase, so not part of the engine's prefill rate.
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
+# Observed once per engine step (vLLM 0.6 and later): progress (worker.progress).
+STEP_COUNT = "vllm:iteration_tokens_total_count"
+# The label that tells the engines behind one server apart (vLLM: the data-parallel rank's
+# engine index, "0" with one engine), and what is kept of each for worker.progress: its
+# requests and what moves as it steps. At most MAX_ENGINES of them; a body naming more is
+# judged as one engine.
+ENGINE_LABEL = "engine"
+_PER_ENGINE = frozenset({RUNNING, WAITING, STEP_COUNT, PROMPT_TOKENS_COUNTER,
+                         GENERATION_TOKENS_COUNTER})
+MAX_ENGINES = 256
 
 
 class MetricsFormatError(ValueError):
@@ -65,6 +75,10 @@ class MetricsSample:
     block_size_tokens: int | None
     totals: Mapping[str, float] = field(default_factory=dict)
     metric_names: tuple[str, ...] = ()
+    # Per engine behind the server (its ENGINE_LABEL), the totals of what progress is
+    # judged by (_PER_ENGINE); empty when the body does not tell its engines apart (no
+    # label on some request count, or more than MAX_ENGINES of them).
+    engines: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     @property
     def in_flight(self) -> int:
@@ -77,6 +91,7 @@ def parse_metrics(text: str) -> MetricsSample:
     kv_values: dict[str, list[float]] = {}
     cache_labels: list[Mapping[str, str]] = []
     negative: list[str] = []
+    engines: dict[str, dict[str, float]] | None = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -92,6 +107,8 @@ def parse_metrics(text: str) -> MetricsSample:
                         kv_values.setdefault(name, []).append(value)
                 elif not name.endswith(("_bucket", "_created")):
                     totals[name] = totals.get(name, 0.0) + value
+                    if name in _PER_ENGINE and engines is not None:
+                        engines = _per_engine(engines, sample.labels, name, value)
     except ValueError as exc:
         raise MetricsFormatError(f"not Prometheus text: {exc}") from None
     if negative:
@@ -115,7 +132,21 @@ def parse_metrics(text: str) -> MetricsSample:
         block_size_tokens=block_size,
         totals=totals,
         metric_names=tuple(sorted(_used_names(present))),
+        engines=engines if engines and all(
+            RUNNING in one and WAITING in one for one in engines.values()) else {},
     )
+
+
+def _per_engine(engines: dict[str, dict[str, float]], labels: Mapping[str, str], name: str,
+                value: float) -> dict[str, dict[str, float]] | None:
+    """`engines` with `value` added to its engine's `name`; None once they cannot be told
+    apart (a sample without the label, or more than MAX_ENGINES engines)."""
+    engine = labels.get(ENGINE_LABEL)
+    if engine is None or (engine not in engines and len(engines) >= MAX_ENGINES):
+        return None
+    totals = engines.setdefault(engine, {})
+    totals[name] = totals.get(name, 0.0) + value
+    return engines
 
 
 def _seqs(total: float) -> int:

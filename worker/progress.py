@@ -13,27 +13,43 @@ What does tell: vLLM observes `vllm:iteration_tokens_total` once per engine step
 `stuck_after_s` is stuck. An idle engine runs no steps and is never stuck; an engine that
 restarts starts its counts again, which is movement too. An engine without that histogram
 is judged by its prompt and generation token counters instead (coarser: a long prefill
-moves neither until it ends). Several engines behind one server (data parallel) sum their
-counts, so one of them stuck while another steps is not seen.
+moves neither until it ends). Several engines behind one server (data parallel: vLLM labels
+each one's series with its `engine` index) are judged each by its own counts: one of them
+stuck while another steps is stuck, though their sums still move (the server sends part of
+its requests to the stuck one). A body that does not tell its engines apart is judged by
+its sums.
 """
 
 from __future__ import annotations
 
-from worker.engine_metrics import GENERATION_TOKENS_COUNTER, PROMPT_TOKENS_COUNTER, MetricsSample
+from collections.abc import Mapping
+
+from worker.engine_metrics import (
+    GENERATION_TOKENS_COUNTER,
+    PROMPT_TOKENS_COUNTER,
+    RUNNING,
+    STEP_COUNT,
+    WAITING,
+    MetricsSample,
+)
 from worker.schema import MAX_STUCK_S
 
 # How long an engine may hold requests without a step before it is stuck, by default
 # (--stuck-after-s; regions.yaml's heartbeat.stuck_after_s).
 STUCK_AFTER_S = 15.0
-# Observed once per engine step (vLLM 0.6 and later).
-STEP_COUNT = "vllm:iteration_tokens_total_count"
 # Without it: tokens prefilled or generated (each moves only at some steps' ends).
 TOKEN_COUNTERS = (PROMPT_TOKENS_COUNTER, GENERATION_TOKENS_COUNTER)
 
 
+__all__ = ["STEP_COUNT", "STUCK_AFTER_S", "ProgressWatch", "steps_of"]
+
+
 def steps_of(sample: MetricsSample) -> float | None:
     """A count that moves whenever the engine makes progress; None if it exposes none."""
-    totals = sample.totals
+    return _steps(sample.totals)
+
+
+def _steps(totals: Mapping[str, float]) -> float | None:
     steps = totals.get(STEP_COUNT)
     if steps is not None:
         return steps
@@ -55,20 +71,31 @@ class ProgressWatch:
     def __init__(self, stuck_after_s: float, max_gap_s: float = 2.0) -> None:
         self.stuck_after_s = stuck_after_s
         self.max_gap_s = max_gap_s
-        self._steps: float | None = None
         self._last_s: float | None = None
-        self._still_s = 0.0  # held without a step, as far as the samples show
+        # Per engine (the module doc; "" for a body judged by its sums): its step count
+        # at the last sample, and how long it has held requests without a step since, as
+        # far as the samples show.
+        self._engines: dict[str, tuple[float | None, float]] = {}
 
     def observe(self, sample: MetricsSample, now_s: float) -> float | None:
-        """Seconds the engine has held requests without a step, if `stuck_after_s` or more
-        (at most MAX_STUCK_S); None while it steps, is idle, or exposes no count."""
-        steps = steps_of(sample)
-        gap_s = 0.0 if self._last_s is None else max(0.0, now_s - self._last_s)
+        """Seconds an engine has held requests without a step, if `stuck_after_s` or more
+        (at most MAX_STUCK_S; the longest of several engines); None while each steps, is
+        idle, or exposes no count."""
+        gap_s = 0.0 if self._last_s is None else min(max(0.0, now_s - self._last_s),
+                                                    self.max_gap_s)
         self._last_s = now_s
-        if steps is None or steps != self._steps or sample.in_flight == 0:
-            self._steps = steps
-            self._still_s = 0.0
-            return None
-        self._still_s += min(gap_s, self.max_gap_s)
-        still_s = self._still_s
-        return min(still_s, MAX_STUCK_S) if still_s >= self.stuck_after_s else None
+        engines = sample.engines or {"": sample.totals}
+        seen: dict[str, tuple[float | None, float]] = {}
+        longest_s = 0.0
+        for engine, totals in engines.items():
+            steps = _steps(totals)
+            last = self._engines.get(engine)
+            if (steps is None or last is None or steps != last[0]
+                    or totals.get(RUNNING, 0.0) + totals.get(WAITING, 0.0) <= 0):
+                still_s = 0.0  # it stepped, holds nothing, or is new (a restart: movement)
+            else:
+                still_s = last[1] + gap_s
+            seen[engine] = (steps, still_s)
+            longest_s = max(longest_s, still_s)
+        self._engines = seen  # (engines gone from the body are forgotten)
+        return min(longest_s, MAX_STUCK_S) if longest_s >= self.stuck_after_s else None

@@ -75,6 +75,10 @@ class EngineStandIn:
         self.version_calls = 0
         self._runner: web.AppRunner | None = None
         self.url = ""
+        # Set: a data-parallel server of as many engines, each (requests running, steps
+        # counted; the step count moves by one at each scrape while `stepping`).
+        self.engines: list[list[int]] = []
+        self.stepping: list[bool] = []
 
     def finish_requests(self, count: int, ttft_s: float) -> None:
         """Pretend `count` more requests completed, each with this time to first token."""
@@ -82,12 +86,31 @@ class EngineStandIn:
         self.ttft_s_total += count * ttft_s
 
     def metrics_text(self) -> str:
+        if self.engines:
+            return self._engines_text()
         return with_values(CAPTURE, {
             "vllm:num_requests_running": float(self.running),
             "vllm:num_requests_waiting": float(self.waiting),
             "vllm:time_to_first_token_seconds_count": 250.0 + self.finished,
             "vllm:time_to_first_token_seconds_sum": TTFT_SUM + self.ttft_s_total,
         })
+
+    def _engines_text(self) -> str:
+        """The capture as a data-parallel server shows it: each series once per engine
+        (vLLM labels them `engine="0"`, `engine="1"`, ...), with each engine's values."""
+        lines: list[str] = []
+        for line in CAPTURE.splitlines():
+            lines.extend(line.replace('engine="0"', f'engine="{index}"')
+                         for index in range(len(self.engines) if 'engine="0"' in line else 1))
+        text = "\n".join(lines) + "\n"
+        for index, engine in enumerate(self.engines):
+            engine[1] += self.stepping[index]
+            for name, value in (("vllm:num_requests_running", engine[0]),
+                                ("vllm:num_requests_waiting", 0),
+                                ("vllm:iteration_tokens_total_count", engine[1])):
+                text = re.sub(rf'^({re.escape(name)}\{{engine="{index}"[^}}]*\}}) \S+$',
+                              _setter(float(value)), text, flags=re.MULTILINE)
+        return text
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -531,3 +554,26 @@ async def test_cli_survives_redis_outage_and_logs_it_once(
     assert stderr.count("reachable again") == 1, stderr
     assert code == 0
     assert_clean_exit(stderr)
+
+
+async def test_one_wedged_engine_of_a_data_parallel_server_is_found(
+    engine: EngineStandIn, redis_url: str, key_prefix: str
+) -> None:
+    # Two engines behind one vLLM server: engine 0 steps at every scrape, engine 1 holds
+    # two requests and runs no step. Their sums move, and the server still sends part of
+    # its requests to engine 1, where they wait for ever.
+    keys = HeartbeatKeys(key_prefix)
+    engine.engines, engine.stepping = [[3, 100], [2, 500]], [True, False]
+    timing = HeartbeatTiming(interval_s=0.1, ttl_s=0.5, max_backoff_s=0.4, stuck_after_s=1.0)
+    async with subscribed(redis_url, keys) as channel, \
+            heartbeat_loop(engine.url, redis_url, keys, timing=timing) as (loop, _):
+        task = await run_until_cancelled(loop)
+        await channel.until(is_state(LifecycleState.READY))
+        stuck = await channel.until(is_state(LifecycleState.DEGRADED), timeout_s=5.0)
+        assert isinstance(stuck, Heartbeat)
+        assert stuck.engine.stuck_for_s is not None and stuck.engine.stuck_for_s >= 1.0
+        assert (stuck.load.running, stuck.load.waiting) == (5, 0)  # the server's sums
+        engine.stepping[1] = True  # it steps again: ready after three good probes
+        back = await channel.until(is_state(LifecycleState.READY), timeout_s=5.0)
+        assert isinstance(back, Heartbeat) and back.engine.stuck_for_s is None
+        await stop(task)

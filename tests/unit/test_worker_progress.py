@@ -109,6 +109,57 @@ def test_an_engine_without_any_progress_count_is_never_called_stuck() -> None:
     assert [watch.observe(held, now) for now in (0.0, 10.0, 1000.0)] == [None] * 3
 
 
+def two_engines(steps: tuple[float, float], running: tuple[int, int]) -> MetricsSample:
+    """The capture as a data-parallel server of two engines shows it (vLLM labels each
+    engine's series `engine="0"`, `engine="1"`), with these step counts and requests."""
+    lines: list[str] = []
+    for line in CAPTURE.splitlines():
+        lines.append(line)
+        if 'engine="0"' in line:
+            lines.append(line.replace('engine="0"', 'engine="1"'))
+    text = "\n".join(lines) + "\n"
+    for engine in (0, 1):
+        for name, value in ((STEP_COUNT, steps[engine]),
+                            ("vllm:num_requests_running", running[engine]),
+                            ("vllm:num_requests_waiting", 0)):
+            pattern = re.compile(
+                rf'^({re.escape(name)}\{{engine="{engine}"[^}}]*\}}) \S+$', re.MULTILINE)
+            text, count = pattern.subn(rf"\g<1> {float(value)!r}", text)
+            assert count == 1, (name, engine)
+    return parse_metrics(text)
+
+
+def test_each_engine_behind_one_server_is_judged_by_its_own_steps() -> None:
+    sample = two_engines((100.0, 200.0), (3, 2))
+    assert set(sample.engines) == {"0", "1"} and sample.running == 5
+    assert sample.engines["1"][STEP_COUNT] == 200.0
+    watch = ProgressWatch(stuck_after_s=15.0)
+    # Engine 0 steps, engine 1 holds two requests and does not: their sums still move.
+    said = [watch.observe(two_engines((100.0 + tick, 200.0), (3, 2)), tick / 2)
+            for tick in range(41)]
+    assert said[:30] == [None] * 30 and said[30:] == [tick / 2 for tick in range(30, 41)]
+    # Engine 1 idle: it runs no step and is not stuck, whatever engine 0 does.
+    watch = ProgressWatch(stuck_after_s=15.0)
+    assert {watch.observe(two_engines((100.0 + tick, 200.0), (3, 0)), tick / 2)
+            for tick in range(41)} == {None}
+    # Both stepping: never stuck.
+    watch = ProgressWatch(stuck_after_s=15.0)
+    assert {watch.observe(two_engines((100.0 + tick, 200.0 + tick), (3, 2)), tick / 2)
+            for tick in range(41)} == {None}
+
+
+def test_a_body_that_does_not_tell_its_engines_apart_is_judged_by_its_sums() -> None:
+    assert set(parse_metrics(CAPTURE).engines) == {"0"}
+    unlabelled = re.sub(r'\{engine="0",model_name="tiny-llama"\}', "", CAPTURE)
+    assert "engine=" not in unlabelled.split("vllm:num_requests_running")[1].split("\n")[0]
+    sample = parse_metrics(unlabelled)
+    assert sample.engines == {} and steps_of(sample) == 1223.0
+    watch = ProgressWatch(stuck_after_s=1.0)
+    held = parse_metrics(unlabelled.replace("vllm:num_requests_running 0.0",
+                                            "vllm:num_requests_running 2.0"))
+    assert [watch.observe(held, now) for now in (0.0, 0.5, 1.0)] == [None, None, 1.0]
+
+
 # --- the agent ------------------------------------------------------------------------------
 
 

@@ -82,7 +82,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int,
                         help="the engine's --max-num-seqs: sequences it runs at once "
                         "(default: the launched command's, then "
-                        f"{DEFAULT_MAX_NUM_SEQS}, vLLM's default)")
+                        f"{DEFAULT_MAX_NUM_SEQS}, vLLM's default); per engine, as vLLM "
+                        "takes it: a data-parallel server's heartbeat says this times "
+                        "the engines its /metrics shows")
     parser.add_argument("--probe-timeout-s", type=float,
                         help="longest wait for each of /health, /metrics, /v1/models; a "
                         "probe that times out counts as failed (default: a third of the TTL, "

@@ -84,6 +84,13 @@ class MetricsSample:
     def in_flight(self) -> int:
         return self.running + self.waiting
 
+    @property
+    def engine_count(self) -> int:
+        """Engines behind the server (data parallel: one per `engine` label), at least 1:
+        each runs up to `--max-num-seqs` sequences, and the running and waiting counts
+        and KV blocks above are their sums."""
+        return max(1, len(self.engines))
+
 
 def parse_metrics(text: str) -> MetricsSample:
     """Parse vLLM's Prometheus text. Raises MetricsFormatError if it is not usable."""

@@ -26,7 +26,15 @@ from worker.lifecycle import next_state as next_state
 from worker.probe import ProbeResult, ServedModels
 from worker.progress import STUCK_AFTER_S, ProgressWatch
 from worker.publisher import RedisUnavailableError
-from worker.schema import Capacity, EngineInfo, Heartbeat, LifecycleState, Load, Performance
+from worker.schema import (
+    MAX_SEQS,
+    Capacity,
+    EngineInfo,
+    Heartbeat,
+    LifecycleState,
+    Load,
+    Performance,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +129,9 @@ def build_heartbeat(
         lora_adapters=models.lora_adapters,
         state=state,
         capacity=Capacity(
-            max_num_seqs=identity.max_num_seqs,
+            # vLLM's --max-num-seqs is per engine; a data-parallel server runs several.
+            max_num_seqs=min(MAX_SEQS, identity.max_num_seqs
+                             * (metrics.engine_count if metrics else 1)),
             kv_blocks_total=metrics.kv_blocks_total if metrics else None,
             block_size_tokens=metrics.block_size_tokens if metrics else None,
             max_model_len=models.max_model_len,

@@ -573,6 +573,8 @@ async def test_one_wedged_engine_of_a_data_parallel_server_is_found(
         assert isinstance(stuck, Heartbeat)
         assert stuck.engine.stuck_for_s is not None and stuck.engine.stuck_for_s >= 1.0
         assert (stuck.load.running, stuck.load.waiting) == (5, 0)  # the server's sums
+        # --max-num-seqs (16 here) is per engine: two engines run 32 sequences at once.
+        assert stuck.capacity.max_num_seqs == 32
         engine.stepping[1] = True  # it steps again: ready after three good probes
         back = await channel.until(is_state(LifecycleState.READY), timeout_s=5.0)
         assert isinstance(back, Heartbeat) and back.engine.stuck_for_s is None

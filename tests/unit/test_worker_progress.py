@@ -132,6 +132,8 @@ def two_engines(steps: tuple[float, float], running: tuple[int, int]) -> Metrics
 def test_each_engine_behind_one_server_is_judged_by_its_own_steps() -> None:
     sample = two_engines((100.0, 200.0), (3, 2))
     assert set(sample.engines) == {"0", "1"} and sample.running == 5
+    assert sample.engine_count == 2 and parse_metrics(CAPTURE).engine_count == 1
+    assert sample.kv_blocks_total == 2 * parse_metrics(CAPTURE).kv_blocks_total  # type: ignore[operator]
     assert sample.engines["1"][STEP_COUNT] == 200.0
     watch = ProgressWatch(stuck_after_s=15.0)
     # Engine 0 steps, engine 1 holds two requests and does not: their sums still move.

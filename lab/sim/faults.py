@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 Misbehaviour = Literal[
     "none", "no_answer", "headers_then_hang", "half_body_close", "wrong_content_length",
     "short_content_length", "huge_headers", "endless_body", "garbage", "reset_mid_stream",
-    "slow_tokens",
+    "slow_tokens", "too_long_lie",
 ]
 # Arrival times kept for GET /sim/arrivals (the count goes on past it).
 MAX_ARRIVALS = 10_000
@@ -75,7 +75,9 @@ class FaultKnobs(BaseModel):
         "answer; endless_body: a 200 whose body never ends (a token every 10 ms) until the "
         "client goes away; garbage: 4 KB of bytes that are not HTTP, then FIN; "
         "reset_mid_stream: the headers and 3 tokens (or half the JSON body), then a TCP RST; "
-        "slow_tokens: a valid answer at one token per slow_token_interval_s",
+        "slow_tokens: a valid answer at one token per slow_token_interval_s; too_long_lie: "
+        "vLLM's 400 refusing the prompt as too long for a context of 1,000,000,000 tokens, "
+        "whatever its length (a buggy or lying engine)",
     )
     slow_token_interval_s: float = Field(
         default=5.0, gt=0.0, le=3600.0, description="seconds per token of misbehave=slow_tokens"

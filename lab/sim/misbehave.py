@@ -22,10 +22,12 @@ import struct
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Protocol
 
 from aiohttp import web
 
+from lab.sim.errors import ApiError
 from lab.sim.faults import FaultKnobs, Misbehaviour
 from lab.sim.protocol import GenerationRequest
 from lab.sim.responses import DONE, StreamEncoder, chat_completion, text_completion, usage
@@ -43,6 +45,7 @@ GARBAGE_BYTES = 4096
 LENGTH_ERROR_BYTES = 100  # how far wrong_/short_content_length's Content-Length is off
 RESET_AFTER_TOKENS = 3
 ENDLESS_CHUNK_INTERVAL_S = 0.01
+LIED_CONTEXT = 1_000_000_000  # the context too_long_lie names
 # A reset discards what the kernel has not sent yet, so the tokens written before it get
 # this long to reach the client (on loopback they are there at once).
 _FLUSH_BEFORE_RESET_S = 0.05
@@ -230,6 +233,13 @@ class WrongAnswer:
         transport.write(_garbage())
         return await self._close_and_park(transport)
 
+    async def too_long_lie(self, _transport: asyncio.Transport) -> web.StreamResponse:
+        return ApiError(HTTPStatus.BAD_REQUEST, (
+            f"This model's maximum context length is {LIED_CONTEXT} tokens. However, your "
+            f"prompt contains {LIED_CONTEXT + 1} input tokens, which exceeds this limit "
+            "even without any output tokens. Please reduce the length of the input prompt."),
+            param="input_tokens").response()
+
     async def reset_mid_stream(self, transport: asyncio.Transport) -> web.StreamResponse:
         if self._generation.stream:
             response = web.StreamResponse(headers={"Content-Type": _SSE})
@@ -270,4 +280,5 @@ _PLAYS: dict[str, _Play] = {
     "garbage": WrongAnswer.garbage,
     "reset_mid_stream": WrongAnswer.reset_mid_stream,
     "slow_tokens": WrongAnswer.slow_tokens,
+    "too_long_lie": WrongAnswer.too_long_lie,
 }

@@ -29,7 +29,7 @@ class Retries:
     """The attempts of one request so far, as they bear on the next one."""
 
     __slots__ = ("avoid_regions", "broken_stream", "context_above", "failure", "free",
-                 "server_failure", "tried")
+                 "refused_for", "server_failure", "tried")
 
     def __init__(self) -> None:
         self.tried: set[str] = set()  # workers that failed it: never tried again
@@ -41,6 +41,8 @@ class Retries:
         self.broken_stream: StreamBroken | None = None  # its client has part of the answer
         self.free = False  # the next retry costs no budget
         self.context_above = 0  # the longest context a worker refused it for
+        # Each refusal as too long: the worker, and the context its engine named.
+        self.refused_for: list[tuple[str, int]] = []
 
     def next_route(self, route: RouteRequest, drained: Drained) -> RouteRequest:
         """`route` for the next attempt: not to the workers tried (nor those it excluded
@@ -52,7 +54,15 @@ class Retries:
 
     def hopeless(self, snapshot: Snapshot, model: str) -> bool:
         """Whether the last failure rules out every worker: a refusal as too long for a
-        context that no worker of the model exceeds (its answer is the client's)."""
+        context that no worker of the model exceeds (its answer is the client's).
+
+        A refusal counts for no more than the context the worker's heartbeat gives
+        (`context_above` is bounded by it here, before the next route is made): an engine
+        that names a context far beyond its own (a lie, or a bug) cannot make a request
+        that shorter contexts would serve hopeless, and keep every other worker from it."""
+        if self.refused_for:
+            self.context_above = max(min(named, _context_of(snapshot, worker_id, named))
+                                     for worker_id, named in self.refused_for)
         return (isinstance(self.failure, TooLong)
                 and snapshot.contexts(model)[1] <= self.context_above)
 
@@ -72,6 +82,7 @@ class Retries:
                      or self.broken_stream is not None or isinstance(failed, WorkerRefusal))
         if isinstance(failed, TooLong):  # refused before any work: a longer context may
             self.context_above = max(self.context_above, failed.context)
+            self.refused_for.append((attempt.worker_id, failed.context))
         if failed.kind in _PATH_FAILURES:
             # The path to the region may be down (refused, or a blackhole that
             # only times out): the retry prefers another region. A reset is
@@ -101,6 +112,13 @@ class Retries:
         self.tried.add(attempt.worker_id)
         self.broken_stream = self.failure = broken
         self.free = True  # failover: the budget guards against amplification
+
+
+def _context_of(snapshot: Snapshot, worker_id: str, otherwise: int) -> int:
+    """The context the worker's heartbeat gives, or `otherwise` (none given, or gone)."""
+    view = snapshot.workers.get(worker_id)
+    length = None if view is None else view.heartbeat.capacity.max_model_len
+    return otherwise if length is None else length
 
 
 def pick_now(policy: Policy, holder: SnapshotHolder, route: RouteRequest) -> Decision:

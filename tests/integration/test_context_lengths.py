@@ -178,11 +178,29 @@ async def test_a_prompt_of_token_ids_is_counted_by_its_ids(up: RunningUp) -> Non
 
 
 
-async def _error_rate(up: RunningUp, name: str, rate: float) -> None:
+async def _faults(up: RunningUp, name: str, **knobs: object) -> None:
     url = next(str(c["url"]) for c in up.children() if c["name"] == name)
     async with aiohttp.ClientSession() as session, session.post(
-            f"{url}/sim/faults", json={"error_rate": rate}) as response:
+            f"{url}/sim/faults", json=knobs) as response:
         assert response.status == 200, await response.text()
+
+
+async def test_an_engine_that_names_a_context_beyond_its_own_cannot_make_a_request_hopeless(
+        up: RunningUp) -> None:
+    # Both us-east engines answer every request "too long for a context of 1,000,000,000
+    # tokens": their heartbeats say 2,048. Taken at their word, no worker's context was
+    # longer, and a short request got that 400 at once; counted for 2,048, it is tried on
+    # eu-west's 16,384 and served.
+    for name in ("sim-us-east-1", "sim-us-east-2"):
+        await _faults(up, name, misbehave="too_long_lie")
+    try:
+        answers = [await chat(up.url, ask("hello", max_tokens=4)) for _ in range(4)]
+    finally:
+        for name in ("sim-us-east-1", "sim-us-east-2"):
+            await _faults(up, name, misbehave="none")
+    for status, headers, answer in answers:
+        assert status == 200, answer
+        assert headers["x-globalpool-region"] == "eu-west"
 
 
 async def test_a_long_request_whose_only_fitting_worker_failed_gets_that_failure(
@@ -192,11 +210,11 @@ async def test_a_long_request_whose_only_fitting_worker_failed_gets_that_failure
     # cannot be served, which is not so: the client would not send it again. It gets the
     # failure of the worker that could serve it (5xx, Retry-After). (Last in the module:
     # eu-west's failures count against it.)
-    await _error_rate(up, "sim-eu-west-1", 1.0)
+    await _faults(up, "sim-eu-west-1", error_rate=1.0)
     try:
         status, headers, answer = await chat(up.url, ask("word " * 2400, max_tokens=8))
     finally:
-        await _error_rate(up, "sim-eu-west-1", 0.0)
+        await _faults(up, "sim-eu-west-1", error_rate=0.0)
     assert status == 502, answer
     assert headers["Retry-After"] == "1"
     assert answer["error"]["code"] == "upstream_failed"

@@ -220,3 +220,25 @@ def test_a_refusal_after_a_failure_of_a_worker_that_could_serve_it_is_not_the_an
         retries.failed(Attempt(worker_id=worker_id, region="x", predicted_ttft_ms=1.0,
                                reason="local", started_s=0.0), failure, "req-1")
     assert retries.told(fleet(), "m") is told
+
+
+def test_a_refusal_naming_a_context_beyond_the_workers_own_counts_for_its_own() -> None:
+    def refused(worker_id: str, named: int) -> Retries:
+        retries = Retries()
+        retries.failed(Attempt(worker_id=worker_id, region="x", predicted_ttft_ms=1.0,
+                               reason="local", started_s=0.0),
+                       TooLong(named, b"{}", f"too long for {named}"), "req-1")
+        return retries
+    # us-1's heartbeat says 4,096; its engine says "too long for 1,000,000,000": the
+    # request is not hopeless, and the retry goes to a context longer than 4,096.
+    lying = refused("us-1", 10**9)
+    assert not lying.hopeless(fleet(), "m")
+    assert lying.next_route(route(5000), NOTHING_DRAINED).context_above == 4096
+    # A worker whose heartbeat gives no context (or that is gone) is taken at its word.
+    unbounded = snapshot(sized("us-1", "us-east", None), sized("eu-1", "eu-west", 32768))
+    untold = refused("us-1", 40000)
+    untold.hopeless(unbounded, "m")
+    assert untold.next_route(route(5000), NOTHING_DRAINED).context_above == 40000
+    assert refused("gone", 40000).hopeless(fleet(), "m")
+    # The truth, as before: the longest context refused it.
+    assert refused("eu-1", 32768).hopeless(fleet(), "m")

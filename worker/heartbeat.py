@@ -286,7 +286,8 @@ class HeartbeatLoop:
                 )
         engine_down = self._engine_process is not None and self._engine_process.down
         self._lifecycle.advance(probe, self._view, draining=self._draining,
-                                engine_down=engine_down, stuck_for_s=self._stuck_for_s)
+                                engine_down=engine_down, stuck_for_s=self._stuck_for_s,
+                                stuck_engines=self._progress.stuck_engines)
 
     def sent_at_s(self) -> float:
         """The wall-clock time for the next heartbeat, never earlier than the last one's

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from worker.engine_metrics import MetricsSample
+from worker.engine_metrics import RUNNING, WAITING, MetricsSample
 from worker.probe import EngineVersion, ProbeResult, ServedModels
 from worker.schema import LifecycleState
 
@@ -127,10 +127,12 @@ class Lifecycle:
         self.state = LifecycleState.STARTING
 
     def advance(self, probe: ProbeResult, view: EngineView, *, draining: bool,
-                engine_down: bool, stuck_for_s: float | None = None) -> LifecycleState:
+                engine_down: bool, stuck_for_s: float | None = None,
+                stuck_engines: tuple[str, ...] = ()) -> LifecycleState:
         """The state after `probe`; logs a transition, and why a worker is still starting.
         `stuck_for_s`: how long the engine has held requests without a step, once it is
-        stuck (worker.progress.ProgressWatch), else None."""
+        stuck (worker.progress.ProgressWatch), else None; `stuck_engines`: which of a
+        data-parallel server's engines (their `engine` labels) are."""
         stuck = stuck_for_s is not None
         state = next_state(self.state, probe, view, draining=draining,
                            engine_down=engine_down, stuck=stuck)
@@ -138,7 +140,7 @@ class Lifecycle:
             state = self._settled(state, probe)
         if state is not self.state:
             self._log_transition(state, probe, view, engine_down=engine_down,
-                                 stuck_for_s=stuck_for_s)
+                                 stuck_for_s=stuck_for_s, stuck_engines=stuck_engines)
             self._recent.clear()
             self._recent.append(state is LifecycleState.READY)
             self._good_in_a_row = 0
@@ -171,7 +173,8 @@ class Lifecycle:
         return state
 
     def _log_transition(self, state: LifecycleState, probe: ProbeResult, view: EngineView,
-                        *, engine_down: bool, stuck_for_s: float | None) -> None:
+                        *, engine_down: bool, stuck_for_s: float | None,
+                        stuck_engines: tuple[str, ...] = ()) -> None:
         if state is LifecycleState.READY:
             served = ", ".join(view.models.models) if view.models else ""
             version = view.version
@@ -184,15 +187,25 @@ class Lifecycle:
             if engine_down:
                 detail = "; ".join(filter(None, ("the engine process is down", detail)))
             elif stuck_for_s is not None and view.metrics is not None:
-                detail = "; ".join(filter(None, (stuck_detail(stuck_for_s, view.metrics),
-                                                 detail)))
+                detail = "; ".join(filter(None, (
+                    stuck_detail(stuck_for_s, view.metrics, stuck_engines), detail)))
         level = logging.WARNING if state is LifecycleState.DEGRADED else logging.INFO
         log.log(level, "worker %s: %s -> %s%s", self._worker_id,
                 self.state.value, state.value, f" ({detail})" if detail else "")
 
 
-def stuck_detail(stuck_for_s: float, metrics: MetricsSample) -> str:
-    """Why a stuck engine's worker is `degraded`, for logs and the status page."""
+def stuck_detail(stuck_for_s: float, metrics: MetricsSample,
+                 engines: tuple[str, ...] = ()) -> str:
+    """Why a stuck engine's worker is `degraded`, for logs and the status page; `engines`:
+    which of a data-parallel server's engines are stuck (named with what each holds)."""
+    held = [(engine, metrics.engines[engine]) for engine in engines
+            if engine in metrics.engines]
+    if metrics.engine_count > 1 and held:
+        each = "; ".join(f"engine {engine}: {totals.get(RUNNING, 0.0):.0f} running, "
+                         f"{totals.get(WAITING, 0.0):.0f} waiting" for engine, totals in held)
+        return (f"{len(held)} of its {metrics.engine_count} engines have run no step for "
+                f"{stuck_for_s:.0f} s while holding requests ({each}; a wedged "
+                "accelerator?)")
     return (f"the engine has run no step for {stuck_for_s:.0f} s while holding "
             f"{metrics.running} running and {metrics.waiting} waiting requests (a wedged "
             "accelerator?)")

@@ -76,6 +76,8 @@ class ProgressWatch:
         # at the last sample, and how long it has held requests without a step since, as
         # far as the samples show.
         self._engines: dict[str, tuple[float | None, float]] = {}
+        # The engines found stuck by the last sample ("" for a body judged by its sums).
+        self.stuck_engines: tuple[str, ...] = ()
 
     def observe(self, sample: MetricsSample, now_s: float) -> float | None:
         """Seconds an engine has held requests without a step, if `stuck_after_s` or more
@@ -98,4 +100,6 @@ class ProgressWatch:
             seen[engine] = (steps, still_s)
             longest_s = max(longest_s, still_s)
         self._engines = seen  # (engines gone from the body are forgotten)
+        self.stuck_engines = tuple(engine for engine, (_, still_s) in seen.items()
+                                   if still_s >= self.stuck_after_s)
         return min(longest_s, MAX_STUCK_S) if longest_s >= self.stuck_after_s else None

@@ -557,8 +557,9 @@ async def test_cli_survives_redis_outage_and_logs_it_once(
 
 
 async def test_one_wedged_engine_of_a_data_parallel_server_is_found(
-    engine: EngineStandIn, redis_url: str, key_prefix: str
+    engine: EngineStandIn, redis_url: str, key_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="worker")
     # Two engines behind one vLLM server: engine 0 steps at every scrape, engine 1 holds
     # two requests and runs no step. Their sums move, and the server still sends part of
     # its requests to engine 1, where they wait for ever.
@@ -579,3 +580,9 @@ async def test_one_wedged_engine_of_a_data_parallel_server_is_found(
         back = await channel.until(is_state(LifecycleState.READY), timeout_s=5.0)
         assert isinstance(back, Heartbeat) and back.engine.stuck_for_s is None
         await stop(task)
+    # The log says which engine: "ready -> degraded (1 of its 2 engines have run no step
+    # for 1 s while holding requests (engine 1: 2 running, 0 waiting; ...)".
+    said = [message for record in caplog.records
+            if "-> degraded" in (message := record.getMessage())]
+    assert len(said) == 1 and "1 of its 2 engines" in said[0], said
+    assert "engine 1: 2 running, 0 waiting" in said[0], said

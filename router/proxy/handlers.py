@@ -179,7 +179,7 @@ class Proxy:
                 if not retries.free and not self.retry_budget.try_spend():
                     log.warning("retry budget exhausted; not retrying %s", parsed.model)
                     break
-                route = retries.next_route(route, self.drains.current)
+                route = retries.next_route(route, self.drains.current, self.holder.current)
             queue = self.queue if retries is None else None  # a first attempt may wait
             try:
                 decision = self.policy.pick(self.holder.current, route)

@@ -28,8 +28,8 @@ _PATH_FAILURES = frozenset({Failure.CONNECT, Failure.TIMEOUT})
 class Retries:
     """The attempts of one request so far, as they bear on the next one."""
 
-    __slots__ = ("avoid_regions", "broken_stream", "context_above", "failure", "free",
-                 "refused_for", "server_failure", "tried")
+    __slots__ = ("avoid_regions", "broken_stream", "failure", "free", "refused_for",
+                 "server_failure", "tried")
 
     def __init__(self) -> None:
         self.tried: set[str] = set()  # workers that failed it: never tried again
@@ -40,31 +40,31 @@ class Retries:
         self.server_failure: UpstreamFailure | None = None
         self.broken_stream: StreamBroken | None = None  # its client has part of the answer
         self.free = False  # the next retry costs no budget
-        self.context_above = 0  # the longest context a worker refused it for
         # Each refusal as too long: the worker, and the context its engine named.
         self.refused_for: list[tuple[str, int]] = []
 
-    def next_route(self, route: RouteRequest, drained: Drained) -> RouteRequest:
+    def next_route(self, route: RouteRequest, drained: Drained,
+                   snapshot: Snapshot) -> RouteRequest:
         """`route` for the next attempt: not to the workers tried (nor those it excluded
         already), away from the regions to avoid, to a longer context than any that
-        refused it, with what is drained now."""
+        refused it (`context_above`), with what is drained now."""
         return route._replace(exclude=route.exclude.union(self.tried), drained=drained,
                               avoid_regions=frozenset(self.avoid_regions),
-                              context_above=self.context_above)
+                              context_above=self.context_above(snapshot))
+
+    def context_above(self, snapshot: Snapshot) -> int:
+        """The longest context a worker refused the request for (0: none did). A refusal
+        counts for no more than the context the worker's heartbeat gives: an engine that
+        names a context far beyond its own (a lie, or a bug) cannot make a request that
+        shorter contexts would serve hopeless, and keep every other worker from it."""
+        return max((min(named, _context_of(snapshot, worker_id, named))
+                    for worker_id, named in self.refused_for), default=0)
 
     def hopeless(self, snapshot: Snapshot, model: str) -> bool:
         """Whether the last failure rules out every worker: a refusal as too long for a
-        context that no worker of the model exceeds (its answer is the client's).
-
-        A refusal counts for no more than the context the worker's heartbeat gives
-        (`context_above` is bounded by it here, before the next route is made): an engine
-        that names a context far beyond its own (a lie, or a bug) cannot make a request
-        that shorter contexts would serve hopeless, and keep every other worker from it."""
-        if self.refused_for:
-            self.context_above = max(min(named, _context_of(snapshot, worker_id, named))
-                                     for worker_id, named in self.refused_for)
+        context that no worker of the model exceeds (its answer is the client's)."""
         return (isinstance(self.failure, TooLong)
-                and snapshot.contexts(model)[1] <= self.context_above)
+                and snapshot.contexts(model)[1] <= self.context_above(snapshot))
 
     def failed(self, attempt: Attempt, failed: UpstreamFailure, request_id: str) -> str:
         """`attempt` failed before its first byte: logged, and noted in it. Returns its
@@ -81,7 +81,6 @@ class Retries:
         self.free = (failed.kind is Failure.CONNECT or attempt.abandoned is not None
                      or self.broken_stream is not None or isinstance(failed, WorkerRefusal))
         if isinstance(failed, TooLong):  # refused before any work: a longer context may
-            self.context_above = max(self.context_above, failed.context)
             self.refused_for.append((attempt.worker_id, failed.context))
         if failed.kind in _PATH_FAILURES:
             # The path to the region may be down (refused, or a blackhole that

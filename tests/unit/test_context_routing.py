@@ -147,7 +147,7 @@ def test_a_refusal_for_length_is_a_free_retry_to_a_longer_context_or_the_answer(
     assert isinstance(refusal, TooLong)
     retries.failed(attempt, refusal, "req-1")
     assert retries.free and attempt.failure is Failure.TOO_LONG
-    assert retries.next_route(route(10), route(10).drained).context_above == 4096
+    assert retries.next_route(route(10), route(10).drained, fleet()).context_above == 4096
     assert not retries.hopeless(fleet(), "m")  # eu-west's 32768 may take it
     longest = Attempt(worker_id="eu-1", region="eu-west", predicted_ttft_ms=1.0,
                       reason="retry", started_s=0.0)
@@ -233,12 +233,11 @@ def test_a_refusal_naming_a_context_beyond_the_workers_own_counts_for_its_own() 
     # request is not hopeless, and the retry goes to a context longer than 4,096.
     lying = refused("us-1", 10**9)
     assert not lying.hopeless(fleet(), "m")
-    assert lying.next_route(route(5000), NOTHING_DRAINED).context_above == 4096
+    assert lying.next_route(route(5000), NOTHING_DRAINED, fleet()).context_above == 4096
     # A worker whose heartbeat gives no context (or that is gone) is taken at its word.
     unbounded = snapshot(sized("us-1", "us-east", None), sized("eu-1", "eu-west", 32768))
     untold = refused("us-1", 40000)
-    untold.hopeless(unbounded, "m")
-    assert untold.next_route(route(5000), NOTHING_DRAINED).context_above == 40000
+    assert untold.next_route(route(5000), NOTHING_DRAINED, unbounded).context_above == 40000
     assert refused("gone", 40000).hopeless(fleet(), "m")
     # The truth, as before: the longest context refused it.
     assert refused("eu-1", 32768).hopeless(fleet(), "m")

@@ -29,6 +29,7 @@ from redis.asyncio.client import PubSub
 
 from lab.devstack.valkey import EmbeddedValkey
 from tests.conftest import within
+from tests.unit.test_worker_progress import data_parallel_text
 from worker.agent import WorkerAgent
 from worker.heartbeat import HeartbeatLoop, HeartbeatTiming, WorkerIdentity
 from worker.heartbeat_keys import HeartbeatKeys
@@ -96,21 +97,11 @@ class EngineStandIn:
         })
 
     def _engines_text(self) -> str:
-        """The capture as a data-parallel server shows it: each series once per engine
-        (vLLM labels them `engine="0"`, `engine="1"`, ...), with each engine's values."""
-        lines: list[str] = []
-        for line in CAPTURE.splitlines():
-            lines.extend(line.replace('engine="0"', f'engine="{index}"')
-                         for index in range(len(self.engines) if 'engine="0"' in line else 1))
-        text = "\n".join(lines) + "\n"
+        """The capture as a data-parallel server shows it, each engine's step count moved
+        by one while it is `stepping`."""
         for index, engine in enumerate(self.engines):
             engine[1] += self.stepping[index]
-            for name, value in (("vllm:num_requests_running", engine[0]),
-                                ("vllm:num_requests_waiting", 0),
-                                ("vllm:iteration_tokens_total_count", engine[1])):
-                text = re.sub(rf'^({re.escape(name)}\{{engine="{index}"[^}}]*\}}) \S+$',
-                              _setter(float(value)), text, flags=re.MULTILINE)
-        return text
+        return data_parallel_text([(running, float(steps)) for running, steps in self.engines])
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)

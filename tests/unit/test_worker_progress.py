@@ -109,24 +109,29 @@ def test_an_engine_without_any_progress_count_is_never_called_stuck() -> None:
     assert [watch.observe(held, now) for now in (0.0, 10.0, 1000.0)] == [None] * 3
 
 
-def two_engines(steps: tuple[float, float], running: tuple[int, int]) -> MetricsSample:
-    """The capture as a data-parallel server of two engines shows it (vLLM labels each
-    engine's series `engine="0"`, `engine="1"`), with these step counts and requests."""
+def data_parallel_text(engines: list[tuple[int, float]]) -> str:
+    """The capture as a data-parallel server shows it: each series once per engine (vLLM
+    labels them `engine="0"`, `engine="1"`, ...), with each engine's (requests running,
+    steps counted); none waiting."""
     lines: list[str] = []
     for line in CAPTURE.splitlines():
-        lines.append(line)
-        if 'engine="0"' in line:
-            lines.append(line.replace('engine="0"', 'engine="1"'))
+        lines.extend(line.replace('engine="0"', f'engine="{index}"')
+                     for index in range(len(engines) if 'engine="0"' in line else 1))
     text = "\n".join(lines) + "\n"
-    for engine in (0, 1):
-        for name, value in ((STEP_COUNT, steps[engine]),
-                            ("vllm:num_requests_running", running[engine]),
+    for index, (running, steps) in enumerate(engines):
+        for name, value in ((STEP_COUNT, steps), ("vllm:num_requests_running", running),
                             ("vllm:num_requests_waiting", 0)):
             pattern = re.compile(
-                rf'^({re.escape(name)}\{{engine="{engine}"[^}}]*\}}) \S+$', re.MULTILINE)
+                rf'^({re.escape(name)}\{{engine="{index}"[^}}]*\}}) \S+$', re.MULTILINE)
             text, count = pattern.subn(rf"\g<1> {float(value)!r}", text)
-            assert count == 1, (name, engine)
-    return parse_metrics(text)
+            assert count == 1, (name, index)
+    return text
+
+
+def two_engines(steps: tuple[float, float], running: tuple[int, int]) -> MetricsSample:
+    """The capture as a data-parallel server of two engines shows it, with these step
+    counts and requests."""
+    return parse_metrics(data_parallel_text(list(zip(running, steps, strict=True))))
 
 
 def test_each_engine_behind_one_server_is_judged_by_its_own_steps() -> None:
